@@ -1,0 +1,199 @@
+"""Prompts: files, per-epoch shuffling, and how each prompt's group is spread over ranks.
+
+Prompt files come in two formats:
+
+    prompts.txt     one prompt per line (the format of Flow-GRPO's prompt sets)
+    prompts.jsonl   one JSON object per line, e.g.
+                    {"input": "A photo of a cat wearing sunglasses"}
+                    {"input": "A logo saying \\"Miles\\"", "metadata": {"rm_type": "ocr"}}
+
+`metadata` is optional; its `rm_type` picks the reward for that one prompt (see rewards.py).
+
+Sampling is stateless. The prompt stream of a run is perm(epoch 0) ++ perm(epoch 1) ++ ..., each
+permutation seeded from (seed, epoch), and optimizer step s takes items [s P, (s + 1) P) of it, so
+a resumed run needs only the step number. Each of the P prompts of a step is sampled G times
+(its group); the P * G samples are cut into world_size contiguous slices, one per rank, so a
+group may span ranks. Rewards are gathered across ranks before the group statistics, which is why
+this costs nothing (Flow-GRPO arXiv:2505.05470, Sec. 4, samples G images per prompt and normalises
+within the group).
+"""
+
+import json
+import os
+import warnings
+
+import torch
+
+FORMATS = (".jsonl", ".txt")  # accepted prompt-file extensions
+_EXAMPLE_ROW = '{"input": "a red apple on a table"}'
+
+
+def load_prompts(path, *, input_key="input", metadata_key="metadata"):
+    """Read a `.jsonl` or `.txt` prompt file -> (prompts: list[str], metadata: list[dict]).
+
+    Prompts are stripped of surrounding whitespace. A JSONL row's metadata is the object under
+    `metadata_key`; missing or null gives {}. Rows that are blank, not UTF-8, not valid JSON, not
+    a JSON object, without a non-empty string under `input_key`, or with metadata that is not an
+    object are skipped and reported in one warning (path, count per reason, first line number).
+    A trailing newline does not make a blank row.
+
+    Raises ValueError (unknown extension, no valid row) or FileNotFoundError (missing file),
+    each with a one-line message that names the path and the fix.
+    """
+    path = os.fspath(path)
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in FORMATS:
+        raise ValueError(f"{path}: unknown prompt file type {ext or '(no extension)'!r}; "
+                         f"use .jsonl (one JSON object per line, like {_EXAMPLE_ROW}) or .txt (one prompt per line)")
+    if os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: is a folder, not a prompt file; pass the path of a .jsonl or .txt file inside it")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: prompt file not found; check the path "
+                                f"(the repository ships sets in prompts/, e.g. prompts/tiny.txt)")
+    with open(path, "rb") as f:
+        raw = f.read()
+    if raw.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte-order mark written by some editors
+        raw = raw[3:]
+    lines = raw.split(b"\n")  # split bytes, not text: str.splitlines also breaks at U+2028, which JSON allows inside strings
+    if lines and lines[-1] == b"":
+        lines.pop()  # the trailing newline ends the last row; it is not a row of its own
+
+    prompts, metadata = [], []
+    skipped = {}  # reason -> count
+    first_bad = None  # 1-based line number of the first skipped row
+    other_keys = {}  # keys holding non-empty strings in object rows that lack input_key (for the error hint)
+    for lineno, line in enumerate(lines, start=1):
+        reason, prompt, meta = _parse_row(line, ext, input_key, metadata_key, other_keys)
+        if reason is not None:
+            skipped[reason] = skipped.get(reason, 0) + 1
+            first_bad = first_bad or lineno
+            continue
+        prompts.append(prompt)
+        metadata.append(meta)
+
+    if not prompts:
+        raise ValueError(_no_rows_message(path, ext, len(lines), skipped, input_key, metadata_key, other_keys))
+    if skipped:
+        counts = ", ".join(f"{n} {reason}" for reason, n in skipped.items())
+        warnings.warn(f"{path}: skipped {sum(skipped.values())} of {len(lines)} rows ({counts}); "
+                      f"first at line {first_bad}", stacklevel=2)
+    return prompts, metadata
+
+
+def _parse_row(line, ext, input_key, metadata_key, other_keys):
+    """One line (bytes) -> (skip reason or None, prompt, metadata)."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError:
+        return "not UTF-8", None, None
+    if not text.strip():
+        return "blank", None, None
+    if ext == ".txt":
+        return None, text.strip(), {}
+    try:
+        row = json.loads(text)
+    except (ValueError, RecursionError):  # JSONDecodeError is a ValueError; deep nesting overflows the decoder
+        return "bad JSON", None, None
+    if not isinstance(row, dict):
+        return "not an object", None, None
+    prompt = row.get(input_key)
+    if not isinstance(prompt, str) or not prompt.strip():
+        if input_key not in row:
+            for key, value in row.items():
+                if isinstance(value, str) and value.strip():
+                    other_keys[key] = other_keys.get(key, 0) + 1
+        return f"no prompt under {input_key!r}", None, None
+    meta = row.get(metadata_key)
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict):
+        return f"{metadata_key!r} not an object", None, None
+    return None, prompt.strip(), meta
+
+
+def _no_rows_message(path, ext, num_lines, skipped, input_key, metadata_key, other_keys):
+    """The one-line error for a file without a single usable prompt, naming the likely fix."""
+    if "not UTF-8" in skipped and set(skipped) <= {"not UTF-8", "blank"}:
+        return f"{path}: the file is not UTF-8 text; re-save it as UTF-8"
+    if skipped.get("blank", 0) == num_lines:
+        how = "one prompt per line" if ext == ".txt" else f"one JSON object per line, like {_EXAMPLE_ROW}"
+        return f"{path}: the file has no prompts (it is empty or blank); write {how}"
+    if other_keys:
+        keys = sorted(other_keys, key=lambda k: -other_keys[k])
+        shown = ", ".join(repr(k[:40]) for k in keys[:5]) + (", ..." if len(keys) > 5 else "")
+        best = keys[0] if keys[0].isprintable() and " " not in keys[0] else repr(keys[0])
+        return (f"{path}: no row has a non-empty string under input key {input_key!r}; "
+                f"the rows have string fields {shown}; pass --input-key {best}")
+    bad_meta = f"{metadata_key!r} not an object"
+    if bad_meta in skipped:
+        return (f"{path}: every row with a prompt has a non-object under metadata key {metadata_key!r}; "
+                f"pass --metadata-key naming an object field, or make {metadata_key!r} an object like {{\"rm_type\": \"ocr\"}}")
+    counts = ", ".join(f"{n} {reason}" for reason, n in skipped.items())
+    return (f"{path}: no valid row ({counts}); each line must be a JSON object with a non-empty string "
+            f"under {input_key!r}, like {_EXAMPLE_ROW}, or use a .txt file with one prompt per line")
+
+
+def ocr_targets_missing(prompts):
+    """How many prompts have no text for the OCR reward to read.
+
+    Same rule as rewards.ocr_score: the target is the text between the first pair of double
+    quotes, compared with spaces removed; a prompt with fewer than two '"' or with only spaces
+    between the first two scores 0 whatever the image shows, so its group gets no signal.
+    """
+    missing = 0
+    for prompt in prompts:
+        parts = prompt.split('"')
+        if len(parts) < 3 or not parts[1].replace(" ", ""):
+            missing += 1
+    return missing
+
+
+def _epoch_order(num_prompts, epoch, seed, shuffle):
+    """The prompt order of one epoch: a permutation seeded from (seed, epoch), or file order."""
+    if not shuffle:
+        return list(range(num_prompts))
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**63)  # one stream per (seed, epoch)
+    return torch.randperm(num_prompts, generator=generator).tolist()
+
+
+def step_prompt_ids(num_prompts, step, *, prompts_per_step, seed=0, shuffle=True):
+    """The `prompts_per_step` prompt indices of optimizer step `step` (0-based).
+
+    The stream perm(0) ++ perm(1) ++ ... is cut into consecutive blocks of `prompts_per_step`;
+    a block that crosses an epoch boundary takes the end of one epoch and the start of the next,
+    so every prompt is seen once per epoch even when `prompts_per_step` does not divide
+    `num_prompts`. Stateless: the same arguments always give the same list.
+    """
+    if num_prompts < 1 or prompts_per_step < 1 or step < 0:
+        raise ValueError(f"step_prompt_ids needs num_prompts >= 1, prompts_per_step >= 1 and step >= 0, "
+                         f"got {num_prompts}, {prompts_per_step}, {step}")
+    start, end = step * prompts_per_step, (step + 1) * prompts_per_step  # positions in the stream
+    ids = []
+    for epoch in range(start // num_prompts, (end - 1) // num_prompts + 1):
+        order = _epoch_order(num_prompts, epoch, seed, shuffle)
+        lo = max(start - epoch * num_prompts, 0)
+        hi = min(end - epoch * num_prompts, num_prompts)
+        ids.extend(order[lo:hi])
+    return ids
+
+
+def rank_samples(prompt_ids, *, group_size, rank, world_size):
+    """This rank's share of a step's samples -> (sample_prompt_ids, group_ids).
+
+    Globally every prompt of `prompt_ids` is sampled `group_size` times, in order:
+    [p0]*G ++ [p1]*G ++ ... ([P * G] samples); a sample's group id is the position of its prompt
+    in `prompt_ids` (so a prompt drawn twice in one step forms two groups). Rank r gets the r-th
+    of `world_size` equal contiguous slices; a group may span ranks.
+    """
+    num_samples = len(prompt_ids) * group_size
+    if group_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank_samples needs group_size >= 1 and 0 <= rank < world_size, "
+                         f"got group_size={group_size}, rank={rank}, world_size={world_size}")
+    if num_samples % world_size:
+        raise ValueError(f"prompts per step x group size = {len(prompt_ids)} x {group_size} = {num_samples} samples "
+                         f"do not split evenly over {world_size} ranks; pick sizes whose product is a multiple of the world size")
+    per_rank = num_samples // world_size
+    sample_prompt_ids = [pid for pid in prompt_ids for _ in range(group_size)]  # [P * G]
+    group_ids = [g for g in range(len(prompt_ids)) for _ in range(group_size)]  # [P * G]
+    lo, hi = rank * per_rank, (rank + 1) * per_rank
+    return sample_prompt_ids[lo:hi], group_ids[lo:hi]
