@@ -1,0 +1,97 @@
+"""Local HTTP servers for the reward-service tests: 127.0.0.1, a free port, one thread per request.
+
+    with JsonServer(lambda body, headers: (200, {"scores": [...]}, 0.0)) as server:
+        reward = build_reward("remote", rm_url=server.url)
+
+`respond(body, headers)` returns (status, reply, delay_s): reply is a dict (sent as JSON), str or
+bytes; the handler sleeps `delay_s` before answering. The server counts requests and the most
+requests in flight at once.
+"""
+
+import json
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import rewards
+
+
+class JsonServer:
+    def __init__(self, respond):
+        self.respond = respond
+        self.lock = threading.Lock()
+        self.in_flight = self.max_in_flight = 0
+        self.bodies, self.headers = [], []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # keep test output quiet
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with server.lock:
+                    server.in_flight += 1
+                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                    server.bodies.append(body)
+                    server.headers.append(dict(self.headers))
+                try:
+                    status, reply, delay = server.respond(body, dict(self.headers))
+                    time.sleep(delay)
+                    data = reply if isinstance(reply, bytes) else (reply if isinstance(reply, str) else json.dumps(reply)).encode()
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # the client timed out and left
+                    pass
+                finally:
+                    with server.lock:
+                        server.in_flight -= 1
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def __enter__(self):
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def chat_reply(content):
+    """The Chat Completions reply shape with `content` as the assistant message."""
+    return {"id": "cmpl-test", "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}]}
+
+
+class PlainScoreApi:
+    """custom_api hooks for a made-up service: POST {"text": prompt, "mean": pixel mean} to
+    `url`, read {"value": x}; scores are value * scale."""
+
+    def __init__(self, *, url, scale=1.0):
+        self.url, self.scale = url, float(scale)
+
+    def build_request(self, image, prompt, metadata):
+        return {"text": prompt, "mean": float(image.mean()), "tag": metadata.get("tag")}
+
+    def send_request(self, request, timeout):
+        body = json.dumps(request).encode()
+        with urllib.request.urlopen(urllib.request.Request(self.url, data=body, method="POST",
+                                                           headers={"Content-Type": "application/json"}), timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def parse_response(self, response):
+        return response["value"] * self.scale
+
+
+class ShoutingJudge(rewards.OpenAIJudge):
+    """custom_api: the built-in judge with the prompt upper-cased (only build_request changes)."""
+
+    def build_request(self, image, prompt, metadata):
+        return super().build_request(image, prompt.upper(), metadata)
