@@ -1,0 +1,209 @@
+"""losses.py against hand-written references, torch.distributions and Monte Carlo."""
+
+import pytest
+import torch
+
+import losses
+
+Normal = torch.distributions.Normal
+
+
+# ----------------------------------------------------------------------------- advantages
+def test_group_advantages_match_a_loop():
+    rewards = torch.tensor([1.0, 2.0, 3.0, 10.0, 10.0, 10.0, 0.5, -0.5])
+    group_ids = [7, 7, 7, 2, 2, 2, 5, 5]  # any ints, any order
+    adv = losses.group_advantages(rewards, group_ids)
+    expected = []
+    for i, r in enumerate(rewards.tolist()):
+        group = [rewards[j].item() for j in range(8) if group_ids[j] == group_ids[i]]
+        mean = sum(group) / len(group)
+        std = (sum((g - mean) ** 2 for g in group) / len(group)) ** 0.5
+        expected.append((r - mean) / (std + 1e-4))
+    torch.testing.assert_close(adv, torch.tensor(expected))
+    assert adv[3:6].eq(0).all()  # a constant-reward group: zero, never NaN
+    torch.testing.assert_close(losses.group_advantages(rewards, torch.tensor(group_ids)), adv)
+
+
+def test_group_advantages_global_std_and_clip():
+    rewards = torch.tensor([0.0, 1.0, 5.0, 7.0])
+    adv = losses.group_advantages(rewards, [0, 0, 1, 1], global_std=True)
+    centred = torch.tensor([-0.5, 0.5, -1.0, 1.0])
+    torch.testing.assert_close(adv, centred / (rewards.std(unbiased=False) + 1e-4))
+    many = torch.tensor([0.0] * 99 + [1.0])  # one outlier: (1 - 0.01) / 0.0995 = 9.95 before the clip
+    assert losses.group_advantages(many, [0] * 100, clip=5.0).max().item() == 5.0
+    assert losses.group_advantages(torch.ones(4), [0, 0, 1, 1]).eq(0).all()
+    assert losses.group_advantages(torch.tensor([3.0]), [0]).eq(0).all()  # a group of one
+
+
+def test_group_advantages_bad_input():
+    with pytest.raises(ValueError, match="non-finite"):
+        losses.group_advantages(torch.tensor([1.0, float("nan")]), [0, 0])
+    with pytest.raises(ValueError, match="group_ids"):
+        losses.group_advantages(torch.tensor([1.0, 2.0]), [0])
+
+
+# ----------------------------------------------------------------------------- GRPO
+def test_grpo_at_ratio_one_is_minus_mean_advantage():
+    adv = torch.tensor([1.5, -0.5, 2.0, -3.0])
+    lp = torch.randn(4)
+    loss, info = losses.grpo_loss(lp, lp.clone(), adv, clip_range=1e-4)
+    torch.testing.assert_close(loss, -adv.mean())
+    assert info["ratio_mean"] == 1 and info["clipfrac"] == 0 and info["approx_kl"] == 0
+
+
+def test_grpo_matches_a_hand_written_loop_and_clipped_terms_have_no_gradient():
+    eps = 0.2
+    ratio = torch.tensor([1.5, 1.5, 0.5, 0.5, 1.1, 0.9])
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 2.0, -2.0])
+    old = torch.randn(6)
+    lp = (old + ratio.log()).requires_grad_(True)
+    loss, info = losses.grpo_loss(lp, old, adv, clip_range=eps)
+    terms, clipped = [], []
+    for r, a in zip(ratio.tolist(), adv.tolist()):
+        rc = min(max(r, 1 - eps), 1 + eps)
+        terms.append(max(-a * r, -a * rc))
+        clipped.append(-a * rc > -a * r)  # the constant branch wins
+    assert loss.item() == pytest.approx(sum(terms) / 6, rel=1e-6)
+    assert clipped == [True, False, False, True, False, False]
+    loss.backward()
+    for i in range(6):  # d loss / d logp_i = -A_i r_i / B where unclipped, 0 where clipped
+        expected = 0.0 if clipped[i] else -adv[i].item() * ratio[i].item() / 6
+        assert lp.grad[i].item() == pytest.approx(expected, abs=1e-7)
+    assert info["clipfrac"] == pytest.approx(4 / 6)  # |r - 1| > eps, whichever branch wins
+    assert info["ratio_max"] == pytest.approx(1.5) and info["ratio_min"] == pytest.approx(0.5)
+
+
+def test_adv_clip_is_optional():
+    lp = torch.zeros(2)
+    loss, _ = losses.grpo_loss(lp, lp, torch.tensor([8.0, 0.0]), clip_range=0.1)
+    assert loss.item() == pytest.approx(-4.0)
+    loss, _ = losses.grpo_loss(lp, lp, torch.tensor([8.0, 0.0]), clip_range=0.1, adv_clip=5.0)
+    assert loss.item() == pytest.approx(-2.5)
+
+
+def test_losses_reject_missing_log_probs_and_shapes():
+    with pytest.raises(ValueError, match="ODE step"):
+        losses.grpo_loss(None, torch.zeros(2), torch.zeros(2), clip_range=0.1)
+    with pytest.raises(ValueError, match="shape"):
+        losses.grpo_loss(torch.zeros(2), torch.zeros(3), torch.zeros(2), clip_range=0.1)
+
+
+# ----------------------------------------------------------------------------- KL penalty
+def test_kl_penalty_is_the_gaussian_kl_mean_over_dims():
+    g = torch.Generator().manual_seed(0)
+    mean, ref = torch.randn(5, 3, 4, generator=g), torch.randn(5, 3, 4, generator=g)
+    std = torch.rand(5, generator=g) + 0.1
+    kl, info = losses.kl_penalty(mean, ref, std)
+    s = std.view(5, 1, 1).expand_as(mean)
+    expected = torch.distributions.kl_divergence(Normal(mean, s), Normal(ref, s)).mean((1, 2))
+    torch.testing.assert_close(kl, expected.mean())
+    assert info["kl_max"] == pytest.approx(expected.max().item(), rel=1e-5)
+    kl_float, _ = losses.kl_penalty(mean, ref, 0.3)
+    torch.testing.assert_close(kl_float, ((mean - ref) ** 2).mean((1, 2)).mean() / (2 * 0.09))
+
+
+# ----------------------------------------------------------------------------- GRPO-Guard
+def gaussian_log_prob(x, mean, std):
+    return Normal(mean, std.view(-1, 1)).log_prob(x).mean(1)
+
+
+def test_guard_ratio_is_centred_on_one_where_the_plain_ratio_is_biased():
+    """Monte Carlo: x' ~ pi_old, the new mean shifted by delta. Half the samples have a large
+    per-sample shift and half none, so a batch-averaged correction would fail both halves."""
+    g = torch.Generator().manual_seed(0)
+    B, D = 4000, 256
+    c = torch.rand(B, generator=g) * 0.5 + 0.1  # transition std, per sample
+    old_mean = torch.randn(B, D, generator=g)
+    scale = torch.where(torch.arange(B) < B // 2, 0.5, 0.0)[:, None]
+    delta = scale * c[:, None] * torch.randn(B, D, generator=g)  # mean(delta^2) / (2 c^2) ~ 0.125
+    x = old_mean + c[:, None] * torch.randn(B, D, generator=g)
+    new_mean = old_mean + delta
+    lp, old_lp = gaussian_log_prob(x, new_mean, c), gaussian_log_prob(x, old_mean, c)
+    bias = (delta**2).mean(1) / (2 * c**2)  # the closed-form E[log r] = -bias
+    plain = lp - old_lp
+    shifted = slice(0, B // 2)
+    assert plain[shifted].mean().item() == pytest.approx(-bias[shifted].mean().item(), abs=0.01)
+    assert plain[shifted].exp().mean().item() < 0.9  # biased below 1
+    _, plain_info = losses.grpo_loss(lp[shifted], old_lp[shifted], torch.ones(B // 2), clip_range=0.2)
+    assert plain_info["ratio_mean"] < 0.9
+
+    adv = torch.ones(B)
+    _, info = losses.guard_loss(lp, old_lp, new_mean, old_mean, c, -0.1, adv, clip_range=0.2)
+    assert info["ratio_mean"] == pytest.approx(1.0, abs=0.01)
+    for half in (slice(0, B // 2), slice(B // 2, B)):
+        _, info = losses.guard_loss(lp[half], old_lp[half], new_mean[half], old_mean[half], c[half], -0.1,
+                                    adv[half], clip_range=0.2)
+        assert info["ratio_mean"] == pytest.approx(1.0, abs=0.01)
+    # Exactly: log r_hat = mean(noise * delta), noise = (x' - mu_old) / c.
+    log_r_hat = (lp - old_lp) * c + (delta**2).mean(1) / (2 * c)
+    torch.testing.assert_close(log_r_hat, ((x - old_mean) / c[:, None] * delta).mean(1), rtol=1e-3, atol=1e-4)
+
+
+def test_guard_loss_matches_a_hand_written_reference():
+    g = torch.Generator().manual_seed(1)
+    B = 6
+    lp, old_lp = torch.randn(B, generator=g) * 0.1, torch.randn(B, generator=g) * 0.1
+    mean, old_mean = torch.randn(B, 2, 3, generator=g), torch.randn(B, 2, 3, generator=g)
+    std, dt = torch.rand(B, generator=g) + 0.5, -(torch.rand(B, generator=g) + 0.05)
+    adv = torch.randn(B, generator=g)
+    loss, _ = losses.guard_loss(lp, old_lp, mean, old_mean, std, dt, adv, clip_range=0.05)
+    total = 0.0
+    for i in range(B):
+        c = std[i].item()
+        mse = ((mean[i] - old_mean[i]) ** 2).mean().item()
+        r = torch.tensor((lp[i] - old_lp[i]).item() * c + mse / (2 * c)).exp().item()
+        rc = min(max(r, 0.95), 1.05)
+        total += max(-adv[i].item() * r, -adv[i].item() * rc) / -dt[i].item()
+    assert loss.item() == pytest.approx(total / B, rel=1e-5)
+    loss_float_dt, _ = losses.guard_loss(lp, old_lp, mean, old_mean, std, -0.25, adv, clip_range=0.05)
+    loss_tensor_dt, _ = losses.guard_loss(lp, old_lp, mean, old_mean, std, torch.full((B,), -0.25), adv,
+                                          clip_range=0.05)
+    torch.testing.assert_close(loss_float_dt, loss_tensor_dt)
+
+
+def test_guard_on_policy_is_minus_mean_advantage_over_dt():
+    lp = torch.randn(4)
+    mean = torch.randn(4, 8)
+    adv = torch.tensor([1.0, -1.0, 0.5, 2.0])
+    loss, info = losses.guard_loss(lp, lp, mean, mean, torch.full((4,), 0.3), -0.05, adv, clip_range=1e-4)
+    torch.testing.assert_close(loss, -adv.mean() / 0.05)
+    assert info["ratio_mean"] == 1
+
+
+# ----------------------------------------------------------------------------- FlowDPPO
+def test_flowdppo_kl_is_the_exact_gaussian_kl():
+    g = torch.Generator().manual_seed(2)
+    mean, old_mean = torch.randn(5, 3, 4, generator=g), torch.randn(5, 3, 4, generator=g)
+    sigma = torch.rand(5, generator=g) + 0.2
+    lp = torch.zeros(5)
+    _, info = losses.flowdppo_loss(lp, lp, mean, old_mean, sigma, torch.ones(5))
+    s = sigma.view(5, 1, 1).expand_as(mean)
+    kl = torch.distributions.kl_divergence(Normal(old_mean, s), Normal(mean, s)).mean((1, 2))
+    assert info["kl_new_old_mean"] == pytest.approx(kl.mean().item(), rel=1e-5)
+    assert info["kl_new_old_max"] == pytest.approx(kl.max().item(), rel=1e-5)
+
+
+def test_flowdppo_mask_truth_table():
+    # Every combination of KL (low/high) x ratio (>1, <1, =1) x advantage sign.
+    rows = [(kl_high, r, a) for kl_high in (False, True) for r in (1.2, 0.8, 1.0) for a in (1.0, -1.0)]
+    B = len(rows)
+    ratio = torch.tensor([r for _, r, _ in rows])
+    adv = torch.tensor([a for _, _, a in rows])
+    old_mean = torch.zeros(B, 4)
+    mean = torch.tensor([[0.1] * 4 if high else [0.001] * 4 for high, _, _ in rows])  # kl = 5e-3 or 5e-7
+    old_lp = torch.zeros(B)
+    lp = ratio.log().requires_grad_(True)
+    loss, info = losses.flowdppo_loss(lp, old_lp, mean, old_mean, 1.0, adv, threshold=1e-5)
+    dropped = [high and ((r > 1 and a > 0) or (r < 1 and a < 0)) for high, r, a in rows]
+    assert dropped.count(True) == 2
+    expected = sum(-a * r for (high, r, a), d in zip(rows, dropped) if not d) / B  # no clip on kept terms
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    loss.backward()
+    for i, d in enumerate(dropped):
+        assert (lp.grad[i].item() == 0) == d
+    assert info["masked_fraction"] == pytest.approx(2 / B) and info["clipfrac"] == info["masked_fraction"]
+    assert info["kl_mask_fraction"] == pytest.approx(0.5)
+    assert info["pos_rm_fraction"] == pytest.approx(1 / B) and info["neg_rm_fraction"] == pytest.approx(1 / B)
+    # The same rows with a threshold above every KL: nothing is dropped.
+    _, info = losses.flowdppo_loss(ratio.log(), old_lp, mean, old_mean, 1.0, adv, threshold=1.0)
+    assert info["masked_fraction"] == 0 and info["kl_mask_fraction"] == 0
