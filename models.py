@@ -1,0 +1,492 @@
+"""Model adapters: load a diffusers pipeline, encode prompts, guided velocity, decode, LoRA.
+
+Everything the RL loop needs from a text-to-image model goes through these functions, so that
+`sde.py`, `train.py` and `eval.py` never branch on the model family:
+
+    encode_prompts(pipe, prompts)               -> embeds (dict of [B, ...] tensors)
+    initial_noise(pipe, batch, resolution)      -> x at sigma = 1, float32 [B, *latent_shape]
+    velocity(pipe, x, sigma, embeds)            -> v, the network's prediction at noise level sigma
+    decode(pipe, latents)                       -> uint8 images [B, H, W, 3]
+    add_lora / reference / save_lora            -> the policy, its frozen base, the checkpoint
+
+Convention (rectified flow, as diffusers' schedulers): `x_s = (1 - s) x0 + s eps`, the network
+predicts `v ~ eps - x0`, and the Euler step from `s` to `s'` is `x + (s' - s) v`. SD3 takes the
+timestep `s * 1000` and applies classifier-free guidance `v_u + g (v_c - v_u)` (Ho & Salimans
+2022, eq. 6 with g = 1 + w, as diffusers writes it); FLUX.1-dev is guidance-distilled: it takes the timestep
+`s` and the scale `g` through a guidance embedding, with one forward per sample. `tests/test_models.py`
+checks all of this against `StableDiffusion3Pipeline.__call__` and `FluxPipeline.__call__`.
+
+| name         | what it is                                                                        |
+| ------------ | --------------------------------------------------------------------------------- |
+| `sd3`        | `stabilityai/stable-diffusion-3.5-medium`, or `--model-path` (id or local folder)   |
+| `flux`       | `black-forest-labs/FLUX.1-dev`, or `--model-path`                                   |
+| `tiny`       | random SD3-architecture transformer, VAE and two CLIP text encoders (no T5), built |
+|              | in code, same weights every time; trains on a CPU at 64 px                         |
+| `tiny-flux`  | the same for the FLUX architecture (CLIP + tiny T5)                                 |
+| `sd3-random` | the SD3.5-medium transformer and VAE at full size with random weights and tiny    |
+|              | text encoders of the right widths, for `bench.py` (no download)                    |
+
+Departures from the diffusers defaults, and why:
+1. A pipeline without a T5 encoder (`tiny`) gets no T5 tokens, where diffusers would append
+   256 zero tokens: they carry no information and would triple the CPU cost of `tiny`.
+2. Trainable LoRA weights are kept in float32 even when the model runs in bf16 (as the
+   diffusers LoRA training scripts do), so that small Adam updates are not rounded away.
+"""
+
+import contextlib
+import functools
+import gzip
+import importlib.util
+import math
+import os
+
+import torch
+
+SD3_ID = "stabilityai/stable-diffusion-3.5-medium"
+FLUX_ID = "black-forest-labs/FLUX.1-dev"
+SD3_T5_TOKENS = 256  # diffusers' default max_sequence_length for SD3
+FLUX_T5_TOKENS = 512  # FLUX.1-dev's T5 context, the FluxPipeline default
+
+# LoRA targets. SD3: Flow-GRPO's list (attention of the joint blocks, image and text streams;
+# SD3.5's second image-only attention `attn2` is left out, as there). FLUX: the list of
+# diffusers' FLUX LoRA scripts (also hits `attn.to_q/k/v` of the single-stream blocks).
+LORA_TARGETS = {
+    "sd3": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+            "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"],
+    "flux": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+             "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+             "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"],
+}
+
+# SD3.5-medium as published (transformer/config.json and vae/config.json of the hub repo).
+SD35_MEDIUM_TRANSFORMER = dict(
+    sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
+    num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+    pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
+    dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
+)
+SD35_VAE = dict(
+    in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512),
+    layers_per_block=2, latent_channels=16, norm_num_groups=32, sample_size=1024,
+    scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False,
+)
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+@functools.lru_cache(maxsize=1)
+def _clip_bpe():
+    """CLIP's byte-level BPE (Radford et al. 2021) from the vocabulary file open_clip ships.
+
+    Returns (vocab: token -> id, merges: list of pairs), the same ids as OpenAI's CLIP and
+    `openai/clip-vit-large-patch14`. The file is read without importing open_clip (seconds).
+    """
+    spec = importlib.util.find_spec("open_clip")
+    if spec is None:
+        raise RuntimeError("the tiny models need the CLIP vocabulary that open_clip ships: pip install open_clip_torch")
+    path = os.path.join(spec.submodule_search_locations[0], "bpe_simple_vocab_16e6.txt.gz")
+    lines = gzip.open(path, "rt", encoding="utf-8").read().split("\n")
+    merges = [tuple(line.split()) for line in lines[1:49152 - 256 - 2 + 1]]  # 48894 merges, as CLIP
+    # bytes -> printable unicode characters, in CLIP's (= GPT-2's) order
+    byte_ids = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = byte_ids[:], 0
+    for b in range(256):
+        if b not in byte_ids:  # the other bytes map to the code points after 255
+            byte_ids.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    tokens = [chr(c) for c in chars]
+    tokens = tokens + [t + "</w>" for t in tokens] + ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
+    return {t: i for i, t in enumerate(tokens)}, merges
+
+
+def _clip_tokenizer():
+    from transformers import CLIPTokenizer
+
+    vocab, merges = _clip_bpe()
+    return CLIPTokenizer(vocab=dict(vocab), merges=list(merges), model_max_length=77)
+
+
+def _t5_tokenizer(max_length):
+    """A small sentencepiece-style (Unigram) tokenizer with T5's special tokens (pad 0, eos 1,
+    unk 2): whole English words from CLIP's vocabulary, then single characters as fallback."""
+    from transformers import T5Tokenizer
+
+    vocab, _ = _clip_bpe()
+    words = [t[:-4] for t in vocab if t.endswith("</w>") and len(t) > 5]  # whole words of 2+ characters
+    words = [w for w in words if w.isascii() and w.isalnum()]
+    chars = [chr(c) for c in range(33, 127)]
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -3.0)]
+    pieces += [("▁" + w, -1.0) for w in words[:8000]]  # most frequent first (merge order)
+    pieces += [(c, -3.0) for c in chars] + [("▁" + c, -3.0) for c in chars]
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=max_length)
+
+
+# ----------------------------------------------------------------------------- building
+
+@contextlib.contextmanager
+def _seeded_build(seed, device):
+    """Build modules on `device` with weights drawn from `seed`, leaving the global RNG as it was."""
+    devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            yield
+
+
+def _clip_encoder(hidden, layers, heads, ffn, *, projection=True):
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(
+        vocab_size=49408, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, max_position_embeddings=77, projection_dim=hidden,
+        bos_token_id=49406, eos_token_id=49407, pad_token_id=49407,  # pooled at the first <|endoftext|>
+    )
+    return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config).eval()
+
+
+def _t5_encoder(vocab_size, d_model, layers, heads, d_kv, ffn):
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(
+        vocab_size=vocab_size, d_model=d_model, d_kv=d_kv, d_ff=ffn, num_layers=layers, num_heads=heads,
+        relative_attention_num_buckets=8, relative_attention_max_distance=32,
+        feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    )
+    return T5EncoderModel(config).eval()
+
+
+def _small_vae(latent_channels, scaling_factor, shift_factor):
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(  # 3 blocks: 4x down-sampling, 64 px -> 16 x 16 latents
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(16, 32, 32), layers_per_block=1,
+        latent_channels=latent_channels, norm_num_groups=8, sample_size=64, scaling_factor=scaling_factor,
+        shift_factor=shift_factor, use_quant_conv=False, use_post_quant_conv=False,
+    ).eval()
+
+
+def _check_no_path(name, model_path):
+    if model_path is not None:
+        raise ValueError(f"model {name!r} is built in code and takes no --model-path; drop the flag or pick sd3 / flux")
+
+
+def _from_pretrained(cls, name, path, default_id, dtype):
+    """`cls.from_pretrained`, turning every way a hub model can be missing into one sentence."""
+    from huggingface_hub.errors import HFValidationError
+
+    local = os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path)
+    if local and not os.path.isdir(os.path.expanduser(path)):
+        raise RuntimeError(f"model folder {path!r} for {name!r} does not exist; pass a downloaded diffusers folder of {default_id} with --model-path")
+    try:
+        return cls.from_pretrained(os.path.expanduser(path), torch_dtype=dtype)
+    except (OSError, HFValidationError) as e:  # offline, gated without a token, not cached, not a pipeline
+        raise RuntimeError(
+            f"cannot load {name!r} from {path!r} ({type(e).__name__}: offline, gated without a token, or not a "
+            f"diffusers pipeline folder); download {default_id} where the hub is reachable (`hf download {default_id}`) "
+            f"and pass the local folder with --model-path"
+        ) from None
+
+
+def sd3(model_path=None, dtype=torch.float32, device="cpu"):
+    from diffusers import StableDiffusion3Pipeline
+
+    return _from_pretrained(StableDiffusion3Pipeline, "sd3", model_path or SD3_ID, SD3_ID, dtype)
+
+
+def flux(model_path=None, dtype=torch.float32, device="cpu"):
+    from diffusers import FluxPipeline
+
+    return _from_pretrained(FluxPipeline, "flux", model_path or FLUX_ID, FLUX_ID, dtype)
+
+
+def tiny(model_path=None, dtype=torch.float32, device="cpu"):
+    """SD3 architecture at toy size (MMDiT with SD3.5's dual attention and RMS qk-norm, 2 blocks,
+    width 64; 4x VAE with 16 latent channels; CLIP encoders of widths 32 and 48), seed 0."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    _check_no_path("tiny", model_path)
+    with _seeded_build(0, device):
+        text_encoder = _clip_encoder(32, 2, 4, 64)
+        text_encoder_2 = _clip_encoder(48, 2, 4, 96)
+        transformer = SD3Transformer2DModel(
+            sample_size=32, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=16,
+            num_attention_heads=4, joint_attention_dim=96,  # CLIP 32 + 48 = 80, zero-padded to 96 as SD3 pads 2048 to 4096
+            caption_projection_dim=64, pooled_projection_dim=80, out_channels=16, pos_embed_max_size=32,
+            dual_attention_layers=(0,), qk_norm="rms_norm",
+        ).eval()
+        vae = _small_vae(16, SD35_VAE["scaling_factor"], SD35_VAE["shift_factor"])
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
+        text_encoder=text_encoder, tokenizer=_clip_tokenizer(), text_encoder_2=text_encoder_2,
+        tokenizer_2=_clip_tokenizer(), text_encoder_3=None, tokenizer_3=None,
+    )
+    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+
+
+def tiny_flux(model_path=None, dtype=torch.float32, device="cpu"):
+    """FLUX architecture at toy size (1 double- and 1 single-stream block, width 32, guidance
+    embedding; 4x VAE with 16 latent channels; CLIP and T5 encoders of width 32), seed 0."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    _check_no_path("tiny-flux", model_path)
+    tokenizer_2 = _t5_tokenizer(32)
+    with _seeded_build(0, device):
+        text_encoder = _clip_encoder(32, 2, 4, 64, projection=False)
+        text_encoder_2 = _t5_encoder(len(tokenizer_2), 32, 2, 4, 8, 64)
+        transformer = FluxTransformer2DModel(
+            patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+            axes_dims_rope=(4, 6, 6),
+        ).eval()
+        vae = _small_vae(16, 0.3611, 0.1159)  # FLUX.1's VAE scaling and shift
+    scheduler = FlowMatchEulerDiscreteScheduler(  # FLUX.1-dev's: resolution-dependent shift
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096,
+    )
+    pipe = FluxPipeline(
+        transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+        tokenizer=_clip_tokenizer(), text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+    )
+    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+
+
+def sd3_random(model_path=None, dtype=torch.float32, device="cpu"):
+    """SD3.5-medium's transformer (2.2 B parameters) and VAE at full size with random weights,
+    and one-layer text encoders of the real widths (CLIP-L 768, CLIP-G 1280, T5-XXL 4096, so the
+    transformer sees 77 + 256 text tokens as with the real model). Built directly on `device`."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    _check_no_path("sd3-random", model_path)
+    tokenizer_3 = _t5_tokenizer(SD3_T5_TOKENS)
+    with _seeded_build(0, device):
+        text_encoder = _clip_encoder(768, 1, 12, 64)
+        text_encoder_2 = _clip_encoder(1280, 1, 20, 64)
+        text_encoder_3 = _t5_encoder(len(tokenizer_3), 4096, 1, 2, 64, 64)
+        transformer = SD3Transformer2DModel(**SD35_MEDIUM_TRANSFORMER).eval()
+        vae = AutoencoderKL(**SD35_VAE).eval()
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
+        text_encoder=text_encoder, tokenizer=_clip_tokenizer(), text_encoder_2=text_encoder_2,
+        tokenizer_2=_clip_tokenizer(), text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3,
+    )
+    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+
+
+def load_pipeline(name, model_path=None, *, dtype=torch.float32, device="cpu"):
+    """Build or load model `name` (a key of MODELS), frozen, on `device`."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    pipe = MODELS[name](model_path, dtype=dtype, device=device).to(device)
+    for module in _modules(pipe):
+        module.requires_grad_(False)  # add_lora decides what trains
+    return pipe
+
+
+def _modules(pipe):
+    return [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
+
+
+# ----------------------------------------------------------------------------- the adapter
+
+def family(pipe):
+    """'sd3' or 'flux', from the pipeline's class."""
+    kind = type(pipe).__name__
+    if kind.startswith("StableDiffusion3"):
+        return "sd3"
+    if kind.startswith("Flux"):
+        return "flux"
+    raise ValueError(f"unsupported pipeline {kind}; models.py handles StableDiffusion3Pipeline and FluxPipeline")
+
+
+def latent_shape(pipe, resolution):
+    """Per-sample shape of the latent that sde.rollout sees: sd3 (C, h, w), flux packed (h w / 4, 4 C)."""
+    f = pipe.vae_scale_factor
+    if family(pipe) == "sd3":
+        multiple = f * pipe.transformer.config.patch_size
+        if resolution % multiple:
+            raise ValueError(f"--resolution {resolution} must be a multiple of {multiple} for this model")
+        return (pipe.transformer.config.in_channels, resolution // f, resolution // f)
+    if resolution % (2 * f):
+        raise ValueError(f"--resolution {resolution} must be a multiple of {2 * f} for this model")
+    side = resolution // (2 * f)  # 2 x 2 latent patches are packed into one token
+    return (side * side, pipe.transformer.config.in_channels)
+
+
+def initial_noise(pipe, batch, resolution, *, generator=None):
+    """x at sigma = 1: standard normal, float32 [B, *latent_shape], drawn as the pipelines draw it
+    (so the same generator gives the same noise as pipe(..., generator=generator))."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    shape = latent_shape(pipe, resolution)
+    device = pipe._execution_device
+    if family(pipe) == "sd3":
+        return randn_tensor((batch, *shape), generator=generator, device=device, dtype=torch.float32)
+    channels, side = shape[1] // 4, int(math.isqrt(shape[0])) * 2
+    x = randn_tensor((batch, channels, side, side), generator=generator, device=device, dtype=torch.float32)
+    return pipe._pack_latents(x, batch, channels, side, side)  # [B, L, 4 C]
+
+
+@torch.no_grad()
+def encode_prompts(pipe, prompts, *, negative_prompt="", guidance_scale=1.0):
+    """Text embeddings, batch first. sd3: `prompt_embeds` [B, 77 + T5 tokens, D], `pooled` [B, P],
+    and for guidance_scale > 1 `neg_prompt_embeds`, `neg_pooled` (the negative prompt encoded
+    once, expanded to B). flux: `prompt_embeds` [B, T5 tokens, D], `pooled` [B, P] (FLUX.1-dev
+    has no negative prompt: guidance enters through its guidance embedding)."""
+    device = pipe._execution_device
+    prompts = list(prompts)
+    if family(pipe) == "flux":
+        tokens = min(FLUX_T5_TOKENS, pipe.tokenizer_2.model_max_length)
+        embeds, pooled, _ = pipe.encode_prompt(prompts, prompt_2=None, device=device, max_sequence_length=tokens)
+        return {"prompt_embeds": embeds, "pooled": pooled}
+
+    tokens = SD3_T5_TOKENS if pipe.text_encoder_3 is not None else 0  # departure 1 (module docstring)
+
+    def encode(texts):
+        embeds, _, pooled, _ = pipe.encode_prompt(
+            texts, prompt_2=None, prompt_3=None, device=device, do_classifier_free_guidance=False,
+            max_sequence_length=tokens,
+        )
+        return embeds, pooled
+
+    out = dict(zip(["prompt_embeds", "pooled"], encode(prompts)))
+    if guidance_scale > 1:
+        neg, neg_pooled = encode([negative_prompt])  # identical to the pipeline's negative branch
+        out["neg_prompt_embeds"] = neg.expand(len(prompts), *neg.shape[1:])
+        out["neg_pooled"] = neg_pooled.expand(len(prompts), *neg_pooled.shape[1:])
+    return out
+
+
+def velocity(pipe, x, sigma, embeds, *, guidance_scale=1.0, transformer=None):
+    """The guided velocity v(x, sigma) ~ eps - x0, same shape as x, in the transformer's dtype.
+
+    sigma: float or [B] tensor. transformer: defaults to pipe.transformer; pass the DDP / FSDP /
+    compiled wrapper to train through it. Gradients flow unless the caller disables them.
+    """
+    model = transformer if transformer is not None else pipe.transformer
+    dtype = pipe.transformer.dtype
+    batch = x.shape[0]
+    assert embeds["prompt_embeds"].shape[0] == batch, "embeds and x must have the same batch size"
+    sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(batch)  # [B]
+    x = x.to(dtype)
+
+    if family(pipe) == "flux":
+        side = math.isqrt(x.shape[1])
+        assert side * side == x.shape[1], "flux latents must be packed from a square image"
+        guidance = None
+        if pipe.transformer.config.guidance_embeds:  # FLUX.1-dev: distilled guidance, no CFG
+            guidance = torch.full((batch,), float(guidance_scale), device=x.device)
+        return model(
+            hidden_states=x,
+            timestep=sigma,  # FluxTransformer2DModel multiplies by 1000 inside
+            guidance=guidance,
+            pooled_projections=embeds["pooled"].to(dtype),
+            encoder_hidden_states=embeds["prompt_embeds"].to(dtype),
+            txt_ids=torch.zeros(embeds["prompt_embeds"].shape[1], 3, device=x.device, dtype=dtype),
+            img_ids=pipe._prepare_latent_image_ids(batch, side, side, x.device, dtype),
+            return_dict=False,
+        )[0]
+
+    timestep = sigma * pipe.scheduler.config.num_train_timesteps  # SD3 is conditioned on t = 1000 s
+    text, pooled = embeds["prompt_embeds"], embeds["pooled"]
+    cfg = guidance_scale > 1
+    if cfg:  # unconditional and conditional in one batched forward, in diffusers' order
+        if "neg_prompt_embeds" not in embeds:
+            raise ValueError("guidance_scale > 1 needs embeds from encode_prompts(..., guidance_scale > 1)")
+        x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])  # [2B, ...]
+        text = torch.cat([embeds["neg_prompt_embeds"], text])
+        pooled = torch.cat([embeds["neg_pooled"], pooled])
+    v = model(
+        hidden_states=x, encoder_hidden_states=text.to(dtype), pooled_projections=pooled.to(dtype),
+        timestep=timestep, return_dict=False,
+    )[0]
+    if cfg:
+        v_uncond, v_cond = v.chunk(2)
+        v = v_uncond + guidance_scale * (v_cond - v_uncond)  # classifier-free guidance, Ho & Salimans 2022 eq. 6
+    return v
+
+
+@torch.no_grad()
+def decode(pipe, latents):
+    """Latents at sigma = 0 -> uint8 images [B, H, W, 3] on the CPU (as the pipelines' "np" output, x 255)."""
+    vae = pipe.vae
+    if family(pipe) == "flux":
+        side = math.isqrt(latents.shape[1]) * 2 * pipe.vae_scale_factor  # image side in pixels
+        latents = pipe._unpack_latents(latents, side, side, pipe.vae_scale_factor)  # [B, C, h, w]
+    images = []
+    for chunk in latents.split(8):  # the VAE decoder's activations dominate memory at 1024 px
+        z = chunk.to(vae.device, vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        image = vae.decode(z, return_dict=False)[0].float()  # [b, 3, H, W] in [-1, 1]
+        image = ((image / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+        images.append(image.permute(0, 2, 3, 1).cpu())
+    return torch.cat(images)
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+def add_lora(pipe, rank, alpha, *, target_modules=None):
+    """Make the transformer trainable: a LoRA adapter (Hu et al. 2021) of `rank` and scale
+    alpha / rank on `target_modules` (default LORA_TARGETS[family]), or, for rank 0, all of its
+    weights (full fine-tune). Everything else stays frozen. Returns the trainable parameters."""
+    transformer = pipe.transformer
+    for module in _modules(pipe):
+        module.requires_grad_(False)
+    if rank == 0:
+        transformer.requires_grad_(True)
+        return list(transformer.parameters())
+    from peft import LoraConfig
+
+    targets = list(target_modules or LORA_TARGETS[family(pipe)])
+    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets))
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    assert params, f"no LoRA layer matched target modules {targets}"
+    for p in params:
+        p.data = p.data.float()  # departure 2 (module docstring)
+    return params
+
+
+def _has_lora(transformer):
+    return bool(getattr(transformer, "_hf_peft_config_loaded", False))
+
+
+@contextlib.contextmanager
+def reference(pipe):
+    """Inside, pipe.transformer runs without its LoRA adapter: the frozen base model, the
+    reference of the KL penalty. Trainability flags are restored on exit."""
+    transformer = pipe.transformer
+    if not _has_lora(transformer):
+        raise RuntimeError("reference() needs a LoRA adapter, and full fine-tuning (LoRA rank 0) keeps no frozen copy; train with a LoRA rank > 0 or without the KL penalty (beta 0)")
+    flags = [(p, p.requires_grad) for p in transformer.parameters()]
+    transformer.disable_adapters()
+    try:
+        yield
+    finally:
+        transformer.enable_adapters()
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+def save_lora(pipe, folder):
+    """Write the adapter as `folder/pytorch_lora_weights.safetensors` in the diffusers format,
+    with its LoraConfig (rank, alpha, targets) as metadata: `pipe.load_lora_weights(folder)` loads it."""
+    from peft.utils import get_peft_model_state_dict
+
+    transformer = pipe.transformer
+    if not _has_lora(transformer):
+        raise RuntimeError("save_lora() needs a LoRA adapter; a full fine-tune (LoRA rank 0) is saved with pipe.transformer.save_pretrained(folder)")
+    type(pipe).save_lora_weights(
+        folder,
+        transformer_lora_layers=get_peft_model_state_dict(transformer),
+        transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict(),
+    )
+
+
+MODELS = {
+    "tiny": tiny,
+    "tiny-flux": tiny_flux,
+    "sd3": sd3,
+    "sd3-random": sd3_random,
+    "flux": flux,
+}
