@@ -112,8 +112,8 @@ def test_eval_on_checkpoint_and_plot(tmp_path):
 
 
 @pytest.mark.parametrize("content,needle", [
-    ("", "no valid"),
-    ("{not json}\n[1, 2]\n", "no valid"),
+    ("", "no prompts"),
+    ("{not json}\n[1, 2]\n", "no valid row"),
 ])
 def test_bad_prompt_files_are_refused(tmp_path, content, needle):
     bad = tmp_path / "prompts.jsonl"
@@ -121,7 +121,7 @@ def test_bad_prompt_files_are_refused(tmp_path, content, needle):
     proc, _ = train(tmp_path, "--steps", "1", "--prompts", str(bad), check=False)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
-    assert needle in last.lower() and str(bad) in last and "Traceback" not in proc.stderr
+    assert last.startswith("error:") and needle in last and str(bad) in last and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("flags,needle", [
