@@ -1,0 +1,497 @@
+"""Throughput, memory and overhead of train.py's step: rollout, reward and update, against the model's pure compute.
+
+Launch
+------
+    python bench.py                                                   # tiny model, train.py's CPU preset
+    python bench.py --model tiny --json bench.json -- --group-size 4  # train.py flags go after `--`
+    python bench.py --model sd3-random @recipes/sd3_bench.args --json sd3.json       # GPU, random SD3.5-M, no hub
+    python bench.py --windows --model tiny                            # speed-up of fast / mix / mix+flash over all
+    scripts/gpu_bench.sh                                              # the GPU figures of the README
+
+What is measured
+----------------
+The step is the real one: `train.main` runs in this process for --warmup + --steps steps with the
+recipe's flags, and its `metrics.jsonl` gives the wall time of each step and of its phases
+(`seconds`, `seconds_sampling`, `seconds_reward_wait`, `seconds_training`). Warm-up steps are dropped
+and every figure is a median over the measured steps. Samples per step = prompts_per_step x group_size
+(one process).
+
+While it runs, a forward pre-hook on the transformer records every call (phase, input shapes, autocast
+dtype) and a wrapper counts every VAE decode. After each measured step (once its times are logged, from
+train.warn_divergence, before the next step starts) each distinct call is replayed bare on the same module
+with the same inputs, --repeats times after one warm-up call, median. Timing both sides of the ratio
+within seconds of each other keeps a shared machine's changing load out of it (on a shared CPU also pass
+--threads 1: torch's threads wait on each other whenever one is descheduled, and step times swing 10x):
+  rollout    no-grad forward (the CFG batch is already doubled inside the call), plus the decodes
+  train      forward + backward
+  reference  no-grad forward with the LoRA adapter off (only when --kl-beta > 0)
+The pure compute of a step is the sum of calls per step x median time, and
+
+    overhead ratio = median over the measured steps of (step seconds / pure compute timed after that step)
+
+so 1.0 means train.py adds nothing to the model's own forwards, backwards and decodes; the optimizer,
+the SDE and loss arithmetic, prompt encoding, reward waits and Python all land in the excess.
+`rollout_overhead` and `train_overhead` split the ratio by phase.
+
+The reward is timed separately (`reward_images_per_s`: the reward function on one decoded sample batch)
+and defaults to jpeg_compressibility, which costs almost nothing, so that the step time is the model's;
+pass --reward to time another. FLOPs come from torch.utils.flop_counter.FlopCounterMode on one sample of
+each kind of call, times its batch (gradient checkpointing off while counting: recomputation is not useful work);
+MFU = FLOPs of the step / (step seconds x --peak-tflops), reported on a GPU (the default peak is the
+H200's dense bf16 spec, 989 TFLOP/s) or when --peak-tflops is given.
+
+--windows runs the recipe four times, each in its own process: --sde-window all, fast and mix (window of
+--window-size steps, 2 as in Flow-GRPO-Fast and MixGRPO arXiv:2507.21802), and mix --flash. Its speed-up
+is each run's end-to-end samples/s over all's. Two load-free companions: `compute` prices every counted
+call at all's bare times (what the window saves in model work), and `at equal load` multiplies that by
+all's overhead ratio over the window's (each ratio is timed against the load of its own moment).
+"""
+import argparse
+import contextlib
+import json
+import math
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+REQUIRED_KEYS = ("rollout_samples_per_s", "train_samples_per_s", "end_to_end_samples_per_s", "overhead_ratio",
+                 "peak_mem_mib", "reward_images_per_s")
+# --windows: the same recipe with each way of choosing the stochastic steps (MixGRPO arXiv:2507.21802, Flow-GRPO-Fast).
+WINDOWS = {
+    "all": ["--sde-window", "all"],
+    "fast": ["--sde-window", "fast"],
+    "mix": ["--sde-window", "mix"],
+    "mix+flash": ["--sde-window", "mix", "--flash"],
+}
+
+
+def parse_args(argv=None):
+    """Bench flags first; train.py flags after `--` and @recipe files anywhere go to train.py unchanged."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    own, train_args = argv[:split], argv[split + 1:]
+    train_args = [a for a in own if a.startswith("@")] + train_args
+    own = [a for a in own if not a.startswith("@")]
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False,
+                                epilog="train.py flags: after `--` (python bench.py --model tiny -- --group-size 4) or in @recipe files")
+    p.add_argument("--model", default="tiny", help="models.MODELS name (sd3-random: SD3.5-M architecture, random weights)")
+    p.add_argument("--steps", type=int, default=3, help="measured training steps (medians over these)")
+    p.add_argument("--warmup", type=int, default=1, help="training steps run first and discarded")
+    p.add_argument("--reward", default="jpeg_compressibility", help="reward spec the step trains on (timed separately as well)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats of each bare call (after one warm-up call)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s of the chip for MFU (default on CUDA: 989, H200 dense bf16)")
+    p.add_argument("--windows", action="store_true", help="run --sde-window all, fast, mix and mix --flash and print each one's speed-up over all")
+    p.add_argument("--window-size", type=int, default=None, help="--windows: steps in the fast / mix window (default 2)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads for the run and the bare timing (default: torch's; 1 is steadiest on a shared CPU)")
+    p.add_argument("--json", default=None, help="write the figures to this JSON file")
+    p.add_argument("--out", default=None, help="train.py run folder (default: a temporary folder, removed afterwards)")
+    args, unknown = p.parse_known_args(own)
+    if unknown:
+        p.error(f"unknown bench flag(s) {' '.join(unknown)}: put train.py flags after `--` (python bench.py --model tiny -- {' '.join(unknown)})")
+    if args.steps < 1 or args.warmup < 0 or args.repeats < 1 or (args.threads is not None and args.threads < 1):
+        p.error("--steps, --repeats and --threads must be >= 1 and --warmup >= 0")
+    if not args.windows and args.window_size is not None:
+        p.error("--window-size before `--` belongs to --windows; for one run give train.py's --window-size after `--`")
+    if args.windows and args.out:
+        p.error("--out names one run's folder; --windows makes four: drop --out")
+    args.window_size = args.window_size or 2
+    for flag in ("--model", "--steps", "--out", "--reward", "--resume", "--eval-every"):
+        if any(a == flag or a.startswith(flag + "=") for a in train_args):
+            p.error({"--resume": "--resume does not apply to a benchmark: drop it",
+                     "--eval-every": "--eval-every samples outside the measured step and would be counted in it: drop it"}.get(
+                flag, f"{flag} after `--` is set by bench.py: give it as a bench flag before `--`"))
+    args.train_args = train_args
+    return args
+
+
+# ----------------------------------------------------------------------------- instrumentation
+def _clone(value):
+    if torch.is_tensor(value):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    return value
+
+
+def _shapes(args, kwargs):
+    named = list(enumerate(args)) + sorted(kwargs.items())
+    return tuple((str(k), tuple(v.shape), str(v.dtype).replace("torch.", "")) for k, v in named if torch.is_tensor(v))
+
+
+def _autocast_dtype(device_type):
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+class Recorder:
+    """Counts the transformer calls and VAE decodes of a train.main run, keeping one copy of each kind's inputs."""
+
+    def __init__(self, warmup=0, repeats=5, models=None):
+        self.pipe, self.reward_fn, self.reward_call = None, None, None
+        self.calls = {}  # signature -> {"count", "args", "kwargs", "phase", "autocast"}
+        self.handle = None
+        self.warmup, self.repeats, self.models = warmup, repeats, models
+        self.bare = {}  # step -> {signature: median seconds}, timed right after that step
+
+    def after_step(self, info):
+        """Time every kind of call bare between two steps, so both sides of the ratio see the same machine load."""
+        if info["step"] > self.warmup and "seconds" in info:
+            self.handle.remove()  # the replays are not part of the run's counts
+            self.handle = None
+            try:
+                self.bare[info["step"]] = time_bare(self.pipe, self.calls, self.repeats, self.models)
+            finally:
+                self.handle = self.pipe.transformer.register_forward_pre_hook(self.transformer_hook, with_kwargs=True)
+
+    def transformer_hook(self, module, args, kwargs):
+        grad = torch.is_grad_enabled()
+        phase = "train" if grad else ("reference" if module.training else "rollout")  # train.py: eval() to sample, train() to update
+        device_type = next(v for v in list(args) + list(kwargs.values()) if torch.is_tensor(v)).device.type
+        autocast = _autocast_dtype(device_type)
+        self._count((phase, _shapes(args, kwargs), str(autocast)), phase, args, kwargs, autocast)
+
+    def _count(self, sig, phase, args, kwargs, autocast):
+        entry = self.calls.get(sig)
+        if entry is None:
+            entry = self.calls[sig] = dict(count=0, phase=phase, args=_clone(args), kwargs=_clone(kwargs), autocast=autocast)
+        entry["count"] += 1
+
+    @contextlib.contextmanager
+    def patch(self, models, rewards, train):
+        """Wrap models.load_pipeline / models.decode / rewards.build_reward for the length of the run, and
+        train.warn_divergence, which train.py calls once per step after the step's timings are logged."""
+        originals = models.load_pipeline, models.decode, rewards.build_reward, train.warn_divergence
+
+        def load_pipeline(*a, **k):
+            pipe = originals[0](*a, **k)
+            self.pipe = pipe
+            self.handle = pipe.transformer.register_forward_pre_hook(self.transformer_hook, with_kwargs=True)
+            return pipe
+
+        def decode(pipe, latents, *a, **k):
+            if self.handle is not None:  # not while replaying (the hook is off then)
+                autocast = _autocast_dtype(latents.device.type)
+                self._count(("decode", _shapes((latents,), {}), str(autocast)), "decode", (latents,), k, autocast)
+            return originals[1](pipe, latents, *a, **k)
+
+        def build_reward(*a, **k):
+            fn = originals[2](*a, **k)
+
+            def reward_fn(images, prompts, metadata):
+                if self.reward_call is None:
+                    self.reward_call = (_clone(images), list(prompts), list(metadata))
+                return fn(images, prompts, metadata)
+            self.reward_fn = fn
+            return reward_fn
+
+        def warn_divergence(info, *a, **k):
+            out = originals[3](info, *a, **k)
+            self.after_step(info)
+            return out
+
+        models.load_pipeline, models.decode, rewards.build_reward, train.warn_divergence = (
+            load_pipeline, decode, build_reward, warn_divergence)
+        try:
+            yield self
+        finally:
+            models.load_pipeline, models.decode, rewards.build_reward, train.warn_divergence = originals
+            if self.handle is not None:
+                self.handle.remove()
+                self.handle = None
+
+
+# ----------------------------------------------------------------------------- bare timing
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _output(out):
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    return out.sample if hasattr(out, "sample") else out
+
+
+def bare_call(pipe, entry, models):
+    """One call of a recorded kind on the same module and inputs: the model's compute and nothing else."""
+    transformer = pipe.transformer
+    device = transformer.device
+    autocast = torch.autocast(device.type, dtype=entry["autocast"]) if entry["autocast"] else contextlib.nullcontext()
+    if entry["phase"] == "decode":
+        with torch.no_grad(), autocast:
+            return models.decode(pipe, *entry["args"], **entry["kwargs"])  # not counted: the recorder's hook is off
+    if entry["phase"] == "train":
+        with autocast:
+            out = _output(transformer(*entry["args"], **entry["kwargs"]))
+        out.float().mean().backward()
+        return out
+    with torch.no_grad(), autocast:  # rollout; reference runs inside phase_context's models.reference
+        return transformer(*entry["args"], **entry["kwargs"])
+
+
+def phase_context(pipe, entry, models):
+    """The module state train.py ran the call in: eval() to sample, train() to update, adapter off for the reference."""
+    pipe.transformer.train(entry["phase"] in ("train", "reference"))
+    return models.reference(pipe) if entry["phase"] == "reference" else contextlib.nullcontext()
+
+
+def time_bare(pipe, calls, repeats, models):
+    """Median seconds of each recorded kind of call, after one warm-up call."""
+    transformer = pipe.transformer
+    device = transformer.device
+    was_training = transformer.training
+    seconds = {}
+    for sig, entry in calls.items():
+        times = []
+        with phase_context(pipe, entry, models):  # entered once: toggling the adapter is plumbing, not compute
+            for r in range(repeats + 1):
+                _sync(device)
+                t = time.perf_counter()
+                bare_call(pipe, entry, models)
+                _sync(device)
+                if r:
+                    times.append(time.perf_counter() - t)
+        seconds[sig] = statistics.median(times)
+    transformer.zero_grad(set_to_none=True)
+    transformer.train(was_training)
+    return seconds
+
+
+BATCHED = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance")  # per-sample inputs
+
+
+def one_sample(entry):
+    """The call cut to its first sample, and its batch size (a transformer's or VAE's FLOPs are linear in the batch)."""
+    args, kwargs = entry["args"], entry["kwargs"]
+    lead = args[0] if args and torch.is_tensor(args[0]) else kwargs["hidden_states"]
+    batch = lead.shape[0]
+    cut = lambda v: v[:1] if torch.is_tensor(v) and v.dim() and v.shape[0] == batch else v
+    args = tuple(cut(v) for v in args)
+    kwargs = {k: cut(v) if k in BATCHED else v for k, v in kwargs.items()}
+    return dict(entry, args=args, kwargs=kwargs), batch
+
+
+def count_flops(pipe, calls, models):
+    """FLOPs of one call of each kind (forward, or forward + backward for train), counted on one sample and
+    scaled by the batch (so counting never needs more memory than the run did), gradient checkpointing off."""
+    from torch.utils.flop_counter import FlopCounterMode
+    transformer = pipe.transformer
+    checkpointing = bool(getattr(transformer, "is_gradient_checkpointing", False))
+    if checkpointing:
+        transformer.disable_gradient_checkpointing()  # recomputed activations are not useful work
+    flops, was_training = {}, transformer.training
+    try:
+        for sig, entry in calls.items():
+            single, batch = one_sample(entry)
+            mode = FlopCounterMode(display=False)
+            with phase_context(pipe, entry, models), mode:
+                bare_call(pipe, single, models)
+            flops[sig] = batch * mode.get_total_flops()
+    finally:
+        transformer.zero_grad(set_to_none=True)
+        transformer.train(was_training)
+        if checkpointing:
+            transformer.enable_gradient_checkpointing()
+    return flops
+
+
+# ----------------------------------------------------------------------------- one benchmark
+def median_of(rows, key):
+    return statistics.median(r[key] for r in rows)
+
+
+def peak_memory_mib(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB -> MiB (the process's peak RSS)
+
+
+def run(args):
+    """Run train.main on the recipe, timing its calls bare between steps; returns the figures as a dict."""
+    import models
+    import rewards
+    import train
+
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        raise SystemExit("error: bench.py measures one process (figures are per GPU): run it with python, not torchrun")
+    out = args.out or tempfile.mkdtemp(prefix="bench-")
+    if os.path.exists(os.path.join(out, "metrics.jsonl")):
+        raise SystemExit(f"error: {out} already holds a run (metrics.jsonl): pick an empty --out")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    total_steps = args.warmup + args.steps
+    train_argv = args.train_args + ["--model", args.model, "--reward", args.reward, "--steps", str(total_steps), "--out", out]
+    recorder = Recorder(warmup=args.warmup, repeats=args.repeats, models=models)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        with recorder.patch(models, rewards, train):
+            t = time.time()
+            train.main(train_argv)
+            wall = time.time() - t
+        pipe = recorder.pipe
+        device = pipe.transformer.device
+        peak_mib = peak_memory_mib(device)
+        with open(os.path.join(out, "args.json")) as f:
+            targs = json.load(f)["args"]
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+    finally:
+        if args.out is None:
+            shutil.rmtree(out, ignore_errors=True)
+    measured = [r for r in lines if r["step"] > args.warmup and "seconds" in r]
+    if not measured:
+        raise SystemExit(f"error: none of the {args.steps} measured steps completed (skipped: "
+                         f"{[r.get('skip_reason') for r in lines if r.get('skipped')]}); fix the reward or raise --steps")
+    samples = targs["prompts_per_step"] * targs["group_size"]  # one process: / world_size = / 1
+
+    # Pure compute of a step: for every recorded kind of call, calls per step x bare median seconds.
+    per_step = {sig: entry["count"] / total_steps for sig, entry in recorder.calls.items()}
+    phase_of = {sig: entry["phase"] for sig, entry in recorder.calls.items()}
+    interleaved = bool(recorder.bare)
+    if not interleaved:  # train.py no longer calls warn_divergence once per step: time once, after the run
+        print("note: bare calls timed after the run, not between steps; the ratio is exposed to load drift", flush=True)
+        bare = time_bare(pipe, recorder.calls, args.repeats, models)
+        recorder.bare = {r["step"]: bare for r in measured}
+
+    def pure(step, kinds):  # NaN when the step has no such calls, never a division by zero
+        return sum(per_step[s] * sec for s, sec in recorder.bare[step].items() if phase_of[s] in kinds) or math.nan
+
+    rollout_kinds, train_kinds = ("rollout", "decode"), ("train", "reference")
+    ratios = [dict(step=r["seconds"] / pure(r["step"], rollout_kinds + train_kinds),
+                   rollout=r["seconds_sampling"] / pure(r["step"], rollout_kinds),
+                   train=r["seconds_training"] / pure(r["step"], train_kinds),
+                   pure_rollout=pure(r["step"], rollout_kinds), pure_train=pure(r["step"], train_kinds))
+              for r in measured]  # each step against the bare calls timed right after it
+    seconds = {s: statistics.median(recorder.bare[r["step"]][s] for r in measured) for s in recorder.calls}
+    flops = count_flops(pipe, recorder.calls, models)
+    flops_step = sum(per_step[s] * flops[s] for s in flops)
+    pure_rollout, pure_train = median_of(ratios, "pure_rollout"), median_of(ratios, "pure_train")
+    pure_step = statistics.median(r["pure_rollout"] + r["pure_train"] for r in ratios)
+
+    # Reward on one decoded sample batch, alone.
+    images, prompts, metadata = recorder.reward_call
+    recorder.reward_fn(images, prompts, metadata)  # warm-up (lazy model loads)
+    reward_times = []
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        recorder.reward_fn(images, prompts, metadata)
+        reward_times.append(time.perf_counter() - t)
+
+    step_s = median_of(measured, "seconds")
+    result = dict(
+        model=args.model, device=torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
+        rollout_samples_per_s=samples / median_of(measured, "seconds_sampling"),
+        train_samples_per_s=samples / median_of(measured, "seconds_training"),
+        end_to_end_samples_per_s=samples / step_s,
+        overhead_ratio=median_of(ratios, "step"),
+        rollout_overhead=median_of(ratios, "rollout"),
+        train_overhead=median_of(ratios, "train"),
+        overhead_ratio_per_step=[r["step"] for r in ratios], bare_timed_between_steps=interleaved,
+        peak_mem_mib=peak_mib,
+        reward_images_per_s=len(images) / statistics.median(reward_times),
+        samples_per_step=samples, measured_steps=len(measured), warmup_steps=args.warmup,
+        seconds=step_s, seconds_sampling=median_of(measured, "seconds_sampling"),
+        seconds_reward_wait=median_of(measured, "seconds_reward_wait"),
+        seconds_training=median_of(measured, "seconds_training"),
+        seconds_per_step=[r["seconds"] for r in measured],
+        pure_seconds=pure_step, pure_rollout_seconds=pure_rollout, pure_train_seconds=pure_train,
+        tflop_per_step=flops_step / 1e12, achieved_tflops=flops_step / step_s / 1e12,
+        calls=[dict(phase=phase_of[s], per_step=per_step[s], seconds=seconds[s], tflop=flops[s] / 1e12,
+                    autocast=str(recorder.calls[s]["autocast"]), shapes={name: list(shape) for name, shape, _ in s[1]})
+               for s in recorder.calls],
+        train_wall_seconds=wall, train_argv=train_argv, torch=torch.__version__,
+        reward=args.reward, sde_window=targs.get("sde_window"), flash=targs.get("flash"),
+        gradient_checkpointing=targs.get("gradient_checkpointing"),
+    )
+    peak = args.peak_tflops if args.peak_tflops is not None else (989.0 if device.type == "cuda" else None)
+    if peak:
+        result.update(peak_tflops=peak, mfu=flops_step / step_s / (peak * 1e12), pure_mfu=flops_step / pure_step / (peak * 1e12))
+    return result
+
+
+# ----------------------------------------------------------------------------- reporting
+def report(r):
+    lines = [
+        f"bench {r['model']} on {r['device']} | {r['samples_per_step']:g} samples/step | median of {r['measured_steps']} steps after {r['warmup_steps']} warm-up",
+        f"  end-to-end {r['end_to_end_samples_per_s']:.3f} samples/s ({r['seconds']:.2f} s/step)",
+        f"  rollout    {r['rollout_samples_per_s']:.3f} samples/s ({r['seconds_sampling']:.2f} s; pure {r['pure_rollout_seconds']:.2f} s; x{r['rollout_overhead']:.3f})",
+        f"  update     {r['train_samples_per_s']:.3f} samples/s ({r['seconds_training']:.2f} s; pure {r['pure_train_seconds']:.2f} s; x{r['train_overhead']:.3f})",
+        f"  reward     {r['reward_images_per_s']:.1f} images/s alone ({r['reward']}); waited {r['seconds_reward_wait']:.2f} s/step",
+        f"  overhead ratio {r['overhead_ratio']:.3f} (median over steps of step / pure compute; medians {r['seconds']:.2f} s / {r['pure_seconds']:.2f} s)",
+        f"  peak memory {r['peak_mem_mib']:.0f} MiB | {r['tflop_per_step']:.3f} TFLOP/step, {r['achieved_tflops']:.3f} TFLOP/s"
+        + (f" | MFU {100 * r['mfu']:.1f} % of {r['peak_tflops']:g} (pure compute {100 * r['pure_mfu']:.1f} %)" if "mfu" in r else ""),
+    ]
+    for c in r["calls"]:
+        shapes = ", ".join(f"{k}={'x'.join(map(str, v))}" for k, v in c["shapes"].items())
+        amp = "" if c["autocast"] == "None" else f" {c['autocast'].replace('torch.', '')}"
+        lines.append(f"    {c['phase']:9s} {c['per_step']:6.1f}/step x {1e3 * c['seconds']:8.2f} ms  {c['tflop']:.4f} TFLOP{amp}  [{shapes}]")
+    print("\n".join(lines), flush=True)
+
+
+def run_windows(args):
+    """Each window mode in its own process (clean peak memory); speed-up = end-to-end samples/s over `all`."""
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench-windows-") as tmp:
+        for name, flags in WINDOWS.items():
+            window = [] if name == "all" else ["--window-size", str(args.window_size)]
+            path = os.path.join(tmp, f"{name.replace('+', '_')}.json")
+            cmd = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--steps", str(args.steps),
+                   "--warmup", str(args.warmup), "--reward", args.reward, "--repeats", str(args.repeats), "--json", path]
+            cmd += ["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops is not None else []
+            cmd += ["--threads", str(args.threads)] if args.threads else []
+            cmd += ["--"] + args.train_args + flags + window
+            print(f"--windows {name}: {' '.join(cmd[1:])}", flush=True)
+            proc = subprocess.run(cmd)
+            if proc.returncode:
+                raise SystemExit(f"error: --windows {name} failed (exit {proc.returncode}); rerun the command above to see why")
+            with open(path) as f:
+                results[name] = json.load(f)
+    base = results["all"]["end_to_end_samples_per_s"]
+    speedup = {name: r["end_to_end_samples_per_s"] / base for name, r in results.items()}
+    # The same speed-up from the call counts alone, every call priced at `all`'s bare time: what the window
+    # saves in model compute, free of the load differences between the four runs.
+    price = {(c["phase"], json.dumps(c["shapes"])): c["seconds"] for c in results["all"]["calls"]}
+    cost = {name: sum(c["per_step"] * price.get((c["phase"], json.dumps(c["shapes"])), c["seconds"]) for c in r["calls"])
+            for name, r in results.items()}
+    compute_speedup = {name: cost["all"] / cost[name] for name in results}
+    # Each run's step = its overhead ratio x its pure compute, and the ratio is timed against the load of its own
+    # moment, so compute speed-up x (overhead of all / overhead of the window) is the speed-up at equal load.
+    equal_load = {name: compute_speedup[name] * results["all"]["overhead_ratio"] / r["overhead_ratio"] for name, r in results.items()}
+    print(f"\n{'window':10s} {'end-to-end':>11s} {'speed-up':>9s} {'at equal load':>14s} {'compute':>9s} {'rollout':>9s} {'update':>9s} {'overhead':>9s}")
+    for name, r in results.items():
+        print(f"{name:10s} {r['end_to_end_samples_per_s']:11.3f} {speedup[name]:8.2f}x {equal_load[name]:13.2f}x {compute_speedup[name]:8.2f}x "
+              f"{r['rollout_samples_per_s']:9.3f} {r['train_samples_per_s']:9.3f} {r['overhead_ratio']:9.3f}")
+    print("(samples/s; speed-up: end-to-end samples/s over all's; compute: from the counted calls priced at all's bare times; "
+          "at equal load: compute x all's overhead ratio / the window's)")
+    return dict(windows=results, speedup_vs_all=speedup, compute_speedup_vs_all=compute_speedup, equal_load_speedup_vs_all=equal_load)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.windows:
+        result = run_windows(args)
+    else:
+        result = run(args)
+        report(result)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if not args.windows:
+        bad = [k for k in REQUIRED_KEYS + (("mfu",) if "mfu" in result else ()) if not (math.isfinite(result[k]) and result[k] > 0)]
+        if bad:
+            raise SystemExit(f"error: non-finite or non-positive figures {bad}; see the table above")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""bench.py on the tiny model: every figure present and finite, and the counted calls match the recipe.
+
+No wall-clock thresholds here: speed is what bench.py reports, never what a test asserts.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+import bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# 2 prompts x 2 samples, one rollout batch of 4, 4 denoising steps at 32 px (full fine-tune, no KL: tiny's preset);
+# SMALL adds LoRA + KL so that every phase, the reference forward included, runs.
+SMALL_FULL = ["--group-size", "2", "--prompts-per-step", "2", "--sample-batch-size", "4", "--train-batch-size", "4",
+              "--num-steps", "4", "--resolution", "32"]
+SMALL = SMALL_FULL + ["--lora-rank", "4", "--lora-alpha", "8", "--kl-beta", "0.01"]
+
+
+def run_bench(tmp_path, *flags, train_flags=SMALL):
+    path = tmp_path / "bench.json"
+    cmd = [sys.executable, "bench.py", "--model", "tiny", "--steps", "1", "--warmup", "1", "--repeats", "2", "--threads", "1",
+           "--json", str(path), *flags, "--", *train_flags]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(path.read_text()), proc.stdout
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    return run_bench(tmp_path_factory.mktemp("bench"), "--peak-tflops", "0.5")
+
+
+def test_every_figure_is_finite_and_positive(small):
+    result, _ = small
+    for key in bench.REQUIRED_KEYS + ("pure_seconds", "seconds", "tflop_per_step"):
+        assert math.isfinite(result[key]) and result[key] > 0, (key, result[key])
+    assert 0.5 < result["overhead_ratio"] < 10, result["overhead_ratio"]  # sane, not a speed threshold
+    assert result["mfu"] == pytest.approx(result["tflop_per_step"] / result["seconds"] / 0.5)  # --peak-tflops 0.5
+    assert result["pure_mfu"] == pytest.approx(result["tflop_per_step"] / result["pure_seconds"] / 0.5)
+
+
+def test_rates_follow_from_the_logged_step_times(small):
+    result, _ = small
+    assert result["samples_per_step"] == 4 and result["measured_steps"] == 1
+    assert result["end_to_end_samples_per_s"] == pytest.approx(4 / result["seconds"])
+    assert result["rollout_samples_per_s"] == pytest.approx(4 / result["seconds_sampling"])
+    assert result["train_samples_per_s"] == pytest.approx(4 / result["seconds_training"])
+    # The step contains both phases, so it cannot be faster than either of them.
+    assert result["end_to_end_samples_per_s"] < min(result["rollout_samples_per_s"], result["train_samples_per_s"])
+
+
+def test_counted_calls_match_the_recipe(small):
+    """4 sampling forwards and 1 decode per rollout batch; 3 trained steps (the last is never trained), each
+    a forward + backward and, with --kl-beta > 0, a reference forward; all at batch 4, 16 x 8 x 8 latents."""
+    result, stdout = small
+    per_step = {c["phase"]: c["per_step"] for c in result["calls"]}
+    assert per_step == {"rollout": 4, "decode": 1, "train": 3, "reference": 3}
+    for call in result["calls"]:
+        latent = call["shapes"]["0" if call["phase"] == "decode" else "hidden_states"]
+        assert latent == [4, 16, 8, 8], call
+        assert call["seconds"] > 0 and call["tflop"] > 0
+    train_flop = next(c["tflop"] for c in result["calls"] if c["phase"] == "train")
+    ref_flop = next(c["tflop"] for c in result["calls"] if c["phase"] == "reference")
+    assert 1.5 < train_flop / ref_flop < 3.5  # forward + backward ~ 2-3 forwards
+    assert result["tflop_per_step"] == pytest.approx(sum(c["per_step"] * c["tflop"] for c in result["calls"]))
+    assert "overhead ratio" in stdout and "samples/s" in stdout
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--group-size", "4"], "after `--`"),
+    (["--", "--steps", "3"], "--steps after `--` is set by bench.py"),
+    (["--steps", "0"], "must be >= 1"),
+    (["--window-size", "3"], "belongs to --windows"),
+    (["--", "--eval-every", "5"], "--eval-every samples outside the measured step"),
+])
+def test_bad_flags_fail_with_one_line(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(argv)
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_recipe_files_go_to_train():
+    args = bench.parse_args(["@recipes/sd3_bench.args", "--model", "sd3-random", "--", "--gradient-checkpointing"])
+    assert args.model == "sd3-random"
+    assert args.train_args == ["@recipes/sd3_bench.args", "--gradient-checkpointing"]
+
+
+@pytest.mark.slow
+def test_windows_speedups(tmp_path):
+    path = tmp_path / "windows.json"
+    cmd = [sys.executable, "bench.py", "--windows", "--model", "tiny", "--steps", "1", "--warmup", "1", "--repeats", "1", "--threads", "1",
+           "--json", str(path), "--", *SMALL_FULL, "--num-steps", "6"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(path.read_text())
+    assert set(result["speedup_vs_all"]) == set(bench.WINDOWS)
+    assert result["speedup_vs_all"]["all"] == 1.0
+    trained = {name: next(c["per_step"] for c in r["calls"] if c["phase"] == "train") for name, r in result["windows"].items()}
+    assert trained == {"all": 5, "fast": 2, "mix": 2, "mix+flash": 2}
+    sampled = {name: next(c["per_step"] for c in r["calls"] if c["phase"] == "rollout") for name, r in result["windows"].items()}
+    assert sampled["all"] == sampled["fast"] == sampled["mix"] == 6 and sampled["mix+flash"] < 6  # flash: fewer solver steps
+    compute = result["compute_speedup_vs_all"]  # priced at the same per-call times: exact functions of the counts
+    assert compute["all"] == 1.0 and compute["fast"] == pytest.approx(compute["mix"]) and compute["mix+flash"] > compute["mix"] > 1
+    for name, r in result["windows"].items():
+        assert result["equal_load_speedup_vs_all"][name] == pytest.approx(
+            compute[name] * result["windows"]["all"]["overhead_ratio"] / r["overhead_ratio"])
