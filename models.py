@@ -101,7 +101,8 @@ def _clip_bpe():
     return {t: i for i, t in enumerate(tokens)}, merges
 
 
-def _clip_tokenizer():
+def clip_tokenizer():
+    """transformers' CLIPTokenizer with CLIP's real vocabulary, built offline (tiny models, reward stand-ins)."""
     from transformers import CLIPTokenizer
 
     vocab, merges = _clip_bpe()
@@ -220,8 +221,8 @@ def tiny(model_path=None, dtype=torch.float32, device="cpu"):
         vae = _small_vae(16, SD35_VAE["scaling_factor"], SD35_VAE["shift_factor"])
     pipe = StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
-        text_encoder=text_encoder, tokenizer=_clip_tokenizer(), text_encoder_2=text_encoder_2,
-        tokenizer_2=_clip_tokenizer(), text_encoder_3=None, tokenizer_3=None,
+        text_encoder=text_encoder, tokenizer=clip_tokenizer(), text_encoder_2=text_encoder_2,
+        tokenizer_2=clip_tokenizer(), text_encoder_3=None, tokenizer_3=None,
     )
     return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
 
@@ -248,7 +249,7 @@ def tiny_flux(model_path=None, dtype=torch.float32, device="cpu"):
     )
     pipe = FluxPipeline(
         transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=text_encoder,
-        tokenizer=_clip_tokenizer(), text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+        tokenizer=clip_tokenizer(), text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
     )
     return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
 
@@ -269,8 +270,8 @@ def sd3_random(model_path=None, dtype=torch.float32, device="cpu"):
         vae = AutoencoderKL(**SD35_VAE).eval()
     pipe = StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
-        text_encoder=text_encoder, tokenizer=_clip_tokenizer(), text_encoder_2=text_encoder_2,
-        tokenizer_2=_clip_tokenizer(), text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3,
+        text_encoder=text_encoder, tokenizer=clip_tokenizer(), text_encoder_2=text_encoder_2,
+        tokenizer_2=clip_tokenizer(), text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3,
     )
     return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
 

@@ -818,30 +818,14 @@ REWARDS = {
 
 # ----------------------------------------------------------------------------- tiny stand-ins (tests, benchmark)
 
-def clip_tokenizer_files(folder):
-    """vocab.json + merges.txt of the CLIP BPE tokenizer, written from the vocabulary open_clip ships
-    (what transformers' CLIPTokenizer.from_pretrained(folder) reads); no download."""
-    from open_clip.tokenizer import SimpleTokenizer
-
-    bpe = SimpleTokenizer()
-    vocab = dict(bpe.encoder)
-    vocab["<|startoftext|>"] = vocab.pop("<start_of_text>", vocab.get("<|startoftext|>"))  # open_clip 3 renamed them
-    vocab["<|endoftext|>"] = vocab.pop("<end_of_text>", vocab.get("<|endoftext|>"))
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "vocab.json"), "w", encoding="utf-8") as f:
-        json.dump(vocab, f)
-    merges = sorted(bpe.bpe_ranks, key=bpe.bpe_ranks.get)
-    with open(os.path.join(folder, "merges.txt"), "w", encoding="utf-8") as f:
-        f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
-    return folder
-
-
 def tiny_pickscore(folder, *, seed=0, image_size=32, patch_size=8):
     """Save a random-initialised tiny CLIPModel + CLIPProcessor (real CLIP tokenizer) into `folder`:
     pass it as pickscore_processor_path and pickscore_model_path."""
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
-    tokenizer = CLIPTokenizer.from_pretrained(clip_tokenizer_files(folder))
+    import models
+
+    tokenizer = models.clip_tokenizer()
     images = CLIPImageProcessor(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size})
     CLIPProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(folder)
     config = CLIPConfig(

@@ -187,3 +187,11 @@ def test_recipe_parser_fuzz(tmp_path, body):
         train_module.check_args(p, args, 1)
     except SystemExit as e:
         assert e.code == 2
+
+
+def test_resume_refuses_another_lora_rank(tmp_path):
+    _, out = train(tmp_path, "--steps", "1", *FAST[len(SMALL):])
+    proc, _ = train(tmp_path, "--steps", "2", "--lora-rank", "4", "--resume", "auto", *FAST[len(SMALL):], check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --resume") and "--lora-rank 0" in last and "--lora-rank 4" in last

@@ -49,7 +49,7 @@ def test_clip_tokenizer_is_clips():
     from open_clip.tokenizer import SimpleTokenizer
 
     reference = SimpleTokenizer()
-    tokenizer = models._clip_tokenizer()
+    tokenizer = models.clip_tokenizer()
     for text in PROMPTS + ["Naïve café: 42 résumés, don't STOP!!"]:
         assert tokenizer(text).input_ids == [49406] + reference.encode(text) + [49407]
 
