@@ -8,6 +8,7 @@ Launch
     torchrun --nnodes 2 --nproc_per_node 8 --node-rank R --rdzv-backend c10d \
         --rdzv-endpoint HOST:29500 train.py @recipes/sd3_pickscore_grpo.args      # two nodes (R = 0, 1)
     torchrun --standalone --nproc_per_node=8 --max-restarts 3 train.py @recipes/... --resume auto   # survives preemption
+    torchrun --standalone --nproc_per_node=8 train.py @recipes/... --lora-rank 0 --fsdp   # full fine-tune, sharded (FSDP2)
 
 One step = SAMPLING (SDE rollouts of `--group-size` images for each of `--prompts-per-step` prompts,
 spread over all ranks) -> REWARDS -> ADVANTAGES (group-relative, after gathering every rank's rewards)
@@ -93,6 +94,7 @@ def parse_args(argv=None):
     p.add_argument("--mixed-precision", default=None, choices=["no", "bf16", "fp16"], help="autocast dtype of model forwards; the SDE step and log-probs are always float32")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute transformer activations in the backward pass (less memory, ~30%% more compute)")
     p.add_argument("--compile", action="store_true", help="torch.compile the transformer")
+    p.add_argument("--fsdp", action="store_true", help="full fine-tune (--lora-rank 0) under torchrun: shard weights, gradients and Adam state over the processes (FSDP2) instead of replicating them (DDP)")
     # data
     p.add_argument("--prompts", default=None, help="training prompts: .txt (one per line) or .jsonl")
     p.add_argument("--eval-prompts", default=None, help="held-out prompts for --eval-every (default: none)")
@@ -127,6 +129,7 @@ def parse_args(argv=None):
     p.add_argument("--pickscore-num-frames", type=int, default=None, help="video: evenly spaced frames scored (default every frame)")
     p.add_argument("--hps-version", default="v2.1", choices=["v2.0", "v2.1"], help="HPSv2 checkpoint version")
     p.add_argument("--hps-checkpoint-path", default=None, help="HPS checkpoint file (default: the xswu/HPSv2 hub file)")
+    p.add_argument("--hps-model-name", default="ViT-H-14", help="open_clip architecture of the HPS checkpoint")
     p.add_argument("--ocr-backend", default="rapidocr", choices=["rapidocr", "paddle"], help="OCR engine")
     p.add_argument("--ocr-workers", type=int, default=2, help="OCR worker pool size, per GPU")
     p.add_argument("--openai-api-rm-config", default=None, help="YAML file or base64:<yaml> for the openai_api judge")
@@ -194,6 +197,8 @@ def check_args(p, args, world_size):
         p.error("--loss guard needs a Gaussian transition log-prob; --sde cps scores -mean(delta^2) instead: use --sde flow or dance")
     if args.eval_every and not args.eval_prompts:
         p.error("--eval-every needs --eval-prompts (a held-out prompt file)")
+    if args.fsdp and (args.lora_rank > 0 or world_size == 1):
+        p.error("--fsdp shards a full fine-tune over processes: use it with --lora-rank 0 under torchrun --nproc_per_node N > 1 (LoRA runs use DDP)")
     if args.kl_beta > 0 and args.lora_rank == 0:
         p.error("--kl-beta > 0 needs a LoRA adapter (the reference is the base model with it disabled): set --lora-rank > 0 or --kl-beta 0")
     if args.eta <= 0:
@@ -253,6 +258,64 @@ def any_rank(flag, device):
     return bool(t.item())
 
 
+def shard_transformer(transformer, device):
+    """FSDP2, in place: each transformer block is one all-gather unit; the root holds embeddings and output layers.
+
+    Every forward all-gathers, so every rank must call the transformer the same number of times.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh(device.type, (WORLD,))
+    for blocks in ("transformer_blocks", "single_transformer_blocks"):  # SD3: joint blocks; FLUX: double + single stream
+        for block in getattr(transformer, blocks, []):
+            fully_shard(block, mesh=mesh)
+    # The root reshards after each forward too: by default, after a no_grad forward (rollout, eval) it keeps its gathered
+    # weights registered in place of its shards until the next backward. This way, outside a forward, named_parameters()
+    # are always the shards the optimizer holds. Costs one extra gather of the small root (embeddings, output layer).
+    fully_shard(transformer, mesh=mesh, reshard_after_forward=True)
+
+
+def fsdp_full_state(model, optimizer, trainable, ema):
+    """Gather the shards into the checkpoint format of an unsharded run. Collective: every rank calls it,
+    rank 0 receives (weights by parameter name, optimizer.state_dict() keyed by position, ema); others get empties."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on rank 0's CPU only
+    names = [n for n, _ in trainable]
+    full = get_model_state_dict(model, options=options)
+    weights = {n: full[n] for n in names} if is_main else {}  # parameters only, no buffers: as without FSDP
+    osd = get_optimizer_state_dict(model, optimizer, options=options)  # keyed by parameter name
+    position = {n: i for i, n in enumerate(names)}  # the optimizer was built over trainable, in this order
+    optim_state = {"state": {position[n]: s for n, s in osd["state"].items()},
+                   "param_groups": [dict(g, params=[position[n] for n in g["params"]]) for g in osd["param_groups"]]} if is_main else {}
+    ema_full = None
+    if ema is not None:
+        ema_full = {}
+        for n, t in ema.items():  # one tensor at a time: at most one full tensor on the device
+            t = t.full_tensor()
+            if is_main:
+                ema_full[n] = t.cpu()
+    return weights, optim_state, ema_full
+
+
+def fsdp_load(model, optimizer, trainable, path):
+    """Load an (unsharded-format) checkpoint into the shards: rank 0 reads the files and scatters them."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+    names = [n for n, _ in trainable]
+    weights, optim_state = {}, {}
+    if is_main:
+        weights = load_file(os.path.join(path, "trainable.safetensors"))
+        if missing := [n for n in names if n not in weights]:
+            raise SystemExit(f"error: --resume {path} lacks {len(missing)} trained tensors (e.g. {missing[0]}): resume with the flags it was saved with")
+        saved = torch.load(os.path.join(path, "optimizer.pt"), weights_only=True)  # keyed by position -> by name
+        optim_state = {"state": {names[i]: s for i, s in saved["state"].items()},
+                       "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in saved["param_groups"]]}
+    # strict=False: the file holds parameters only; the buffers (fixed positional tables) stay as built.
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    set_model_state_dict(model, weights, options=options)
+    set_optimizer_state_dict(model, optimizer, optim_state, options=options)
+
+
 # ----------------------------------------------------------------------------- checkpoints
 def checkpoint_dirs(out):
     root = os.path.join(out, "checkpoints")
@@ -277,20 +340,22 @@ def resolve_resume(resume, out):
     return found[-1]
 
 
-def save_checkpoint(args, step, pipe, trainable, optimizer, ema, extra):
-    """Write <out>/checkpoints/<step>/ under a temporary name, then rename: a crash never leaves a half checkpoint."""
+def save_checkpoint(args, step, pipe, weights, optim_state, ema, extra):
+    """Write <out>/checkpoints/<step>/ under a temporary name, then rename: a crash never leaves a half checkpoint.
+
+    weights: {name: full tensor} of the trained parameters; optim_state: optimizer.state_dict() of an unsharded run."""
     from safetensors.torch import save_file
     root = os.path.join(args.out, "checkpoints")
     final, tmp = os.path.join(root, str(step)), os.path.join(root, f".tmp-{step}")
     for torn in glob.glob(os.path.join(root, ".tmp-*")):  # left by a run killed while saving
         shutil.rmtree(torn, ignore_errors=True)
     os.makedirs(tmp)
-    save_file({n: p.detach().float().cpu().contiguous() for n, p in trainable}, os.path.join(tmp, "trainable.safetensors"))
+    save_file({n: p.detach().float().cpu().contiguous() for n, p in weights.items()}, os.path.join(tmp, "trainable.safetensors"))
     if args.lora_rank > 0:
         models.save_lora(pipe, os.path.join(tmp, "lora"))  # loads with pipe.load_lora_weights(<step>/lora)
     if ema is not None:
         save_file({n: t.cpu().contiguous() for n, t in ema.items()}, os.path.join(tmp, "ema.safetensors"))
-    torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+    torch.save(optim_state, os.path.join(tmp, "optimizer.pt"))
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
@@ -311,21 +376,28 @@ def save_checkpoint(args, step, pipe, trainable, optimizer, ema, extra):
     return final
 
 
-def load_checkpoint(path, args, trainable, optimizer):
+def load_checkpoint(path, args, trainable, optimizer, fsdp_model=None):
+    """Restore weights, optimizer, EMA and RNG; fsdp_model: the sharded transformer (collective, every rank calls)."""
     from safetensors.torch import load_file
     with open(os.path.join(path, "state.json")) as f:
         state = json.load(f)
     if state["model"] != args.model or state["lora_rank"] != args.lora_rank:
         raise SystemExit(f"error: --resume {path} holds --model {state['model']} --lora-rank {state['lora_rank']}, "
                          f"this run is --model {args.model} --lora-rank {args.lora_rank}: resume with the same flags")
-    weights = load_file(os.path.join(path, "trainable.safetensors"))
-    with torch.no_grad():
-        for name, param in trainable:
-            param.copy_(weights[name])
-    optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=True))
+    if fsdp_model is not None:
+        fsdp_load(fsdp_model, optimizer, trainable, path)
+    else:
+        weights = load_file(os.path.join(path, "trainable.safetensors"))
+        with torch.no_grad():
+            for name, param in trainable:
+                param.copy_(weights[name])
+        optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=True))
     ema = None
     if os.path.isfile(os.path.join(path, "ema.safetensors")):
         ema = load_file(os.path.join(path, "ema.safetensors"))
+        if fsdp_model is not None:  # full tensors -> this rank's shards, cut locally (every rank read the file)
+            from torch.distributed.tensor import distribute_tensor
+            ema = {n: distribute_tensor(ema[n].to(q.device), q.device_mesh, q.placements, src_data_rank=None) for n, q in trainable}
     torch.set_rng_state(torch.load(os.path.join(path, "rng.pt"), weights_only=True)["torch"])
     return state, ema
 
@@ -406,7 +478,7 @@ def main(argv=None):
         args.reward, device=device, pickscore_processor_path=args.pickscore_processor_path,
         pickscore_model_path=args.pickscore_model_path, pickscore_batch_size=args.pickscore_batch_size,
         pickscore_num_frames=args.pickscore_num_frames, hps_version=args.hps_version,
-        hps_checkpoint_path=args.hps_checkpoint_path, ocr_backend=args.ocr_backend, ocr_workers=args.ocr_workers,
+        hps_checkpoint_path=args.hps_checkpoint_path, hps_model_name=args.hps_model_name, ocr_backend=args.ocr_backend, ocr_workers=args.ocr_workers,
         openai_api_rm_config=args.openai_api_rm_config, custom_api_rm_config=args.custom_api_rm_config,
         rm_url=args.rm_url, custom_rm_path=args.custom_rm_path, custom_rm_args=args.custom_rm_args,
         reward_retries=args.reward_retries, reward_timeout=args.reward_timeout, reward_on_error=args.reward_on_error)
@@ -427,9 +499,12 @@ def main(argv=None):
            f"{sum(q.numel() for _, q in trainable) / 1e6:.3f} M trained ({'LoRA r%d' % args.lora_rank if args.lora_rank else 'full'})")
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
+    if args.fsdp:  # pipe.transformer itself becomes sharded, so rollouts and evaluations run through FSDP too
+        shard_transformer(transformer, device)
+        trainable = [(n, q) for n, q in transformer.named_parameters() if q.requires_grad]  # same names, DTensor shards
     optimizer = torch.optim.AdamW([q for _, q in trainable], lr=args.lr, weight_decay=args.weight_decay)
     model = transformer  # what the training forward calls
-    if WORLD > 1:
+    if WORLD > 1 and not args.fsdp:
         model = torch.nn.parallel.DistributedDataParallel(transformer, device_ids=[device.index] if device.type == "cuda" else None)
     if args.compile:
         model = torch.compile(model)
@@ -438,7 +513,7 @@ def main(argv=None):
     start_step, bad_in_a_row = 0, 0
     resume_from = resolve_resume(args.resume, args.out)
     if resume_from:
-        state, saved_ema = load_checkpoint(resume_from, args, trainable, optimizer)
+        state, saved_ema = load_checkpoint(resume_from, args, trainable, optimizer, fsdp_model=transformer if args.fsdp else None)
         start_step, bad_in_a_row = state["step"], state.get("bad_in_a_row", 0)
         ema = saved_ema if ema is not None and saved_ema is not None else ema
         print0(f"resumed from {resume_from} at step {start_step}")
@@ -470,6 +545,10 @@ def main(argv=None):
     step = start_step
     from tqdm import tqdm
     bar = tqdm(total=args.steps, initial=start_step, disable=not is_main, dynamic_ncols=True, file=sys.stderr)
+    def stop_run(message):  # the error line must be the last thing on the console, after the bar
+        bar.close()
+        raise SystemExit(message)
+
     while step < args.steps:
         t0 = time.time()
         info = {"step": step + 1}
@@ -507,7 +586,14 @@ def main(argv=None):
         t_sampled = time.time()
         bad = fatal = None
         try:
-            results = [f.result() for f in futures]
+            results = []
+            for b, future in enumerate(futures):
+                try:
+                    results.append(future.result())
+                except rewards.RewardServiceError as e:  # its "sample i" counts within rollout batch b
+                    names = list(dict.fromkeys(my_prompts[b * args.sample_batch_size:(b + 1) * args.sample_batch_size]))
+                    names = ", ".join(repr(q) for q in names[:3]) + (", ..." if len(names) > 3 else "")
+                    raise rewards.RewardServiceError(f"step {step + 1}, rank {RANK}, rollout batch {b} (prompts {names}): {e}") from None
             failed = torch.cat([r.get("failed", torch.zeros(len(r["reward"]), dtype=torch.bool)) for r in results]).bool()
             keys = sorted({k for r in results for k in r} - {"failed"})  # rm_type overrides may leave a component out
             scores = {k: torch.cat([r[k].float() if k in r else torch.full((len(r["reward"]),), float("nan"))
@@ -517,39 +603,45 @@ def main(argv=None):
         except rewards.NonFiniteReward as e:
             bad = str(e)
         except rewards.RewardServiceError as e:  # after the retries, with --reward-on-error raise
-            fatal = str(e)
+            fatal = " ".join(str(e).split())  # one line, even when the service sent a multi-line error page
         if any_rank(fatal is not None, device):  # every rank stops, not only the one whose service failed
-            raise SystemExit(f"error: {fatal or 'a reward service failed on another rank'}; "
+            reward_pool.shutdown(wait=False, cancel_futures=True)  # later batches' requests are not sent
+            stop_run(f"error: {fatal or 'a reward service failed on another rank'}; "
                              "retry later, raise --reward-retries / --reward-timeout, or use --reward-on-error skip")
         if any_rank(bad is not None, device):
+            bad = bad or "non-finite reward on another rank"
+        else:
+            # Groups with a sample whose reward service gave up (--reward-on-error skip) are dropped whole (departure 4).
+            all_failed = all_gather_cat(failed.to(device))  # [samples]
+            all_groups = torch.arange(args.prompts_per_step, device=device).repeat_interleave(args.group_size)  # [samples]
+            bad_groups = torch.zeros(args.prompts_per_step, dtype=torch.bool, device=device).index_put_((all_groups[all_failed],), torch.tensor(True, device=device))
+            if bad_groups.all():  # not one reward: an update would only replay Adam's momentum and weight decay
+                info["dropped_groups"] = int(bad_groups.sum())
+                bad = f"every group lost its reward: {args.reward} failed after --reward-retries {args.reward_retries}"
+        if bad is not None:
             bad_in_a_row += 1
-            info.update(skipped=1, skip_reason=bad or "non-finite reward on another rank", bad_in_a_row=bad_in_a_row)
+            info.update(skipped=1, skip_reason=bad, bad_in_a_row=bad_in_a_row)
             print0(f"step {step + 1}: skipped ({info['skip_reason']})")
             if is_main:
                 with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
                     f.write(json.dumps(info) + "\n")
             if bad_in_a_row >= args.max_bad_steps:
-                raise SystemExit(f"error: {bad_in_a_row} consecutive steps had non-finite rewards or gradients "
+                stop_run(f"error: {bad_in_a_row} consecutive steps were skipped "
                                  f"(last: {info['skip_reason']}); fix the reward or lower --lr (see --max-bad-steps)")
             step += 1
             bar.update(1)
             continue
         train_reward = scores[args.reward_key].to(device)
-        failed = failed.to(device)  # [per_rank] True where a reward service gave up (--reward-on-error skip)
 
         t_rewarded = time.time()  # the wait for rewards not hidden behind sampling
         # ===================================================================== ADVANTAGES
         # Gather every rank's rewards so each group is normalised over all its members, then take our slice.
         all_rewards = all_gather_cat(train_reward)  # [samples]
-        all_failed = all_gather_cat(failed)  # [samples]
-        all_groups = torch.arange(args.prompts_per_step, device=device).repeat_interleave(args.group_size)  # [samples]
-        bad_groups = torch.zeros(args.prompts_per_step, dtype=torch.bool, device=device).index_put_((all_groups[all_failed],), torch.tensor(True, device=device))
-        keep = ~bad_groups[all_groups]  # [samples]
+        keep = ~bad_groups[all_groups]  # [samples]; at least one group (a step without any is skipped above)
         all_adv = torch.zeros_like(all_rewards)
-        if keep.any():
-            all_adv[keep] = losses.group_advantages(all_rewards[keep], all_groups[keep], global_std=args.global_std, clip=args.adv_clip)
+        all_adv[keep] = losses.group_advantages(all_rewards[keep], all_groups[keep], global_std=args.global_std, clip=args.adv_clip)
         adv = all_adv[RANK * per_rank:(RANK + 1) * per_rank]  # [per_rank]
-        info.update(reward_mean=all_rewards[keep].mean().item() if keep.any() else float("nan"),
+        info.update(reward_mean=all_rewards[keep].mean().item(),
                     reward_std=all_rewards[keep].std().item() if keep.sum() > 1 else 0.0,
                     dropped_groups=int(bad_groups.sum()))
         for name, value in scores.items():
@@ -574,7 +666,9 @@ def main(argv=None):
                         x, x_next = batch["latents"][ids, k], batch["latents"][ids, k + 1]  # [b, ...]
                         sigma, sigma_next = sigmas[k].item(), sigmas[k + 1].item()
                         last = (done == n_backward - 1)
-                        sync = contextlib.nullcontext() if (last or WORLD == 1) else model.no_sync()
+                        if args.fsdp:  # FSDP's no_sync: accumulate unsharded, reduce-scatter after the last backward only
+                            transformer.set_requires_gradient_sync(last)
+                        sync = contextlib.nullcontext() if (last or WORLD == 1 or args.fsdp) else model.no_sync()
                         with sync:
                             with autocast():
                                 v = models.velocity(pipe, x, sigma, sub, guidance_scale=train_guidance, transformer=model)
@@ -608,6 +702,8 @@ def main(argv=None):
                             stats.setdefault(key, []).append(val)
                 # One optimizer step per minibatch; a non-finite gradient (NaN loss, log-prob or reward) skips it.
                 grad_norm = torch.nn.utils.clip_grad_norm_([q for _, q in trainable], args.max_grad_norm)
+                if args.fsdp:  # the norm over all shards, as a DTensor: a plain tensor, the same on every rank
+                    grad_norm = grad_norm.full_tensor()
                 if not math.isfinite(grad_norm.item()):
                     skipped_updates += 1
                     optimizer.zero_grad(set_to_none=True)
@@ -625,7 +721,7 @@ def main(argv=None):
         dev = max(stats.get("first_ratio_dev", [0.0]))
         same_forward = amp_dtype is None and (train_guidance == sample_guidance) and not args.flash
         if same_forward and dev > 1e-3:
-            raise SystemExit(f"error: ratio on the first update of an on-policy batch is off by {dev:.2e} (must be 1): "
+            stop_run(f"error: ratio on the first update of an on-policy batch is off by {dev:.2e} (must be 1): "
                              "the training forward differs from the rollout's (CFG, dtype or adapter mismatch)")
         if dev > 0.1:
             print0(f"warning: first-update ratio deviates from 1 by {dev:.2e}: the training forward does not match the rollout "
@@ -659,30 +755,39 @@ def main(argv=None):
                 save_sample_grid(os.path.join(args.out, "samples", f"{step:06d}.png"), first_images,
                                  my_prompts, train_reward.tolist())
             warn_divergence(info, args)
-        if args.eval_every and step % args.eval_every == 0 and is_main:  # held-out ODE samples, fixed noise
+        # Held-out ODE samples, fixed noise. Under FSDP every forward is collective: all ranks sample, rank 0 scores.
+        if args.eval_every and step % args.eval_every == 0 and (is_main or args.fsdp):
             pipe.transformer.eval()
             eval_images = evaluation.sample_images(pipe, eval_prompts, resolution=args.resolution, num_steps=args.eval_steps,
                                                    guidance_scale=sample_guidance, seed=args.seed, device=device,
                                                    batch_size=args.sample_batch_size, negative_prompt=args.negative_prompt)
-            eval_scores = evaluation.score(reward_fn, eval_images, eval_prompts, eval_meta)
-            with open(os.path.join(args.out, "eval.jsonl"), "a") as f:
-                f.write(json.dumps({"step": step, **eval_scores}) + "\n")
-            bar.write(f"eval  {step:5d} | " + " | ".join(f"{k} {v:+.4f}" for k, v in eval_scores.items()))
+            if is_main:
+                eval_scores = evaluation.score(reward_fn, eval_images, eval_prompts, eval_meta)
+                with open(os.path.join(args.out, "eval.jsonl"), "a") as f:
+                    f.write(json.dumps({"step": step, **eval_scores}) + "\n")
+                bar.write(f"eval  {step:5d} | " + " | ".join(f"{k} {v:+.4f}" for k, v in eval_scores.items()))
         if bad_in_a_row >= args.max_bad_steps:
-            raise SystemExit(f"error: {bad_in_a_row} consecutive steps were skipped (last: {info.get('skip_reason')}); "
+            stop_run(f"error: {bad_in_a_row} consecutive steps were skipped (last: {info.get('skip_reason')}); "
                              "lower --lr or check the reward (see --max-bad-steps)")
         stopping = any_rank(stop["signal"] is not None, device)
         if (args.save_every and step % args.save_every == 0) or step == args.steps or stopping:
             # Replicas must hold identical weights; a checksum per rank is cheap and catches a desync early.
-            checksum = torch.stack([q.detach().double().sum() + q.detach().double().abs().sum() for _, q in trainable]).sum()
+            local = [q.detach().to_local() if args.fsdp else q.detach() for _, q in trainable]  # FSDP: this rank's shards
+            checksum = torch.stack([t.double().sum() + t.double().abs().sum() for t in local]).sum()
+            if args.fsdp:  # shards are disjoint, nothing to desync: their sum is the full model's checksum, on every rank
+                dist.all_reduce(checksum)
             sums = all_gather_cat(checksum.reshape(1).to(device)).tolist()
             if max(sums) != min(sums):
-                raise SystemExit(f"error: the {WORLD} replicas hold different weights (checksums {sums}); not saving")
+                stop_run(f"error: the {WORLD} replicas hold different weights (checksums {sums}); not saving")
+            if args.fsdp:  # every rank takes part in the gathers; rank 0 gets the full tensors
+                full_state = fsdp_full_state(transformer, optimizer, trainable, ema)
+            else:
+                full_state = (dict(trainable), optimizer.state_dict(), ema) if is_main else None
             if is_main:
                 try:
-                    save_checkpoint(args, step, pipe, trainable, optimizer, ema, dict(bad_in_a_row=bad_in_a_row, rank_checksums=sums))
+                    save_checkpoint(args, step, pipe, *full_state, dict(bad_in_a_row=bad_in_a_row, rank_checksums=sums))
                 except OSError as e:  # full disk, lost mount: the previous checkpoint is untouched
-                    raise SystemExit(f"error: could not write checkpoint {step} in {args.out}/checkpoints ({e.strerror or e}); "
+                    stop_run(f"error: could not write checkpoint {step} in {args.out}/checkpoints ({e.strerror or e}); "
                                      "the previous checkpoint is intact: free space and rerun with --resume auto")
             if WORLD > 1:
                 dist.barrier()
