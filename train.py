@@ -130,15 +130,19 @@ def parse_args(argv=None):
     p.add_argument("--hps-version", default="v2.1", choices=["v2.0", "v2.1"], help="HPSv2 checkpoint version")
     p.add_argument("--hps-checkpoint-path", default=None, help="HPS checkpoint file (default: the xswu/HPSv2 hub file)")
     p.add_argument("--hps-model-name", default="ViT-H-14", help="open_clip architecture of the HPS checkpoint")
+    p.add_argument("--hps-batch-size", type=int, default=8, help="images per HPS forward")
     p.add_argument("--ocr-backend", default="rapidocr", choices=["rapidocr", "paddle"], help="OCR engine")
     p.add_argument("--ocr-workers", type=int, default=2, help="OCR worker pool size, per GPU")
     p.add_argument("--openai-api-rm-config", default=None, help="YAML file or base64:<yaml> for the openai_api judge")
     p.add_argument("--custom-api-rm-config", default=None, help="YAML file or base64:<yaml> for custom_api")
     p.add_argument("--rm-url", default=None, help="URL of a remote reward server (the 'remote' reward)")
+    p.add_argument("--remote-batch-size", type=int, default=0, help="samples per POST to --rm-url (0: the whole rollout batch)")
+    p.add_argument("--remote-max-concurrency", type=int, default=8, help="POSTs in flight to --rm-url")
     p.add_argument("--custom-rm-path", default=None, help="module.function scoring a batch; RUNS THAT USER CODE")
     p.add_argument("--custom-rm-args", default=None, help="opaque string passed to --custom-rm-path")
     p.add_argument("--reward-retries", type=int, default=3, help="attempts per request to a reward service")
     p.add_argument("--reward-timeout", type=float, default=60.0, help="seconds per reward service request")
+    p.add_argument("--reward-backoff", type=float, default=1.0, help="seconds before the first retry; doubles each time")
     p.add_argument("--reward-on-error", default="raise", choices=["raise", "skip"], help="after the retries: stop the run, or drop the affected groups from the update")
     # loss
     p.add_argument("--loss", default="grpo", choices=["grpo", "guard", "flowdppo"], help="GRPO (PPO clip), GRPO-Guard (RatioNorm), FlowDPPO (KL-ADV mask)")
@@ -376,6 +380,30 @@ def save_checkpoint(args, step, pipe, weights, optim_state, ema, extra):
     return final
 
 
+def write_checkpoint(args, step, pipe, trainable, optimizer, ema, device, extra):
+    """Called on every rank: checks that replicas agree, gathers FSDP shards, and rank 0 writes <out>/checkpoints/<step>."""
+    # Replicas must hold identical weights; a checksum per rank is cheap and catches a desync early.
+    local = [q.detach().to_local() if args.fsdp else q.detach() for _, q in trainable]  # FSDP: this rank's shards
+    checksum = torch.stack([t.double().sum() + t.double().abs().sum() for t in local]).sum()
+    if args.fsdp:  # shards are disjoint, nothing to desync: their sum is the full model's checksum, on every rank
+        dist.all_reduce(checksum)
+    sums = all_gather_cat(checksum.reshape(1).to(device)).tolist()
+    if max(sums) != min(sums):
+        raise SystemExit(f"error: the {WORLD} replicas hold different weights (checksums {sums}); not saving")
+    if args.fsdp:  # every rank takes part in the gathers; rank 0 gets the full tensors
+        full_state = fsdp_full_state(pipe.transformer, optimizer, trainable, ema)
+    else:
+        full_state = (dict(trainable), optimizer.state_dict(), ema) if is_main else None
+    if is_main:
+        try:
+            save_checkpoint(args, step, pipe, *full_state, dict(extra, rank_checksums=sums))
+        except OSError as e:  # full disk, lost mount: the previous checkpoint is untouched
+            raise SystemExit(f"error: could not write checkpoint {step} in {args.out}/checkpoints ({e.strerror or e}); "
+                             "the previous checkpoint is intact: free space and rerun with --resume auto")
+    if WORLD > 1:
+        dist.barrier()
+
+
 def load_checkpoint(path, args, trainable, optimizer, fsdp_model=None):
     """Restore weights, optimizer, EMA and RNG; fsdp_model: the sharded transformer (collective, every rank calls)."""
     from safetensors.torch import load_file
@@ -474,14 +502,8 @@ def main(argv=None):
     components = [part.split("=")[0].strip() for part in args.reward.split(",")]
     if components == ["ocr"] and (missing := data.ocr_targets_missing(prompts)):
         print0(f"warning: {missing} of {len(prompts)} prompts in {args.prompts} have no quoted target; the OCR reward scores them 0")
-    reward_fn = setup_or_exit(rewards.build_reward,
-        args.reward, device=device, pickscore_processor_path=args.pickscore_processor_path,
-        pickscore_model_path=args.pickscore_model_path, pickscore_batch_size=args.pickscore_batch_size,
-        pickscore_num_frames=args.pickscore_num_frames, hps_version=args.hps_version,
-        hps_checkpoint_path=args.hps_checkpoint_path, hps_model_name=args.hps_model_name, ocr_backend=args.ocr_backend, ocr_workers=args.ocr_workers,
-        openai_api_rm_config=args.openai_api_rm_config, custom_api_rm_config=args.custom_api_rm_config,
-        rm_url=args.rm_url, custom_rm_path=args.custom_rm_path, custom_rm_args=args.custom_rm_args,
-        reward_retries=args.reward_retries, reward_timeout=args.reward_timeout, reward_on_error=args.reward_on_error)
+    reward_fn = setup_or_exit(rewards.build_reward, args.reward, device=device,
+                              **{name: getattr(args, name) for name in rewards.OPTIONS})  # the flags of the reward group
 
     # ------------------------------------------------------------------------- model, LoRA, optimizer
     load_dtype = amp_dtype if (amp_dtype and args.lora_rank > 0) else torch.float32  # frozen base in half precision under LoRA
@@ -544,10 +566,28 @@ def main(argv=None):
     reward_pool = ThreadPoolExecutor(max_workers=1)  # scores batch b while batch b+1 is sampled
     step = start_step
     from tqdm import tqdm
-    bar = tqdm(total=args.steps, initial=start_step, disable=not is_main, dynamic_ncols=True, file=sys.stderr)
-    def stop_run(message):  # the error line must be the last thing on the console, after the bar
-        bar.close()
-        raise SystemExit(message)
+    # A live bar on rank 0's terminal; none in log files, where the per-step lines already say everything.
+    bar = tqdm(total=args.steps, initial=start_step, disable=not (is_main and sys.stderr.isatty()), dynamic_ncols=True)
+
+    def log_metrics(info):  # one line per step in metrics.jsonl (and wandb), rank 0
+        bar.update(1)
+        if is_main:
+            with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(info) + "\n")
+            if wandb_run:
+                wandb_run.log(info, step=info["step"])
+
+    def check_and_checkpoint(info):  # stop on too many bad steps; save when due or preempted; True = end the run
+        if bad_in_a_row >= args.max_bad_steps:
+            raise SystemExit(f"error: {bad_in_a_row} consecutive steps were skipped (last: {info.get('skip_reason')}); "
+                             "fix the reward, or lower --lr for non-finite gradients (see --max-bad-steps)")
+        stopping = any_rank(stop["signal"] is not None, device)
+        if (args.save_every and step % args.save_every == 0) or step == args.steps or stopping:
+            write_checkpoint(args, step, pipe, trainable, optimizer, ema, device, dict(bad_in_a_row=bad_in_a_row))
+        if stopping:
+            print0(f"stopped by {stop['signal'] or 'a signal on another rank'} after step {step}; "
+                   f"checkpoint saved, continue with --resume auto --out {args.out}")
+        return stopping
 
     while step < args.steps:
         t0 = time.time()
@@ -606,7 +646,7 @@ def main(argv=None):
             fatal = " ".join(str(e).split())  # one line, even when the service sent a multi-line error page
         if any_rank(fatal is not None, device):  # every rank stops, not only the one whose service failed
             reward_pool.shutdown(wait=False, cancel_futures=True)  # later batches' requests are not sent
-            stop_run(f"error: {fatal or 'a reward service failed on another rank'}; "
+            raise SystemExit(f"error: {fatal or 'a reward service failed on another rank'}; "
                              "retry later, raise --reward-retries / --reward-timeout, or use --reward-on-error skip")
         if any_rank(bad is not None, device):
             bad = bad or "non-finite reward on another rank"
@@ -618,18 +658,14 @@ def main(argv=None):
             if bad_groups.all():  # not one reward: an update would only replay Adam's momentum and weight decay
                 info["dropped_groups"] = int(bad_groups.sum())
                 bad = f"every group lost its reward: {args.reward} failed after --reward-retries {args.reward_retries}"
-        if bad is not None:
+        if bad is not None:  # skip the update, not the bookkeeping: the step is logged, counted, checkpointed
             bad_in_a_row += 1
-            info.update(skipped=1, skip_reason=bad, bad_in_a_row=bad_in_a_row)
-            print0(f"step {step + 1}: skipped ({info['skip_reason']})")
-            if is_main:
-                with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
-                    f.write(json.dumps(info) + "\n")
-            if bad_in_a_row >= args.max_bad_steps:
-                stop_run(f"error: {bad_in_a_row} consecutive steps were skipped "
-                                 f"(last: {info['skip_reason']}); fix the reward or lower --lr (see --max-bad-steps)")
+            info.update(skipped=1, skip_reason=bad, bad_in_a_row=bad_in_a_row, seconds=time.time() - t0)
+            print0(f"step {step + 1}: skipped ({bad})")
             step += 1
-            bar.update(1)
+            log_metrics(info)
+            if check_and_checkpoint(info):
+                break
             continue
         train_reward = scores[args.reward_key].to(device)
 
@@ -720,8 +756,8 @@ def main(argv=None):
         # The ratio check (departure 2): exact forwards must reproduce the rollout's log-probs.
         dev = max(stats.get("first_ratio_dev", [0.0]))
         same_forward = amp_dtype is None and (train_guidance == sample_guidance) and not args.flash
-        if same_forward and dev > 1e-3:
-            stop_run(f"error: ratio on the first update of an on-policy batch is off by {dev:.2e} (must be 1): "
+        if any_rank(same_forward and dev > 1e-3, device):  # all ranks stop together
+            raise SystemExit(f"error: ratio on the first update of an on-policy batch is off by {dev:.2e} (must be 1): "
                              "the training forward differs from the rollout's (CFG, dtype or adapter mismatch)")
         if dev > 0.1:
             print0(f"warning: first-update ratio deviates from 1 by {dev:.2e}: the training forward does not match the rollout "
@@ -741,12 +777,8 @@ def main(argv=None):
                     seconds_sampling=t_sampled - t0, seconds_reward_wait=t_rewarded - t_sampled,
                     seconds_training=t_trained - t_rewarded)
         step += 1
-        bar.update(1)
+        log_metrics(info)
         if is_main:
-            with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(info) + "\n")
-            if wandb_run:
-                wandb_run.log(info, step=step)
             bar.write(f"step {step:5d} | reward {info['reward_mean']:+.4f} +- {info['reward_std']:.4f} | "
                       f"loss {info.get('loss', float('nan')):+.5f} | ratio {info.get('ratio_mean', float('nan')):.5f} | "
                       f"clipfrac {info.get('clipfrac', float('nan')):.3f} | approx_kl {info.get('approx_kl', float('nan')):.2e} | "
@@ -766,34 +798,7 @@ def main(argv=None):
                 with open(os.path.join(args.out, "eval.jsonl"), "a") as f:
                     f.write(json.dumps({"step": step, **eval_scores}) + "\n")
                 bar.write(f"eval  {step:5d} | " + " | ".join(f"{k} {v:+.4f}" for k, v in eval_scores.items()))
-        if bad_in_a_row >= args.max_bad_steps:
-            stop_run(f"error: {bad_in_a_row} consecutive steps were skipped (last: {info.get('skip_reason')}); "
-                             "lower --lr or check the reward (see --max-bad-steps)")
-        stopping = any_rank(stop["signal"] is not None, device)
-        if (args.save_every and step % args.save_every == 0) or step == args.steps or stopping:
-            # Replicas must hold identical weights; a checksum per rank is cheap and catches a desync early.
-            local = [q.detach().to_local() if args.fsdp else q.detach() for _, q in trainable]  # FSDP: this rank's shards
-            checksum = torch.stack([t.double().sum() + t.double().abs().sum() for t in local]).sum()
-            if args.fsdp:  # shards are disjoint, nothing to desync: their sum is the full model's checksum, on every rank
-                dist.all_reduce(checksum)
-            sums = all_gather_cat(checksum.reshape(1).to(device)).tolist()
-            if max(sums) != min(sums):
-                stop_run(f"error: the {WORLD} replicas hold different weights (checksums {sums}); not saving")
-            if args.fsdp:  # every rank takes part in the gathers; rank 0 gets the full tensors
-                full_state = fsdp_full_state(transformer, optimizer, trainable, ema)
-            else:
-                full_state = (dict(trainable), optimizer.state_dict(), ema) if is_main else None
-            if is_main:
-                try:
-                    save_checkpoint(args, step, pipe, *full_state, dict(bad_in_a_row=bad_in_a_row, rank_checksums=sums))
-                except OSError as e:  # full disk, lost mount: the previous checkpoint is untouched
-                    stop_run(f"error: could not write checkpoint {step} in {args.out}/checkpoints ({e.strerror or e}); "
-                                     "the previous checkpoint is intact: free space and rerun with --resume auto")
-            if WORLD > 1:
-                dist.barrier()
-        if stopping:
-            print0(f"stopped by {stop['signal'] or 'a signal on another rank'} after step {step}; "
-                   f"checkpoint saved, continue with --resume auto --out {args.out}")
+        if check_and_checkpoint(info):
             break
     bar.close()
     reward_pool.shutdown()
