@@ -60,7 +60,7 @@ import sde
 # Hub settings are Flow-GRPO's SD3.5-M setup (arXiv:2505.05470, Sec. 5.1 and its config/grpo.py).
 PRESETS = {
     "tiny": dict(resolution=64, num_steps=10, guidance_scale=1.0, eta=0.7, group_size=8, prompts_per_step=4,
-                 sample_batch_size=16, train_batch_size=16, minibatches=1, lora_rank=0, lora_alpha=0, lr=1e-3,
+                 sample_batch_size=16, train_batch_size=16, minibatches=1, lora_rank=0, lora_alpha=0, lr=3e-3,
                  clip_range=0.2, kl_beta=0.0, steps=60, mixed_precision="no", prompts="prompts/tiny.txt",
                  reward="jpeg_compressibility", global_std=False, log_images_every=20),
     "hub": dict(resolution=512, num_steps=10, guidance_scale=4.5, eta=0.7, group_size=24, prompts_per_step=48,

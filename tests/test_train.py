@@ -159,3 +159,25 @@ def test_default_run_learns_quickly(tmp_path):
     first, last = rows[:3], rows[-3:]
     gain = sum(r["reward_mean"] for r in last) / 3 - sum(r["reward_mean"] for r in first) / 3
     assert gain > 2 * rows[0]["reward_std"], (gain, rows[0]["reward_std"])
+
+
+@pytest.mark.slow
+def test_compile_gives_the_same_losses(tmp_path):
+    """torch.compile of the transformer changes speed, not numbers (inductor's CPU kernels; minutes to compile)."""
+    _, plain = train(tmp_path, "--steps", "2", out="plain")
+    _, compiled = train(tmp_path, "--steps", "2", "--compile", out="compiled")
+    for a, b in zip(metrics(plain), metrics(compiled)):
+        for key in ("reward_mean", "loss", "ratio_mean", "approx_kl"):
+            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_full_default_run_meets_the_learning_bar(tmp_path, seed):
+    """`python train.py` as shipped: last tenth's mean reward - first tenth's >= 2x the first step's reward std."""
+    out = str(tmp_path / "default")
+    run([sys.executable, "train.py", "--seed", str(seed), "--out", out], tmp_path, timeout=900)
+    rows = metrics(out)
+    k = max(1, len(rows) // 10)
+    gain = sum(r["reward_mean"] for r in rows[-k:]) / k - sum(r["reward_mean"] for r in rows[:k]) / k
+    assert gain >= 2 * rows[0]["reward_std"], (gain, rows[0]["reward_std"])
