@@ -181,3 +181,24 @@ def test_full_default_run_meets_the_learning_bar(tmp_path, seed):
     k = max(1, len(rows) // 10)
     gain = sum(r["reward_mean"] for r in rows[-k:]) / k - sum(r["reward_mean"] for r in rows[:k]) / k
     assert gain >= 2 * rows[0]["reward_std"], (gain, rows[0]["reward_std"])
+
+
+def test_ema_is_saved_and_used_by_evaluation(tmp_path, monkeypatch):
+    """--ema-decay keeps an average of the trained weights; eval.py --ema evaluates it instead of the raw weights."""
+    from safetensors.torch import load_file
+    import eval as evaluation
+    import models
+    import train as train_module
+    monkeypatch.chdir(ROOT)
+    out = str(tmp_path / "ema")
+    train_module.main([*SMALL, "--steps", "2", "--ema-decay", "0.5", "--lr", "0.01", "--out", out, "--log-images-every", "0"])
+    ckpt = os.path.join(out, "checkpoints", "2")
+    raw, ema = load_file(os.path.join(ckpt, "trainable.safetensors")), load_file(os.path.join(ckpt, "ema.safetensors"))
+    base = dict(models.load_pipeline("tiny").transformer.named_parameters())
+    name = next(k for k in raw if (raw[k] != base[k]).any())  # a weight the run changed
+    # Two optimizer steps with decay 0.5 from the base b: ema = 0.25 b + 0.25 w1 + 0.5 w2, strictly between b and w2.
+    assert not torch.equal(ema[name], raw[name]) and not torch.equal(ema[name], base[name].detach())
+    for use_ema, expected in ((False, raw), (True, ema)):
+        pipe = models.load_pipeline("tiny")
+        evaluation.load_weights(pipe, ckpt, use_ema=use_ema)
+        assert torch.equal(dict(pipe.transformer.named_parameters())[name].detach(), expected[name])
