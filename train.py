@@ -509,13 +509,7 @@ def main(argv=None):
     load_dtype = amp_dtype if (amp_dtype and args.lora_rank > 0) else torch.float32  # frozen base in half precision under LoRA
     pipe = setup_or_exit(models.load_pipeline, args.model, args.model_path, dtype=load_dtype, device=device)
     transformer = pipe.transformer
-    models.add_lora(pipe, args.lora_rank, args.lora_alpha)
-    transformer.requires_grad_(args.lora_rank == 0)  # full fine-tune, or only the adapter
-    if args.lora_rank > 0:
-        for name, param in transformer.named_parameters():
-            if "lora_" in name:
-                param.requires_grad_(True)
-                param.data = param.data.float()  # trainable weights in float32
+    models.add_lora(pipe, args.lora_rank, args.lora_alpha)  # the adapter (float32) trains, or all weights for rank 0
     trainable = [(n, q) for n, q in transformer.named_parameters() if q.requires_grad]
     print0(f"model {args.model}: {sum(q.numel() for _, q in transformer.named_parameters()) / 1e6:.2f} M params, "
            f"{sum(q.numel() for _, q in trainable) / 1e6:.3f} M trained ({'LoRA r%d' % args.lora_rank if args.lora_rank else 'full'})")
