@@ -195,3 +195,13 @@ def test_resume_refuses_another_lora_rank(tmp_path):
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: --resume") and "--lora-rank 0" in last and "--lora-rank 4" in last
+
+
+def test_ocr_prompts_without_target_are_counted(tmp_path, capsys, monkeypatch):
+    import train as train_module
+    monkeypatch.chdir(ROOT)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text('a sign that says "OPEN"\na red apple\na blue car\n')
+    train_module.main([*FAST, "--steps", "1", "--prompts", str(prompts), "--reward", "ocr", "--out", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert f"warning: 2 of 3 prompts in {prompts} have no quoted target" in out
