@@ -26,7 +26,9 @@ Where this departs from the papers, and why
 3. The last denoising step (sigma ~0.01 -> 0) is always an ODE step and never trained: its transition
    std is ~0 and its log-prob would dominate the ratio (Flow-GRPO trains it with timestep_fraction 0.99).
 4. Groups whose reward service failed (`--reward-on-error skip`) are dropped from the advantages as
-   whole groups; a partial group would shift the group mean of the others.
+   whole groups (a partial group would shift the group mean of the others); their samples still run
+   with advantage 0, so every rank does the same number of backward passes, and the loss is scaled by
+   samples / kept samples so that a partial outage does not shrink the step.
 5. Rewards are computed in a background thread while the next sample batch is generated; the result is
    identical to scoring afterwards, only earlier.
 """
@@ -671,6 +673,7 @@ def main(argv=None):
         all_adv = torch.zeros_like(all_rewards)
         all_adv[keep] = losses.group_advantages(all_rewards[keep], all_groups[keep], global_std=args.global_std, clip=args.adv_clip)
         adv = all_adv[RANK * per_rank:(RANK + 1) * per_rank]  # [per_rank]
+        drop_scale = keep.numel() / keep.sum().item()  # dropped samples train with A = 0: keep the step size (departure 4)
         info.update(reward_mean=all_rewards[keep].mean().item(),
                     reward_std=all_rewards[keep].std().item() if keep.sum() > 1 else 0.0,
                     dropped_groups=int(bad_groups.sum()))
@@ -723,7 +726,7 @@ def main(argv=None):
                                 li["kl"] = kl.item()
                             if os.environ.get("FLOWRL_TEST_NAN_STEP") == str(step + 1):  # fault-injection hook
                                 loss = loss * float("nan")
-                            (loss / n_backward).backward()
+                            (loss * drop_scale / n_backward).backward()
                         done += 1
                         if optim_steps == 0 and update == 0:  # on-policy: the ratio must be 1 before the first step
                             li["first_ratio_dev"] = (out.log_prob.detach() - old_lp).abs().max().exp().item() - 1
