@@ -6,6 +6,7 @@ Launch
     python bench.py --model tiny --json bench.json -- --group-size 4  # train.py flags go after `--`
     python bench.py --model sd3-random @recipes/sd3_bench.args --json sd3.json       # GPU, random SD3.5-M, no hub
     python bench.py --windows --model tiny                            # speed-up of fast / mix / mix+flash over all
+    python bench.py --rewards                                         # images/s of each offline reward scorer
     scripts/gpu_bench.sh                                              # the GPU figures of the README
 
 What is measured
@@ -90,6 +91,10 @@ def parse_args(argv=None):
     p.add_argument("--windows", action="store_true", help="run --sde-window all, fast, mix and mix --flash and print each one's speed-up over all")
     p.add_argument("--window-size", type=int, default=None, help="--windows: steps in the fast / mix window (default 2)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads for the run and the bare timing (default: torch's; 1 is steadiest on a shared CPU)")
+    p.add_argument("--rewards", action="store_true", help="only time the offline reward scorers (images/s)")
+    p.add_argument("--reward-images", type=int, default=16, help="--rewards: images per timed call")
+    p.add_argument("--reward-size", type=int, default=512, help="--rewards: image side in pixels")
+    p.add_argument("--ocr-workers", type=int, nargs="+", default=[1, 2, 4], help="--rewards: OCR pool sizes to time")
     p.add_argument("--json", default=None, help="write the figures to this JSON file")
     p.add_argument("--out", default=None, help="train.py run folder (default: a temporary folder, removed afterwards)")
     args, unknown = p.parse_known_args(own)
@@ -475,9 +480,52 @@ def run_windows(args):
     return dict(windows=results, speedup_vs_all=speedup, compute_speedup_vs_all=compute_speedup, equal_load_speedup_vs_all=equal_load)
 
 
+def reward_throughput(args):
+    """images/s of each offline scorer on this machine (PickScore and HPS as tiny random stand-ins)."""
+    import numpy as np
+    from PIL import Image, ImageDraw, ImageFont
+
+    import models
+    import rewards
+
+    rng = np.random.default_rng(0)
+    n, size = args.reward_images, args.reward_size
+    images, prompts = [], []
+    for i in range(n):  # smooth colour fields with a line of text: JPEG and OCR behave as on real samples
+        img = Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).resize((size, size), Image.BICUBIC)
+        ImageDraw.Draw(img).text((size // 10, size // 2), f"Sample {i}", fill="black", font=ImageFont.load_default(size=size // 10))
+        images.append(np.asarray(img))
+        prompts.append(f'a sign that says "Sample {i}"')
+    images, metadata = np.stack(images), [{}] * n
+    print(f"{os.cpu_count()} CPU threads, torch {torch.__version__}, {n} images of {size}x{size} per call")
+    result = {}
+
+    def bench(label, score, repeats=2):
+        score(images[:2], prompts[:2], metadata[:2])  # warm-up (loads the model)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            score(images, prompts, metadata)
+        result[label] = repeats * n / (time.perf_counter() - start)
+        print(f"{label:44s} {result[label]:8.1f} images/s")
+
+    bench("jpeg_compressibility", rewards.jpeg_compressibility())
+    bench("jpeg_incompressibility", rewards.jpeg_incompressibility())
+    for workers in args.ocr_workers:
+        bench(f"ocr (rapidocr, {workers} worker(s))", rewards.ocr(ocr_workers=workers), repeats=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        # 224 px in patches of 14: the 256 image tokens of ViT-H-14, in a 2-layer, 32-wide model
+        folder = models.tiny_pickscore(os.path.join(tmp, "pickscore"), image_size=224, patch_size=14)
+        bench("pickscore (tiny random CLIP stand-in)", rewards.pickscore(pickscore_processor_path=folder, pickscore_model_path=folder))
+        name, path = models.tiny_hps(os.path.join(tmp, "hps"), image_size=224, patch_size=14)
+        bench("hps (tiny random open_clip stand-in)", rewards.hps(hps_checkpoint_path=path, hps_model_name=name))
+    return {"reward_images_per_s": result}
+
+
 def main(argv=None):
     args = parse_args(argv)
-    if args.windows:
+    if args.rewards:
+        result = reward_throughput(args)
+    elif args.windows:
         result = run_windows(args)
     else:
         result = run(args)
@@ -486,7 +534,7 @@ def main(argv=None):
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    if not args.windows:
+    if not (args.windows or args.rewards):
         bad = [k for k in REQUIRED_KEYS + (("mfu",) if "mfu" in result else ()) if not (math.isfinite(result[k]) and result[k] > 0)]
         if bad:
             raise SystemExit(f"error: non-finite or non-positive figures {bad}; see the table above")

@@ -36,6 +36,7 @@ Departures from the diffusers defaults, and why:
 import contextlib
 import functools
 import gzip
+import json
 import importlib.util
 import math
 import os
@@ -482,6 +483,51 @@ def save_lora(pipe, folder):
         transformer_lora_layers=get_peft_model_state_dict(transformer),
         transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict(),
     )
+
+
+# ----------------------------------------------------------------------------- tiny reward-model stand-ins
+# Random-initialised, built from configs: the PickScore and HPS code paths of rewards.py without a download
+# (tests, recipes on the tiny model, bench.py --rewards).
+
+def tiny_pickscore(folder, *, seed=0, image_size=32, patch_size=8):
+    """Save a random-initialised tiny CLIPModel + CLIPProcessor (real CLIP tokenizer) into `folder`:
+    pass it as pickscore_processor_path and pickscore_model_path."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    tokenizer = clip_tokenizer()
+    images = CLIPImageProcessor(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size})
+    CLIPProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(folder)
+    config = CLIPConfig(
+        text_config=dict(vocab_size=49408, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         max_position_embeddings=77, bos_token_id=49406, eos_token_id=49407, pad_token_id=49407),
+        vision_config=dict(image_size=image_size, patch_size=patch_size, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=2),
+        projection_dim=16)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        CLIPModel(config).save_pretrained(folder)
+    return folder
+
+
+def tiny_hps(folder, *, seed=0, image_size=32, patch_size=8):
+    """Register a tiny open_clip architecture and save a random HPS-style checkpoint
+    ({"state_dict": ...}) into `folder`; returns (hps_model_name, hps_checkpoint_path)."""
+    import open_clip
+
+    name = f"tiny-hps-{image_size}-{patch_size}"
+    config = {"embed_dim": 16,
+              "vision_cfg": {"image_size": image_size, "layers": 2, "width": 32, "head_width": 16, "patch_size": patch_size},
+              "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2}}
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, name + ".json"), "w") as f:
+        json.dump(config, f)
+    open_clip.add_model_config(os.path.join(folder, name + ".json"))
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = open_clip.create_model(name, pretrained=None)
+    path = os.path.join(folder, "hps_tiny.pt")
+    torch.save({"state_dict": model.state_dict()}, path)
+    return name, path
 
 
 MODELS = {

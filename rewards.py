@@ -52,7 +52,7 @@ The `remote` protocol (POST to `--rm-url`, Content-Type application/json):
 `custom` and `custom_api` import and run user code named by a dotted path: only point them at
 code you trust.
 
-Run `python rewards.py` for the images/s of the offline scorers on this machine.
+Run `python bench.py --rewards` for the images/s of the offline scorers on this machine.
 """
 
 import base64
@@ -814,99 +814,3 @@ REWARDS = {
     "remote": remote,
     "custom": custom,
 }
-
-
-# ----------------------------------------------------------------------------- tiny stand-ins (tests, benchmark)
-
-def tiny_pickscore(folder, *, seed=0, image_size=32, patch_size=8):
-    """Save a random-initialised tiny CLIPModel + CLIPProcessor (real CLIP tokenizer) into `folder`:
-    pass it as pickscore_processor_path and pickscore_model_path."""
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
-
-    import models
-
-    tokenizer = models.clip_tokenizer()
-    images = CLIPImageProcessor(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size})
-    CLIPProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(folder)
-    config = CLIPConfig(
-        text_config=dict(vocab_size=49408, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         max_position_embeddings=77, bos_token_id=49406, eos_token_id=49407, pad_token_id=49407),
-        vision_config=dict(image_size=image_size, patch_size=patch_size, hidden_size=32, intermediate_size=64,
-                           num_hidden_layers=2, num_attention_heads=2),
-        projection_dim=16)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        CLIPModel(config).save_pretrained(folder)
-    return folder
-
-
-def tiny_hps(folder, *, seed=0, image_size=32, patch_size=8):
-    """Register a tiny open_clip architecture and save a random HPS-style checkpoint
-    ({"state_dict": ...}) into `folder`; returns (hps_model_name, hps_checkpoint_path)."""
-    import open_clip
-
-    name = f"tiny-hps-{image_size}-{patch_size}"
-    config = {"embed_dim": 16,
-              "vision_cfg": {"image_size": image_size, "layers": 2, "width": 32, "head_width": 16, "patch_size": patch_size},
-              "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2}}
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, name + ".json"), "w") as f:
-        json.dump(config, f)
-    open_clip.add_model_config(os.path.join(folder, name + ".json"))
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = open_clip.create_model(name, pretrained=None)
-    path = os.path.join(folder, "hps_tiny.pt")
-    torch.save({"state_dict": model.state_dict()}, path)
-    return name, path
-
-
-def _benchmark():
-    """images/s of the offline scorers on this machine's CPU."""
-    import argparse
-    import tempfile
-
-    from PIL import ImageDraw, ImageFont
-
-    parser = argparse.ArgumentParser(description=_benchmark.__doc__)
-    parser.add_argument("--n", type=int, default=16, help="images per timed call")
-    parser.add_argument("--size", type=int, default=512, help="image side in pixels")
-    parser.add_argument("--ocr-workers", type=int, nargs="+", default=[1, 2, 4])
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.ERROR)
-
-    rng = np.random.default_rng(0)
-    images, prompts = [], []
-    for i in range(args.n):  # smooth colour fields with a line of text: JPEG and OCR behave as on real samples
-        low = rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)
-        img = Image.fromarray(low).resize((args.size, args.size), Image.BICUBIC)
-        word = f"Sample {i}"
-        ImageDraw.Draw(img).text((args.size // 10, args.size // 2), word, fill="black",
-                                 font=ImageFont.load_default(size=args.size // 10))
-        images.append(np.asarray(img))
-        prompts.append(f'a sign that says "{word}"')
-    images, metadata = np.stack(images), [{}] * args.n
-    print(f"{os.cpu_count()} CPU threads, torch {torch.__version__}, {args.n} images of {args.size}x{args.size} per call")
-
-    def bench(label, score, repeats=2):
-        score(images[:2], prompts[:2], metadata[:2])  # warm-up
-        start = time.perf_counter()
-        for _ in range(repeats):
-            values = score(images, prompts, metadata)
-        rate = repeats * args.n / (time.perf_counter() - start)
-        print(f"{label:44s} {rate:8.1f} images/s   mean score {float(torch.as_tensor(values).mean()):+.3f}")
-
-    bench("jpeg_compressibility", jpeg_compressibility())
-    bench("jpeg_incompressibility", jpeg_incompressibility())
-    for workers in args.ocr_workers:
-        bench(f"ocr (rapidocr, {workers} worker(s))", ocr(ocr_workers=workers), repeats=1)
-    with tempfile.TemporaryDirectory() as tmp:
-        # 224 px in patches of 14: the 256 image tokens of ViT-H-14, in a 2-layer, 32-wide model
-        folder = tiny_pickscore(os.path.join(tmp, "pickscore"), image_size=224, patch_size=14)
-        bench("pickscore (tiny random CLIP stand-in)", pickscore(pickscore_processor_path=folder, pickscore_model_path=folder))
-        name, path = tiny_hps(os.path.join(tmp, "hps"), image_size=224, patch_size=14)
-        bench("hps (tiny random open_clip stand-in)", hps(hps_checkpoint_path=path, hps_model_name=name))
-
-
-if __name__ == "__main__":
-    _benchmark()

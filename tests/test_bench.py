@@ -109,3 +109,14 @@ def test_windows_speedups(tmp_path):
     for name, r in result["windows"].items():
         assert result["equal_load_speedup_vs_all"][name] == pytest.approx(
             compute[name] * result["windows"]["all"]["overhead_ratio"] / r["overhead_ratio"])
+
+
+def test_reward_throughput_times_every_offline_scorer(tmp_path):
+    path = tmp_path / "rewards.json"
+    proc = subprocess.run([sys.executable, "bench.py", "--rewards", "--reward-images", "2", "--reward-size", "64",
+                           "--ocr-workers", "1", "--json", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rates = json.loads(path.read_text())["reward_images_per_s"]
+    assert set(rates) == {"jpeg_compressibility", "jpeg_incompressibility", "ocr (rapidocr, 1 worker(s))",
+                          "pickscore (tiny random CLIP stand-in)", "hps (tiny random open_clip stand-in)"}
+    assert all(math.isfinite(r) and r > 0 for r in rates.values())

@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+import models
 import rewards
 import train
 
@@ -20,8 +21,8 @@ SHRINK = ["--model", "tiny", "--resolution", "32", "--prompts-per-step", "2", "-
 def tiny_reward_models(tmp_path_factory):
     """Stand-ins for the hub reward models: tiny random PickScore and HPS built from configs."""
     folder = str(tmp_path_factory.mktemp("reward_models"))
-    pick = rewards.tiny_pickscore(os.path.join(folder, "pickscore"))
-    hps_name, hps_path = rewards.tiny_hps(os.path.join(folder, "hps"))
+    pick = models.tiny_pickscore(os.path.join(folder, "pickscore"))
+    hps_name, hps_path = models.tiny_hps(os.path.join(folder, "hps"))
     return ["--pickscore-model-path", pick, "--pickscore-processor-path", pick,
             "--hps-checkpoint-path", hps_path, "--hps-model-name", hps_name]
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
+import models
 import rewards
 from reward_server import JsonServer, chat_reply
 from rewards import NonFiniteReward, RewardServiceError, build_reward, ocr_score
@@ -108,7 +109,7 @@ def test_jpeg_rewards_match_pil_sizes():
 
 @pytest.fixture(scope="module")
 def tiny_pickscore(tmp_path_factory):
-    return rewards.tiny_pickscore(str(tmp_path_factory.mktemp("pickscore")))
+    return models.tiny_pickscore(str(tmp_path_factory.mktemp("pickscore")))
 
 
 def test_pickscore_formula_batching_and_frames(tiny_pickscore):
@@ -154,7 +155,7 @@ def test_pickscore_missing_model_names_the_flag(tiny_pickscore, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_hps(tmp_path_factory):
-    return rewards.tiny_hps(str(tmp_path_factory.mktemp("hps")))
+    return models.tiny_hps(str(tmp_path_factory.mktemp("hps")))
 
 
 def test_hps_formula_and_batching(tiny_hps):
