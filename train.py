@@ -209,7 +209,10 @@ def check_args(p, args, world_size):
         p.error("--kl-beta > 0 needs a LoRA adapter (the reference is the base model with it disabled): set --lora-rank > 0 or --kl-beta 0")
     if args.eta <= 0:
         p.error("--eta must be > 0 for training: with no noise the step is an ODE and has no log-prob")
-    components = [part.split("=")[0].strip() for part in args.reward.split(",")]
+    try:
+        components = [name for name, _ in rewards.parse_spec(args.reward)]  # unknown names fail here, before any model
+    except ValueError as e:
+        p.error(str(e))
     if args.reward_key != "reward" and args.reward_key not in components and "custom" not in components:
         p.error(f"--reward-key {args.reward_key!r} is not a component of --reward {args.reward!r}")
     if args.clip_range <= 0 or args.updates_per_batch < 1 or args.steps < 1:
@@ -219,7 +222,7 @@ def check_args(p, args, world_size):
         sde.sde_steps(args.num_steps, **window_kwargs(args, 0))
     except ValueError as e:
         p.error(str(e))
-    return per_rank
+    return per_rank, components
 
 
 def window_kwargs(args, step):
@@ -478,7 +481,7 @@ def setup_or_exit(fn, *a, **k):
 
 def main(argv=None):
     p, args = parse_args(argv)
-    per_rank = check_args(p, args, WORLD)
+    per_rank, components = check_args(p, args, WORLD)
     if WORLD > 1:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(minutes=30))
     device = torch.device(f"cuda:{LOCAL_RANK}" if torch.cuda.is_available() else "cpu")
@@ -501,7 +504,6 @@ def main(argv=None):
     keys = dict(input_key=args.input_key, metadata_key=args.metadata_key)
     prompts, metadata = setup_or_exit(data.load_prompts, args.prompts, **keys)
     eval_prompts, eval_meta = setup_or_exit(data.load_prompts, args.eval_prompts, **keys) if args.eval_prompts else ([], [])
-    components = [part.split("=")[0].strip() for part in args.reward.split(",")]
     if components == ["ocr"] and (missing := data.ocr_targets_missing(prompts)):
         print0(f"warning: {missing} of {len(prompts)} prompts in {args.prompts} have no quoted target; the OCR reward scores them 0")
     reward_fn = setup_or_exit(rewards.build_reward, args.reward, device=device,
@@ -557,6 +559,7 @@ def main(argv=None):
     signal.signal(signal.SIGINT, on_signal)
 
     sigmas = sde.sd3_sigmas(args.num_steps, shift=args.shift)  # [T+1], 1 -> 0
+    sigma_max = sigmas[1].item()  # stands in for s = 1 in 1 - s (sde.py (3)), as in the rollout
     sample_guidance = args.guidance_scale
     train_guidance = args.guidance_scale if (args.train_cfg or "flux" in args.model) else 1.0
     reward_pool = ThreadPoolExecutor(max_workers=1)  # scores batch b while batch b+1 is sampled
@@ -591,7 +594,7 @@ def main(argv=None):
         # ===================================================================== SAMPLING
         prompt_ids = data.step_prompt_ids(len(prompts), step, prompts_per_step=args.prompts_per_step,
                                           seed=args.seed, shuffle=not args.no_shuffle)
-        my_prompt_ids, my_group_ids = data.rank_samples(prompt_ids, group_size=args.group_size, rank=RANK, world_size=WORLD)
+        my_prompt_ids, _ = data.rank_samples(prompt_ids, group_size=args.group_size, rank=RANK, world_size=WORLD)
         my_prompts = [prompts[i] for i in my_prompt_ids]
         my_meta = [metadata[i] for i in my_prompt_ids]
         unique = sorted(set(my_prompt_ids))
@@ -706,7 +709,7 @@ def main(argv=None):
                             with autocast():
                                 v = models.velocity(pipe, x, sigma, sub, guidance_scale=train_guidance, transformer=model)
                             out = sde.sde_step(v, x, sigma, sigma_next, kind=args.sde, eta=args.eta, prev_sample=x_next,
-                                               sigma_max=sigmas[1].item())
+                                               sigma_max=sigma_max)
                             old_lp, a = batch["log_probs"][ids, j], adv[ids]
                             if args.loss == "grpo":
                                 loss, li = losses.grpo_loss(out.log_prob, old_lp, a, clip_range=args.clip_range)
@@ -720,7 +723,7 @@ def main(argv=None):
                                 with torch.no_grad(), models.reference(pipe), autocast():
                                     v_ref = models.velocity(pipe, x, sigma, sub, guidance_scale=train_guidance)
                                 ref = sde.sde_step(v_ref, x, sigma, sigma_next, kind=args.sde, eta=args.eta,
-                                                   prev_sample=x_next, sigma_max=sigmas[1].item())
+                                                   prev_sample=x_next, sigma_max=sigma_max)
                                 kl, _ = losses.kl_penalty(out.mean, ref.mean, out.std)
                                 loss = loss + args.kl_beta * kl
                                 li["kl"] = kl.item()
@@ -752,7 +755,7 @@ def main(argv=None):
 
         # The ratio check (departure 2): exact forwards must reproduce the rollout's log-probs.
         dev = max(stats.get("first_ratio_dev", [0.0]))
-        same_forward = amp_dtype is None and (train_guidance == sample_guidance) and not args.flash
+        same_forward = amp_dtype is None and train_guidance == sample_guidance
         if any_rank(same_forward and dev > 1e-3, device):  # all ranks stop together
             raise SystemExit(f"error: ratio on the first update of an on-policy batch is off by {dev:.2e} (must be 1): "
                              "the training forward differs from the rollout's (CFG, dtype or adapter mismatch)")
