@@ -359,3 +359,21 @@ def test_flash_matches_the_ode_with_fewer_calls(num_steps, steps):
     rms = lambda a, b: ((a - b) ** 2).mean().sqrt().item()
     assert rms(fast["latents"][:, -1], base["latents"][:, -1]) < 0.2
     assert rms(fast["latents"][:, -1], exact) < rms(base["latents"][:, -1], exact)
+
+
+@pytest.mark.parametrize("num_steps", [10, 14])
+def test_ode_sample_euler_is_the_rollout_and_dpm2_is_closer_to_the_exact_ode(num_steps):
+    sigmas = sde.sd3_sigmas(num_steps)
+    x = torch.randn(4000, 2, generator=torch.Generator().manual_seed(0))
+    velocity = counting(exact_velocity)
+    euler = sde.ode_sample(velocity, x, sigmas, solver="euler")
+    assert velocity.calls == num_steps
+    assert torch.equal(euler, sde.rollout(exact_velocity, x, sigmas, sde_steps=[], kind="ode")["latents"][:, -1])
+    velocity = counting(exact_velocity)
+    dpm2 = sde.ode_sample(velocity, x, sigmas, solver="dpm2")
+    assert velocity.calls == num_steps and dpm2.shape == x.shape and dpm2.dtype == torch.float32
+    exact = exact_transport(x, 1.0)  # the exact ODE maps the noise affinely onto the data
+    rms = lambda a: ((a - exact) ** 2).mean().sqrt().item()
+    assert rms(dpm2) < 0.5 * rms(euler), (rms(dpm2), rms(euler))  # second order: well under Euler's error
+    with pytest.raises(ValueError, match="--sampler"):
+        sde.ode_sample(exact_velocity, x, sigmas, solver="heun")
