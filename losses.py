@@ -1,4 +1,5 @@
-"""Group-relative advantages and the per-step policy losses: GRPO, GRPO-Guard, FlowDPPO, KL penalty.
+"""Group-relative advantages and the policy losses: GRPO, GRPO-Guard, FlowDPPO, KL penalty (reverse process);
+DiffusionNFT and Advantage Weighted Matching (forward process).
 
 Pure functions of tensors: no model, no args object, hyper-parameters as keywords. Each loss takes
 the tensors of ONE trained denoising step k for a micro-batch and returns (loss, info), where loss
@@ -18,6 +19,19 @@ is a scalar to backpropagate and info a dict of detached floats to log.
 Shapes: log_prob, old_log_prob, adv [B]; mean, old_mean [B, ...]; std, sigma_t, dt float or [B].
 Per-sample quantities stay per sample: nothing is averaged over the batch before the last mean.
 `adv` is expected clipped already (group_advantages does it); `adv_clip` clamps again if given.
+
+The forward-process losses (DiffusionNFT arXiv:2509.16117, AWM arXiv:2509.25050) take no log-prob of
+a sampler step: they re-noise a clean rollout sample x0 with fresh noise eps at a noise level s,
+x_s = (1 - s) x0 + s eps, and compare the velocity there with the flow-matching target eps - x0.
+
+    code            paper symbol
+    ----            ------------
+    v, v_old        v_theta(x_t, t) and v_old(x_t, t) of the "old" (sampling) policy (NFT)
+    v_ref           the base model's (LoRA off) or an EMA copy's velocity, for the velocity-space KL
+    x_t, x0, eps    the re-noised input, the clean rollout sample, the fresh noise
+    sigma           t in x_t = (1 - t) x0 + t eps
+    r               DiffusionNFT's optimality probability, in [0, 1]
+    beta            DiffusionNFT's guidance strength beta (not a KL weight)
 """
 
 import torch
@@ -47,6 +61,21 @@ def _ratio_stats(ratio, log_ratio):
     return {"ratio_mean": r.mean().item(), "ratio_std": r.std(unbiased=False).item(),
             "ratio_min": r.min().item(), "ratio_max": r.max().item(),
             "approx_kl": 0.5 * (log_ratio.detach().float() ** 2).mean().item()}
+
+
+def _ppo_clip(ratio, adv, clip_range):
+    """Per-term PPO clipped surrogate (arXiv:1707.06347, Eq. 7): max(-A r, -A clip(r, 1 - eps, 1 + eps)).
+    A term whose ratio has left [1 - eps, 1 + eps] in the advantage's direction takes the constant branch
+    and carries no gradient. Returns the per-term losses and the clipped fraction (|r - 1| > eps)."""
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range)
+    clipfrac = ((ratio.detach() - 1).abs() > clip_range).float().mean().item()
+    return torch.maximum(unclipped, clipped), clipfrac
+
+
+def _sq_dist(a, b):
+    """mean_dims((a - b)^2) per sample, float32 -> [B]."""
+    return ((a.float() - b.float()) ** 2).mean(_dims(a))
 
 
 def group_advantages(rewards, group_ids, *, global_std=False, eps=1e-4, clip=5.0):
@@ -87,12 +116,10 @@ def grpo_loss(log_prob, old_log_prob, adv, *, clip_range, adv_clip=None):
     adv = adv.float() if adv_clip is None else adv.float().clamp(-adv_clip, adv_clip)
     log_ratio = log_prob.float() - old_log_prob.float()
     ratio = torch.exp(log_ratio)
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range)
-    loss = torch.maximum(unclipped, clipped).mean()
+    per_term, clipfrac = _ppo_clip(ratio, adv, clip_range)
     info = _ratio_stats(ratio, log_ratio)
-    info["clipfrac"] = ((ratio.detach() - 1).abs() > clip_range).float().mean().item()
-    return loss, info
+    info["clipfrac"] = clipfrac
+    return per_term.mean(), info
 
 
 def kl_penalty(mean, ref_mean, std):
@@ -100,7 +127,7 @@ def kl_penalty(mean, ref_mean, std):
     the closed form for equal-covariance Gaussians (Flow-GRPO arXiv:2505.05470), mean-reduced over
     latent dims like the log-probs: per sample mean_dims((mean - ref_mean)^2) / (2 std^2), then the
     mean over samples. std is the transition std, float or [B]."""
-    kl = ((mean.float() - ref_mean.float()) ** 2).mean(_dims(mean)) / (2 * _per_sample(std, mean) ** 2)  # [B]
+    kl = _sq_dist(mean, ref_mean) / (2 * _per_sample(std, mean) ** 2)  # [B]
     return kl.mean(), {"kl_mean": kl.detach().mean().item(), "kl_max": kl.detach().max().item()}
 
 
@@ -120,14 +147,13 @@ def guard_loss(log_prob, old_log_prob, mean, old_mean, std, dt, adv, *, clip_ran
     c = _per_sample(std, log_prob)  # [B]
     if (c <= 0).any():
         raise ValueError("guard_loss needs a positive transition std (an ODE step or --eta 0 has none)")
-    mse = ((mean.float() - old_mean.float()) ** 2).mean(_dims(mean))  # [B], per sample
+    mse = _sq_dist(mean, old_mean)  # [B], per sample
     log_ratio = (log_prob.float() - old_log_prob.float()) * c + mse / (2 * c)
     ratio = torch.exp(log_ratio)
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range)
-    per_sample = torch.maximum(unclipped, clipped) / -_per_sample(dt, log_prob)
+    per_term, clipfrac = _ppo_clip(ratio, adv, clip_range)
+    per_sample = per_term / -_per_sample(dt, log_prob)
     info = _ratio_stats(ratio, log_ratio)
-    info["clipfrac"] = ((ratio.detach() - 1).abs() > clip_range).float().mean().item()
+    info["clipfrac"] = clipfrac
     info["mean_shift"] = mse.detach().mean().item()
     return per_sample.mean(), info
 
@@ -162,3 +188,133 @@ def flowdppo_loss(log_prob, old_log_prob, mean, old_mean, sigma_t, adv, *, thres
                 kl_new_old_mean=kl.mean().item(), kl_new_old_max=kl.max().item(),
                 pos_rm_fraction=pos_rm.float().mean().item(), neg_rm_fraction=neg_rm.float().mean().item())
     return loss, info
+
+
+# ----------------------------------------------------------------------------- forward process
+AWM_WEIGHTINGS = ("uniform", "t", "t2", "huber", "ghuber")
+GHUBER_OFFSET = 1e-10  # AWM's epsilon inside the power: part of the definition, (1e-10)^0.25 = 3.2e-3
+
+
+def _per_sample64(value, like):
+    """float or [B] -> float64 [B, 1, ..., 1], broadcasting over like's non-batch dims."""
+    t = torch.as_tensor(value, dtype=torch.float64, device=like.device)
+    t = t.expand(like.shape[0]) if t.ndim == 0 else t.reshape(like.shape[0])
+    return t.view((-1,) + (1,) * (like.ndim - 1))
+
+
+def velocity_kl(v, v_ref):
+    """The velocity-space penalty of DiffusionNFT and AWM: mean over samples of mean_dims((v - v_ref)^2),
+    against the base model (LoRA off; NFT train_nft_sd3.py L966-970, AWM train_sd3_awm.py L1337) or AWM's
+    EMA copy (L1346). Unlike kl_penalty there is no transition std: these losses have no SDE step."""
+    kl = _sq_dist(v, v_ref)  # [B]
+    return kl.mean(), {"kl_mean": kl.detach().mean().item(), "kl_max": kl.detach().max().item()}
+
+
+def nft_optimality(adv, *, adv_clip=5.0):
+    """DiffusionNFT's optimality probability (arXiv:2509.16117; train_nft_sd3.py L910-929):
+    r = clip(A / adv_clip, -1, 1) / 2 + 1/2, so r = 1/2 at the group mean, 1 at A >= adv_clip, 0 at A <= -adv_clip."""
+    if adv_clip <= 0:
+        raise ValueError(f"--adv-clip must be positive, got {adv_clip}")
+    return (adv.float() / adv_clip).clamp(-1, 1) / 2 + 0.5
+
+
+def nft_loss(v, v_old, x_t, x0, sigma, r, *, beta, adaptive=True):
+    """DiffusionNFT's policy loss on one re-noised batch (arXiv:2509.16117; train_nft_sd3.py L930-960):
+
+        v+ = beta v + (1 - beta) v_old,   v- = (1 + beta) v_old - beta v        (implicit positive / negative
+                                                                                 policies; v_old detached)
+        x0+- = x_t - t v+-                                                      (their x0 estimates)
+        w+-  = stopgrad(max(mean_dims |x0+- - x0|, 1e-5))                       ("adaptive" weight, per sample)
+        L+-  = mean_dims (x0+- - x0)^2 / w+-
+        l_i  = (r_i L+ + (1 - r_i) L-) / beta,   loss = mean_i l_i
+
+    Since x0_hat - x0 = -t (v - (eps - x0)), L+ is t mean(e^2) / mean|e| with e = v+ - (eps - x0): a
+    flow-matching error normalised by its own L1 size, so samples and noise levels train at comparable
+    scale. adaptive=False uses w = 1 (plain x0-space MSE). The reference multiplies the batch mean by
+    adv_clip (5) as well; that constant is applied by the caller (train.py), not here. Computed in
+    float64 as the reference computes its weights. r from nft_optimality; sigma float or [B].
+    At v = v_old the gradient on v_i is (2 r_i - 1) 2 t e_i / (D mean|e_i|) / B (tests/test_forward_losses.py):
+    an advantage-signed flow-matching gradient, whatever beta.
+    """
+    if beta <= 0:
+        raise ValueError(f"--nft-beta must be positive, got {beta}")
+    if v.shape != v_old.shape or v.shape != x_t.shape or v.shape != x0.shape or v.ndim < 2:
+        raise ValueError(f"v, v_old, x_t and x0 must be [B, ...] of one shape, got {tuple(v.shape)}, "
+                         f"{tuple(v_old.shape)}, {tuple(x_t.shape)}, {tuple(x0.shape)}")
+    dims = _dims(v)
+    t = _per_sample64(sigma, v)
+    r = torch.as_tensor(r, dtype=torch.float64, device=v.device).expand(v.shape[0])
+    v, v_old, x_t, x0 = v.double(), v_old.detach().double(), x_t.double(), x0.double()
+    v_plus = beta * v + (1 - beta) * v_old
+    v_minus = (1 + beta) * v_old - beta * v
+    err_plus = x_t - t * v_plus - x0  # x0+ - x0
+    err_minus = x_t - t * v_minus - x0
+    if adaptive:
+        with torch.no_grad():
+            w_plus = err_plus.abs().mean(dims, keepdim=True).clamp_min(1e-5)
+            w_minus = err_minus.abs().mean(dims, keepdim=True).clamp_min(1e-5)
+    else:
+        w_plus = w_minus = 1.0
+    loss_plus = (err_plus**2 / w_plus).mean(dims)  # [B]
+    loss_minus = (err_minus**2 / w_minus).mean(dims)
+    per_sample = (r * loss_plus + (1 - r) * loss_minus) / beta
+    info = {"nft_loss_plus": loss_plus.detach().mean().item(), "nft_loss_minus": loss_minus.detach().mean().item(),
+            "old_deviate": ((v.detach() - v_old) ** 2).mean().item(), "r_mean": r.mean().item()}
+    return per_sample.mean().float(), info
+
+
+def awm_log_prob(v, x0, eps, sigma, *, weighting="ghuber", p=0.25):
+    """AWM's surrogate log-likelihood of a clean sample (arXiv:2509.25050; compute_log_prob_awm,
+    train_sd3_awm.py L237-251): minus a t-weighted, robustified flow-matching error at x_t = (1 - t) x0 + t eps.
+
+        mse     = mean_dims (v - (eps - x0))^2                       (float64)
+        uniform : -mse
+        t       : -t mse
+        t2      : -t^2 mse
+        huber   : -t (sqrt(mse + 1e-10) - 1e-5)
+        ghuber  : -(t / p) ((mse + 1e-10)^p - (1e-10)^p)             (the AWM recipes: p = 0.25)
+
+    Each is 0 at mse = 0; the 1e-10 offsets keep the robust forms' gradients finite there. The caller
+    builds x_t and runs the model on it; v is that output. Returns float64 [B]; sigma float or [B].
+    """
+    if weighting not in AWM_WEIGHTINGS:
+        raise ValueError(f"unknown AWM weighting {weighting!r}; choose one of {', '.join(AWM_WEIGHTINGS)} "
+                         "(--awm-weighting)")
+    if weighting == "ghuber" and p <= 0:
+        raise ValueError(f"--ghuber-power must be positive, got {p}")
+    if v.shape != x0.shape or v.shape != eps.shape or v.ndim < 2:
+        raise ValueError(f"v, x0 and eps must be [B, ...] of one shape, got {tuple(v.shape)}, {tuple(x0.shape)}, "
+                         f"{tuple(eps.shape)}")
+    mse = ((v.double() - (eps.double() - x0.double())) ** 2).mean(_dims(v))  # [B]
+    t = _per_sample64(sigma, mse)
+    if weighting == "uniform":
+        return -mse
+    if weighting == "t":
+        return -t * mse
+    if weighting == "t2":
+        return -t**2 * mse
+    if weighting == "huber":
+        return -t * (torch.sqrt(mse + GHUBER_OFFSET) - GHUBER_OFFSET**0.5)
+    return -(t / p) * ((mse + GHUBER_OFFSET) ** p - GHUBER_OFFSET**p)
+
+
+def awm_loss(log_prob, old_log_prob, adv, *, clip_range=1.0, adv_clip=5.0):
+    """AWM's policy loss (train_sd3_awm.py L1293-1327, loss_type 'exp_first'): the PPO clipped surrogate on
+    awm_log_prob with A = clip(adv, -adv_clip, adv_clip) / adv_clip (advantage_max 1) and clip range 1:
+
+        loss = mean_i max(-A_i r_i, -A_i clip(r_i, 0, 2)),   r_i = exp(log_prob_i - old_log_prob_i)
+
+    One entry per (sample, training time): pass [T * B] with adv repeated, or call once per time. The AWM
+    recipes are on-policy (old = current, detached): r = 1 and the gradient is A_i grad w(mse_i) / N, the
+    weighted flow-matching loss descended on good samples and ascended on bad ones.
+    """
+    _check(log_prob, old_log_prob, adv)
+    if adv_clip <= 0:
+        raise ValueError(f"--adv-clip must be positive, got {adv_clip}")
+    a = adv.double().clamp(-adv_clip, adv_clip) / adv_clip
+    log_ratio = log_prob.double() - old_log_prob.double()
+    ratio = torch.exp(log_ratio)
+    per_term, clipfrac = _ppo_clip(ratio, a, clip_range)
+    info = _ratio_stats(ratio, log_ratio)
+    info["clipfrac"] = clipfrac
+    return per_term.mean().float(), info
