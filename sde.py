@@ -60,6 +60,10 @@ where an LLM would use 0.2, and it must be re-tuned when the latent size changes
 (D = 2) a clip of 0.2 is right again. FlowDPPO's KL threshold and the KL penalty are mean-reduced
 for the same reason.
 
+The forward-process losses (DiffusionNFT, AWM) need none of the above at training time: they sample
+with a deterministic solver (`ode_sample`), keep only the clean sample, and train at sigmas of the
+same schedule (`nft_timesteps`, `awm_timesteps`) on freshly re-noised copies of it.
+
 Which steps are stochastic (`sde_steps`): `all` (Flow-GRPO: the first floor(T * fraction)),
 `fast` (Flow-GRPO-Fast: a random window, the rest ODE), `mix` (MixGRPO arXiv:2507.21802: a window
 sliding from the noisy end to the clean end). The last step (to s = 0) is always an ODE step: its
@@ -75,6 +79,7 @@ import torch
 KINDS = ("flow", "dance", "cps", "ode")
 WINDOWS = ("all", "fast", "mix")
 SOLVERS = ("euler", "dpm2")  # deterministic samplers of ode_sample
+AWM_TIMESTEPS = ("discrete_wo_init", "discrete")  # AWM's time_type choices over the schedule
 SIGMA_ONE = 1e-4  # s within this of 1 counts as s = 1 in the 1 - s of (3)
 
 SDEStep = collections.namedtuple("SDEStep", "prev_sample log_prob mean std")
@@ -223,6 +228,35 @@ def sde_steps(num_steps, *, window="all", iteration=0, timestep_fraction=1.0, wi
         move = move % positions if roll_back else min(move, positions - 1)
         start = min(move * stride, last_start)
     return list(range(start, start + window_size))
+
+
+def nft_timesteps(num_steps, batch, *, fraction=0.99, generator=None):
+    """DiffusionNFT's training times (train_nft_sd3.py L569, L810-816): each sample takes its own random
+    permutation of the schedule's num_steps sigmas (sigmas[0] = 1 included, the final 0 not) and keeps the
+    first int(num_steps * fraction); at 10 steps and 0.99, 9 of the 10. Returns indices into sigmas, [batch, n]."""
+    n = int(num_steps * fraction)
+    if not 0 < fraction <= 1 or n < 1:
+        raise ValueError(f"--timestep-fraction {fraction} of {num_steps} steps trains no sigma; use a value in "
+                         f"[{1 / num_steps:.3g}, 1]")
+    return torch.rand(batch, num_steps, generator=generator).argsort(dim=1)[:, :n]
+
+
+def awm_timesteps(num_steps, n, *, fraction=0.9, kind="discrete_wo_init", generator=None):
+    """AWM's stratified training times over the schedule (train_sd3_awm.py L1172-1205): the index range
+    [lo, int(num_steps * fraction)] with lo = 1 (`discrete_wo_init`: never sigma = 1) or 0 (`discrete`) is cut
+    into n strata at linspace(lo, hi, n + 1) (truncated to integers), and one index is drawn uniformly from
+    each; at 14 steps, 0.9 and n = 6 the strata are {1}, {2, 3}, {4, 5}, ..., {10, 11}. The caller shares
+    them across a micro-batch. Returns indices into sigmas, [n]."""
+    if kind not in AWM_TIMESTEPS:
+        raise ValueError(f"unknown AWM timestep sampling {kind!r}; choose one of {', '.join(AWM_TIMESTEPS)} "
+                         "(--awm-timesteps)")
+    lo, hi = (1 if kind == "discrete_wo_init" else 0), int(num_steps * fraction)
+    if n < 1 or hi <= lo or not 0 < fraction <= 1:
+        raise ValueError(f"--train-timesteps {n} over --timestep-fraction {fraction} of {num_steps} steps leaves no "
+                         "index to draw: raise --timestep-fraction or --num-steps, or use at least 1 timestep")
+    bounds = torch.linspace(lo, hi, n + 1)  # float32, as the reference
+    lower, upper = bounds[:-1].long(), bounds[1:].long()
+    return lower + (torch.rand(n, generator=generator) * (upper - lower)).long()
 
 
 def _dpm_solver_2m(velocity_fn, x, grid):

@@ -377,3 +377,34 @@ def test_ode_sample_euler_is_the_rollout_and_dpm2_is_closer_to_the_exact_ode(num
     assert rms(dpm2) < 0.5 * rms(euler), (rms(dpm2), rms(euler))  # second order: well under Euler's error
     with pytest.raises(ValueError, match="--sampler"):
         sde.ode_sample(exact_velocity, x, sigmas, solver="heun")
+
+
+def test_nft_timesteps_drop_one_schedule_sigma_per_sample_at_random():
+    idx = sde.nft_timesteps(10, 5000, fraction=0.99, generator=torch.Generator().manual_seed(0))
+    assert idx.shape == (5000, 9) and idx.dtype == torch.long
+    assert all(len(set(row)) == 9 and set(row) <= set(range(10)) for row in idx.tolist()[:200])  # distinct
+    dropped = torch.tensor([45 - sum(row) for row in idx.tolist()])  # 0 + ... + 9 = 45: the one left out
+    counts = torch.bincount(dropped, minlength=10).float() / 5000
+    assert (counts - 0.1).abs().max() < 0.02, counts  # uniform over the 10, sigma = 1 included
+    assert (idx[:, 0] != idx[1:2, 0]).any()  # each sample its own order
+    assert sde.nft_timesteps(14, 3, fraction=0.5).shape == (3, 7)
+    with pytest.raises(ValueError, match="--timestep-fraction"):
+        sde.nft_timesteps(10, 2, fraction=0.05)
+
+
+@pytest.mark.parametrize("kind, strata", [
+    ("discrete_wo_init", [{1}, {2, 3}, {4, 5}, {6, 7}, {8, 9}, {10, 11}]),  # AWM GenEval / OCR (14 steps, 0.9, 6)
+    ("discrete", [{0, 1}, {2, 3}, {4, 5}, {6, 7}, {8, 9}, {10, 11}]),  # AWM PickScore
+])
+def test_awm_timesteps_draw_one_index_per_stratum(kind, strata):
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([sde.awm_timesteps(14, 6, fraction=0.9, kind=kind, generator=g) for _ in range(2000)])
+    for j, stratum in enumerate(strata):
+        values = draws[:, j]
+        assert set(values.tolist()) == stratum, (j, set(values.tolist()))
+        if len(stratum) == 2:
+            assert abs((values == min(stratum)).float().mean().item() - 0.5) < 0.05  # uniform within
+    with pytest.raises(ValueError, match="--awm-timesteps"):
+        sde.awm_timesteps(14, 6, kind="logit_normal")
+    with pytest.raises(ValueError, match="--train-timesteps"):
+        sde.awm_timesteps(2, 3, fraction=0.5)

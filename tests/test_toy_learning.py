@@ -149,14 +149,11 @@ def fine_tune_forward(model, loss_name, *, lr, iters=30, batch=128, group=16):
         adv = losses.group_advantages((x0[:, 0] > 0).float(), group_ids)
         opt.zero_grad()
         if loss_name == "nft":  # 9 of the 10 schedule sigmas, a random permutation per sample
-            n = int(NUM_STEPS * 0.99)
-            order = torch.rand(batch, NUM_STEPS, generator=g).argsort(dim=1)[:, :n]  # [B, n]
+            order = sde.nft_timesteps(NUM_STEPS, batch, fraction=0.99, generator=g)  # [B, 9]
             r = losses.nft_optimality(adv)
-        else:  # AWM's discrete_wo_init: one index from each of 6 strata of 1 .. int(0.9 T) - 1, shared by the batch
-            n = 6
-            bounds = torch.linspace(1, int(NUM_STEPS * 0.9), n + 1)
-            lo, hi = bounds[:-1].long(), bounds[1:].long()
-            order = (lo + (torch.rand(n, generator=g) * (hi - lo)).long()).expand(batch, n)  # [B, n]
+        else:  # 6 stratified schedule sigmas, shared by the batch
+            order = sde.awm_timesteps(NUM_STEPS, 6, fraction=0.9, generator=g).expand(batch, 6)  # [B, 6]
+        n = order.shape[1]
         for j in range(n):
             s = sigmas[order[:, j]]  # [B]
             eps = torch.randn(batch, 2, generator=g)  # fresh noise per (sample, sigma)
