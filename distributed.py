@@ -113,7 +113,8 @@ def fsdp_full_state(model, optimizer, trainable, ema):
     optim_state = {}
     if is_main:
         optim_state = {"state": {position[n]: s for n, s in osd["state"].items()},
-                       "param_groups": [dict(g, params=[position[n] for n in g["params"]]) for g in osd["param_groups"]]}
+                       "param_groups": [dict(g, params=[position[n] for n in g["params"]])
+                                        for g in osd["param_groups"]]}
     ema_full = None
     if ema is not None:
         ema_full = {}

@@ -487,7 +487,8 @@ def main(argv=None):
         log_metrics(info)
         if is_main:
             bar.write(f"step {step:5d} | reward {info['reward_mean']:+.4f} +- {info['reward_std']:.4f} | "
-                      f"loss {info.get('loss', float('nan')):+.5f} | ratio {info.get('ratio_mean', float('nan')):.5f} | "
+                      f"loss {info.get('loss', float('nan')):+.5f} | "
+                      f"ratio {info.get('ratio_mean', float('nan')):.5f} | "
                       f"clipfrac {info.get('clipfrac', float('nan')):.3f} | "
                       f"approx_kl {info.get('approx_kl', float('nan')):.2e} | {info['seconds']:.1f}s")
             if args.log_images_every and step % args.log_images_every == 0:
