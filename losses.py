@@ -63,14 +63,19 @@ def _ratio_stats(ratio, log_ratio):
             "approx_kl": 0.5 * (log_ratio.detach().float() ** 2).mean().item()}
 
 
-def _ppo_clip(ratio, adv, clip_range):
-    """Per-term PPO clipped surrogate (arXiv:1707.06347, Eq. 7): max(-A r, -A clip(r, 1 - eps, 1 + eps)).
-    A term whose ratio has left [1 - eps, 1 + eps] in the advantage's direction takes the constant branch
-    and carries no gradient. Returns the per-term losses and the clipped fraction (|r - 1| > eps)."""
+def _clipped_surrogate(log_ratio, adv, clip_range):
+    """PPO's clipped surrogate per sample (arXiv:1707.06347, Eq. 7, negated to a loss):
+
+        max(-A r, -A clip(r, 1 - eps, 1 + eps)),  r = exp(log_ratio)
+
+    A term whose ratio has left [1 - eps, 1 + eps] in the advantage's direction is the clipped,
+    constant branch and carries no gradient. Returns ([B], info with the ratio statistics and clipfrac)."""
+    ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range)
-    clipfrac = ((ratio.detach() - 1).abs() > clip_range).float().mean().item()
-    return torch.maximum(unclipped, clipped), clipfrac
+    info = _ratio_stats(ratio, log_ratio)
+    info["clipfrac"] = ((ratio.detach() - 1).abs() > clip_range).float().mean().item()
+    return torch.maximum(unclipped, clipped), info
 
 
 def _sq_dist(a, b):
@@ -115,11 +120,8 @@ def grpo_loss(log_prob, old_log_prob, adv, *, clip_range, adv_clip=None):
     _check(log_prob, old_log_prob, adv)
     adv = adv.float() if adv_clip is None else adv.float().clamp(-adv_clip, adv_clip)
     log_ratio = log_prob.float() - old_log_prob.float()
-    ratio = torch.exp(log_ratio)
-    per_term, clipfrac = _ppo_clip(ratio, adv, clip_range)
-    info = _ratio_stats(ratio, log_ratio)
-    info["clipfrac"] = clipfrac
-    return per_term.mean(), info
+    per_sample, info = _clipped_surrogate(log_ratio, adv, clip_range)
+    return per_sample.mean(), info
 
 
 def kl_penalty(mean, ref_mean, std):
@@ -149,11 +151,8 @@ def guard_loss(log_prob, old_log_prob, mean, old_mean, std, dt, adv, *, clip_ran
         raise ValueError("guard_loss needs a positive transition std (an ODE step or --eta 0 has none)")
     mse = _sq_dist(mean, old_mean)  # [B], per sample
     log_ratio = (log_prob.float() - old_log_prob.float()) * c + mse / (2 * c)
-    ratio = torch.exp(log_ratio)
-    per_term, clipfrac = _ppo_clip(ratio, adv, clip_range)
-    per_sample = per_term / -_per_sample(dt, log_prob)
-    info = _ratio_stats(ratio, log_ratio)
-    info["clipfrac"] = clipfrac
+    per_sample, info = _clipped_surrogate(log_ratio, adv, clip_range)
+    per_sample = per_sample / -_per_sample(dt, log_prob)  # the gradient reweight
     info["mean_shift"] = mse.detach().mean().item()
     return per_sample.mean(), info
 
@@ -312,9 +311,5 @@ def awm_loss(log_prob, old_log_prob, adv, *, clip_range=1.0, adv_clip=5.0):
     if adv_clip <= 0:
         raise ValueError(f"--adv-clip must be positive, got {adv_clip}")
     a = adv.double().clamp(-adv_clip, adv_clip) / adv_clip
-    log_ratio = log_prob.double() - old_log_prob.double()
-    ratio = torch.exp(log_ratio)
-    per_term, clipfrac = _ppo_clip(ratio, a, clip_range)
-    info = _ratio_stats(ratio, log_ratio)
-    info["clipfrac"] = clipfrac
+    per_term, info = _clipped_surrogate(log_prob.double() - old_log_prob.double(), a, clip_range)
     return per_term.mean().float(), info
