@@ -6,14 +6,18 @@ A run folder (`--out`) holds
     metrics.jsonl         one JSON object per step (append_metrics); trimmed back to the checkpoint on resume
     samples/              sample grids
     checkpoints/<step>/   trainable.safetensors (weights by parameter name), optimizer.pt, rng.pt, state.json,
-                          ema.safetensors (EMA on), lora/ (LoRA runs: loads with diffusers' load_lora_weights)
+                          ema.safetensors (EMA on), old.safetensors (the old policy of --loss nft / awm),
+                          lora/ (LoRA runs: loads with diffusers' load_lora_weights)
 
 A checkpoint is written under checkpoints/.tmp-<step>, flushed, and renamed: its folder appears complete or not
 at all, and state.json (written last) marks it complete. Everything is safetensors or loadable with
 torch.load(weights_only=True).
 
-    write(args, step, pipe, trainable, optimizer, ema, device, extra)   every rank calls it; rank 0 writes
-    load(path, args, trainable, optimizer, fsdp_model=None) -> (state, ema)
+    write(args, step, pipe, trainable, optimizer, copies, device, extra)   every rank calls it; rank 0 writes
+    load(path, args, trainable, optimizer, fsdp_model=None) -> (state, copies)
+
+`copies` are further {name: tensor} copies of the trained weights, kept beside them: {"ema": ..., "old": ...}
+(COPIES), None where a run keeps none; each is saved as <name>.safetensors and restored exactly.
     resolve_resume(resume, out) -> checkpoint folder or None
 """
 import datetime
@@ -28,6 +32,8 @@ import torch
 
 import distributed
 import models
+
+COPIES = ("ema", "old")  # the evaluation EMA; the old (sampling / anchor) policy of the forward-process losses
 
 
 def checkpoint_dirs(out):
@@ -56,7 +62,7 @@ def resolve_resume(resume, out):
     return found[-1]
 
 
-def save(args, step, pipe, weights, optim_state, ema, extra):
+def save(args, step, pipe, weights, optim_state, copies, extra):
     """Write <out>/checkpoints/<step>/ under a temporary name, then rename: a crash never leaves a half checkpoint.
 
     weights: {name: full tensor} of the trained parameters; optim_state: optimizer.state_dict() of an unsharded run."""
@@ -70,8 +76,9 @@ def save(args, step, pipe, weights, optim_state, ema, extra):
               os.path.join(tmp, "trainable.safetensors"))
     if args.lora_rank > 0:
         models.save_lora(pipe, os.path.join(tmp, "lora"))  # loads with pipe.load_lora_weights(<step>/lora)
-    if ema is not None:
-        save_file({n: t.cpu().contiguous() for n, t in ema.items()}, os.path.join(tmp, "ema.safetensors"))
+    for name, tensors in copies.items():
+        if tensors is not None:
+            save_file({n: t.cpu().contiguous() for n, t in tensors.items()}, os.path.join(tmp, f"{name}.safetensors"))
     torch.save(optim_state, os.path.join(tmp, "optimizer.pt"))
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -92,13 +99,13 @@ def save(args, step, pipe, weights, optim_state, ema, extra):
     return final
 
 
-def write(args, step, pipe, trainable, optimizer, ema, device, extra):
+def write(args, step, pipe, trainable, optimizer, copies, device, extra):
     """Called on every rank: checks that replicas agree, gathers FSDP shards, and rank 0 writes the checkpoint."""
     sums = distributed.check_replicas(trainable, args.fsdp, device)
     if args.fsdp:  # every rank takes part in the gathers; rank 0 gets the full tensors
-        full_state = distributed.fsdp_full_state(pipe.transformer, optimizer, trainable, ema)
+        full_state = distributed.fsdp_full_state(pipe.transformer, optimizer, trainable, copies)
     else:
-        full_state = (dict(trainable), optimizer.state_dict(), ema) if distributed.is_main else None
+        full_state = (dict(trainable), optimizer.state_dict(), copies) if distributed.is_main else None
     if distributed.is_main:
         try:
             save(args, step, pipe, *full_state, dict(extra, rank_checksums=sums))
@@ -110,7 +117,8 @@ def write(args, step, pipe, trainable, optimizer, ema, device, extra):
 
 
 def load(path, args, trainable, optimizer, fsdp_model=None):
-    """Restore weights, optimizer, EMA and RNG; fsdp_model: the sharded transformer (collective, every rank calls)."""
+    """Restore weights, optimizer, copies and RNG; fsdp_model: the sharded transformer (collective, every rank calls).
+    Returns (state, {name: tensors} of the COPIES the checkpoint holds)."""
     from safetensors.torch import load_file
     with open(os.path.join(path, "state.json")) as f:
         state = json.load(f)
@@ -132,13 +140,14 @@ def load(path, args, trainable, optimizer, fsdp_model=None):
             for name, param in trainable:
                 param.copy_(weights[name])
         optimizer.load_state_dict(optim_state)
-    ema = None
-    if os.path.isfile(os.path.join(path, "ema.safetensors")):
-        ema = load_file(os.path.join(path, "ema.safetensors"))
-        if fsdp_model is not None:  # full tensors -> this rank's shards, cut locally (every rank read the file)
-            ema = distributed.shard_like(ema, trainable)
+    copies = {}
+    for name in COPIES:
+        if os.path.isfile(os.path.join(path, f"{name}.safetensors")):
+            copies[name] = load_file(os.path.join(path, f"{name}.safetensors"))
+            if fsdp_model is not None:  # full tensors -> this rank's shards, cut locally (every rank read the file)
+                copies[name] = distributed.shard_like(copies[name], trainable)
     torch.set_rng_state(torch.load(os.path.join(path, "rng.pt"), weights_only=True)["torch"])
-    return state, ema
+    return state, copies
 
 
 # ----------------------------------------------------------------------------- the run folder

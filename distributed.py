@@ -8,7 +8,7 @@
     barrier(), finish()
     shard_transformer(transformer, device)                        FSDP2, one unit per transformer block
     check_replicas(trainable, fsdp, device) -> [checksum per rank]
-    fsdp_full_state(model, optimizer, trainable, ema)             shards -> rank 0's full tensors
+    fsdp_full_state(model, optimizer, trainable, copies)          shards -> rank 0's full tensors
     fsdp_load(model, optimizer, trainable, weights, optim_state)  rank 0's full tensors -> shards
 
 Every function here is called on every rank (the collectives need all of them); the script also runs
@@ -100,9 +100,10 @@ def check_replicas(trainable, fsdp, device):
     return sums
 
 
-def fsdp_full_state(model, optimizer, trainable, ema):
+def fsdp_full_state(model, optimizer, trainable, copies):
     """Gather the shards into the checkpoint format of an unsharded run. Collective: every rank calls it; rank 0
-    receives (weights by parameter name, optimizer.state_dict() keyed by position, ema), the others empties."""
+    receives (weights by parameter name, optimizer.state_dict() keyed by position, copies: {name: full tensors or
+    None}), the others empties."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on rank 0's CPU only
     names = [n for n, _ in trainable]
@@ -115,14 +116,14 @@ def fsdp_full_state(model, optimizer, trainable, ema):
         optim_state = {"state": {position[n]: s for n, s in osd["state"].items()},
                        "param_groups": [dict(g, params=[position[n] for n in g["params"]])
                                         for g in osd["param_groups"]]}
-    ema_full = None
-    if ema is not None:
-        ema_full = {}
-        for n, t in ema.items():  # one tensor at a time: at most one full tensor on the device
+    copies_full = {}
+    for name, tensors in copies.items():  # weight copies (EMA, old policy), sharded like the weights
+        copies_full[name] = None if tensors is None else {}
+        for n, t in (tensors or {}).items():  # one tensor at a time: at most one full tensor on the device
             t = t.full_tensor()
             if is_main:
-                ema_full[n] = t.cpu()
-    return weights, optim_state, ema_full
+                copies_full[name][n] = t.cpu()
+    return weights, optim_state, copies_full
 
 
 def fsdp_load(model, optimizer, trainable, weights, optim_state):

@@ -8,6 +8,7 @@ Everything the RL loop needs from a text-to-image model goes through these funct
     velocity(pipe, x, sigma, embeds)            -> v, the network's prediction at noise level sigma
     decode(pipe, latents)                       -> uint8 images [B, H, W, 3]
     add_lora / reference / save_lora            -> the policy, its frozen base, the checkpoint
+    swapped(trainable, weights)                 -> the policy run with another copy of its weights
 
 Convention (rectified flow, as diffusers' schedulers): `x_s = (1 - s) x0 + s eps`, the network
 predicts `v ~ eps - x0`, and the Euler step from `s` to `s'` is `x + (s' - s) v`. SD3 takes the
@@ -468,6 +469,31 @@ def reference(pipe):
         transformer.enable_adapters()
         for p, flag in flags:
             p.requires_grad_(flag)
+
+
+def has_adapter(pipe):
+    """Whether pipe.transformer carries a LoRA adapter (then reference() runs the frozen base)."""
+    return _has_lora(pipe.transformer)
+
+
+@contextlib.contextmanager
+def swapped(trainable, weights):
+    """Inside, the trained parameters hold `weights` (a {name: tensor} copy, e.g. the old policy of the
+    forward-process losses) and `weights` holds theirs; both are exchanged back on exit. The exchange is in
+    place, one tensor at a time (no second model in memory), and exact when both are float32, as the
+    trained weights are (LoRA departure 2; full fine-tunes load in float32). It works alike for a LoRA
+    adapter, a full fine-tune and FSDP shards (each rank exchanges its own). trainable: [(name, param)]."""
+    def exchange():
+        with torch.no_grad():
+            for name, param in trainable:
+                held = param.detach().clone()
+                param.copy_(weights[name])
+                weights[name].copy_(held)
+    exchange()
+    try:
+        yield
+    finally:
+        exchange()
 
 
 def save_lora(pipe, folder):

@@ -230,6 +230,13 @@ def sde_steps(num_steps, *, window="all", iteration=0, timestep_fraction=1.0, wi
     return list(range(start, start + window_size))
 
 
+def renoise(x0, eps, sigma):
+    """The forward (noising) process of rectified flow, x_s = (1 - s) x0 + s eps: where the forward-process
+    losses re-noise a clean rollout sample with fresh noise. sigma: float or [B]; float32 like x0."""
+    s = _per_sample(sigma, x0.shape[0], x0.device, "sigma").view((-1,) + (1,) * (x0.ndim - 1))
+    return (1 - s) * x0.float() + s * eps.float()
+
+
 def nft_timesteps(num_steps, batch, *, fraction=0.99, generator=None):
     """DiffusionNFT's training times (train_nft_sd3.py L569, L810-816): each sample takes its own random
     permutation of the schedule's num_steps sigmas (sigmas[0] = 1 included, the final 0 not) and keeps the

@@ -157,7 +157,7 @@ def fine_tune_forward(model, loss_name, *, lr, iters=30, batch=128, group=16):
         for j in range(n):
             s = sigmas[order[:, j]]  # [B]
             eps = torch.randn(batch, 2, generator=g)  # fresh noise per (sample, sigma)
-            x_t = (1 - s[:, None]) * x0 + s[:, None] * eps
+            x_t = sde.renoise(x0, eps, s)  # (1 - s) x0 + s eps
             v = model(x_t, s)
             with torch.no_grad():
                 v_old = old(x_t, s)
