@@ -4,6 +4,8 @@ Launch
 ------
     python train.py                                   # CPU: tiny random SD3 + JPEG compressibility, a few minutes
     python train.py --model tiny --loss flowdppo --sde dance       # any loss / sampler on the CPU model
+    python train.py --loss nft                                     # DiffusionNFT (forward process, ODE rollouts)
+    torchrun --standalone --nproc_per_node=8 train.py @recipes/sd3_nft_geneval.args   # DiffusionNFT, GenEval
     torchrun --standalone --nproc_per_node=8 train.py @recipes/sd3_ocr_grpo.args      # one node
     torchrun --nnodes 2 --nproc_per_node 8 --node-rank R --rdzv-backend c10d \
         --rdzv-endpoint HOST:29500 train.py @recipes/sd3_pickscore_grpo.args      # two nodes (R = 0, 1)
@@ -15,6 +17,14 @@ spread over all ranks) -> REWARDS -> ADVANTAGES (group-relative, after gathering
 -> TRAINING (`--updates-per-batch` passes of a clipped / masked importance-ratio loss over the trained
 denoising steps) -> LOG/SAVE. The plumbing lives elsewhere: ranks and FSDP in distributed.py, run folders
 and checkpoints in checkpoints.py; this file is the algorithm and its flags.
+
+The forward-process losses (`--loss nft`, DiffusionNFT arXiv:2509.16117; `--loss awm`, Advantage Weighted
+Matching arXiv:2509.25050) go through the same phases with other contents: SAMPLING runs a deterministic
+solver (`--sampler`, CFG 1 by default) and keeps only the clean samples; TRAINING re-noises each with fresh
+noise at sigmas of the rollout schedule and trains on the flow-matching error there (losses.py). Both keep
+an "old" float32 copy of the trained weights, soft-updated after each step, old <- d old + (1 - d) current
+(`--old-decay`): DiffusionNFT samples with it and contrasts against its velocity; AWM samples with the
+current weights and uses it as the anchor of its EMA-KL term (`--ema-kl-beta`).
 
 Where this departs from the papers, and why
 -------------------------------------------
@@ -32,6 +42,21 @@ Where this departs from the papers, and why
    samples / kept samples so that a partial outage does not shrink the step.
 5. Rewards are computed in a background thread while the next sample batch is generated; the result is
    identical to scoring afterwards, only earlier.
+6. --loss nft / awm: the old policy is a float32 copy of the trained weights exchanged in place for the
+   forwards that need it (models.swapped), where DiffusionNFT and AWM keep a second peft adapter: one
+   mechanism for LoRA, full fine-tunes and FSDP shards, and an exact exchange. With dropped groups (4), a
+   dropped sample's r is 1/2 under NFT: no advantage signal, only the pull toward the old policy.
+7. --loss awm samples with a deterministic solver (DPM-Solver++(2M) by default) where the reference runs a
+   stochastic SA-Solver (noise level 0.4 on GenEval and OCR, 0 on PickScore): the surrogate needs only
+   clean samples, and an ODE keeps rollouts seeded and exact. It also trains from the first step, where the
+   reference only samples in its first two epochs (a workaround in its code), and runs one forward per
+   training sigma where the reference stacks the 6 into one batch (the same gradient).
+8. --loss awm: the old log-probs of the PPO ratio are the current weights' on the first optimizer step of a
+   step (ratio 1, as in every AWM recipe: one optimizer step per sampled batch); for later optimizer steps
+   (--minibatches, --updates-per-batch) they are computed before the first one, at the same noise and
+   sigmas (the reference's on-policy mode).
+9. --sampler dpm2 takes the jump to the last nonzero sigma first order, where DiffusionNFT's solver
+   extrapolates it second order (sde.ode_sample: 4x more accurate at 10 steps on Gaussian data).
 """
 import argparse
 import contextlib
@@ -70,6 +95,25 @@ PRESETS = {
 }
 PRESETS["tiny-flux"] = dict(PRESETS["tiny"], guidance_scale=3.5)
 FLUX_HUB = dict(guidance_scale=3.5, num_steps=16)  # FLUX.1-dev: distilled guidance, no CFG (MixGRPO uses 16 steps)
+FORWARD_LOSSES = ("nft", "awm")  # trained on the forward (noising) process: no SDE, no log-prob of a sampler step
+LOSSES = ("grpo", "guard", "flowdppo") + FORWARD_LOSSES
+# Defaults a loss sets over the model's (the command line still wins). The forward-process losses are CFG-free
+# (guidance 1 on CFG models; FLUX keeps its distilled guidance), sample with a deterministic solver, and train
+# at 9 of 10 (NFT, config/base.py L87) or 6 strata of 90 % (AWM, config/dgx_awm.py L56-60) of the schedule.
+# On hub models their KL weights are their authors' (DiffusionNFT config/nft.py L24, AWM config/dgx_awm.py L55).
+LOSS_PRESETS = {
+    "nft": dict(sampler="dpm2", timestep_fraction=0.99, old_decay="nft", guidance_scale=1.0),
+    "awm": dict(sampler="dpm2", timestep_fraction=0.9, old_decay="awm", guidance_scale=1.0, clip_range=1.0),
+}
+LOSS_HUB_PRESETS = {"nft": dict(kl_beta=1e-4), "awm": dict(kl_beta=1e-3)}
+# The decay d(k) of the old policy after k optimizer steps, old <- d old + (1 - d) current (DiffusionNFT
+# train_nft_sd3.py return_decay L169-189, applied L1034-1039; AWM train_sd3_awm.py L1409-1419).
+OLD_DECAYS = {
+    "nft": lambda k: min(0.001 * k, 0.5),  # DiffusionNFT decay_type 1 (GenEval, PickScore)
+    "nft-ocr": lambda k: 0.0 if k < 75 else min(0.0075 * (k - 75), 0.999),  # decay_type 2 (OCR): more off-policy
+    "awm": lambda k: min(0.3, 0.001 * k),  # AWM's EMA-KL anchor (kl_ema_decay 0.3, 'linear')
+    "on-policy": lambda k: 0.0,  # decay_type 0: the old copy is the weights of the step before
+}
 
 
 def preset(model):
@@ -127,7 +171,8 @@ def parse_args(argv=None):
     # sampling
     p.add_argument("--num-steps", type=int, default=None, help="denoising steps of a training rollout")
     p.add_argument("--shift", type=float, default=3.0, help="time shift of the sigma schedule (SD3: 3)")
-    p.add_argument("--guidance-scale", type=float, default=None, help="CFG scale (FLUX: distilled guidance value)")
+    p.add_argument("--guidance-scale", type=float, default=None,
+                   help="CFG scale (FLUX: distilled guidance value); --loss nft / awm: 1 on CFG models")
     p.add_argument("--negative-prompt", default="", help="negative prompt for CFG")
     p.add_argument("--train-cfg", action=argparse.BooleanOptionalAction, default=None,
                    help="use CFG in the training forward too (default: when sampling uses CFG)")
@@ -145,7 +190,12 @@ def parse_args(argv=None):
     p.add_argument("--roll-back", action="store_true", help="mix window returns to step 0 after reaching the end")
     p.add_argument("--flash", action="store_true",
                    help="MixGRPO-Flash: second-order solver on a compressed schedule after the window")
-    p.add_argument("--timestep-fraction", type=float, default=1.0, help="fraction of steps trained with --sde-window all")
+    p.add_argument("--timestep-fraction", type=float, default=None,
+                   help="fraction of steps trained with --sde-window all; --loss nft: of the schedule's sigmas each "
+                        "sample trains at, int(T x fraction); awm: the range its strata cover (default: 1; nft 0.99, "
+                        "awm 0.9)")
+    p.add_argument("--sampler", default=None, choices=sde.SOLVERS,
+                   help="--loss nft / awm: deterministic rollout solver, Euler or DPM-Solver++(2M) (default: dpm2)")
     p.add_argument("--group-size", type=int, default=None, help="images per prompt (a group; may span GPUs)")
     p.add_argument("--prompts-per-step", type=int, default=None, help="prompts per training step, global")
     p.add_argument("--sample-batch-size", type=int, default=None, help="images per rollout forward, per GPU")
@@ -174,17 +224,36 @@ def parse_args(argv=None):
     p.add_argument("--reward-backoff", type=float, default=1.0, help="seconds before the first retry; doubles each time")
     p.add_argument("--reward-on-error", default="raise", choices=["raise", "skip"], help="after the retries: stop the run, or drop the affected groups from the update")
     # loss
-    p.add_argument("--loss", default="grpo", choices=["grpo", "guard", "flowdppo"],
-                   help="GRPO (PPO clip), GRPO-Guard (RatioNorm), FlowDPPO (KL-ADV mask)")
+    p.add_argument("--loss", default="grpo", choices=LOSSES,
+                   help="GRPO (PPO clip), GRPO-Guard (RatioNorm), FlowDPPO (KL-ADV mask); forward process: "
+                        "DiffusionNFT, Advantage Weighted Matching")
     p.add_argument("--clip-range", type=float, default=None,
-                   help="PPO clip range of the ratio (log-probs are means over latent dims, hence ~1e-4 on hub models)")
+                   help="PPO clip range of the ratio (log-probs are means over latent dims, hence ~1e-4 on hub models; "
+                        "--loss awm: 1)")
     p.add_argument("--adv-clip", type=float, default=5.0, help="advantages clipped to +-this")
     p.add_argument("--kl-beta", type=float, default=None,
-                   help="weight of the KL to the frozen base model (0: no reference forward)")
+                   help="weight of the KL to the frozen base model (0: no reference forward; --loss nft / awm: "
+                        "mean squared velocity difference, 1e-4 / 1e-3 on hub models)")
     p.add_argument("--kl-mask-threshold", type=float, default=1e-5,
                    help="FlowDPPO: KL above which a term pushing the ratio further is masked")
     p.add_argument("--global-std", action=argparse.BooleanOptionalAction, default=None,
                    help="normalise advantages by the batch-wide reward std instead of each group's")
+    p.add_argument("--old-decay", default=None, choices=list(OLD_DECAYS),
+                   help="--loss nft / awm: schedule of the old copy's decay d, old <- d old + (1 - d) current after "
+                        "each step (default: nft, awm)")
+    p.add_argument("--nft-beta", type=float, default=1.0,
+                   help="DiffusionNFT's beta: v+ = beta v + (1 - beta) v_old (its OCR setup: 0.1)")
+    p.add_argument("--nft-adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="DiffusionNFT: normalise each sample's x0 error by its own mean absolute error")
+    p.add_argument("--awm-weighting", default="ghuber", choices=losses.AWM_WEIGHTINGS,
+                   help="AWM: weighting of the flow-matching error in its surrogate log-likelihood")
+    p.add_argument("--ghuber-power", type=float, default=0.25, help="AWM: the power p of the ghuber weighting")
+    p.add_argument("--train-timesteps", type=int, default=6,
+                   help="AWM: stratified schedule sigmas per micro-batch (one forward + backward each)")
+    p.add_argument("--awm-timesteps", default="discrete_wo_init", choices=sde.AWM_TIMESTEPS,
+                   help="AWM: strata over schedule indices 1.. (never sigma = 1) or 0..")
+    p.add_argument("--ema-kl-beta", type=float, default=1.0,
+                   help="AWM: weight of the velocity-space KL to the old copy (its EMA-KL anchor; 0: none)")
     # optim
     p.add_argument("--lr", type=float, default=None, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=1e-4, help="AdamW weight decay")
@@ -211,7 +280,14 @@ def parse_args(argv=None):
     p.add_argument("--wandb", action="store_true", help="also log to Weights & Biases")
     args = p.parse_args(argv)
 
-    for key, value in preset(args.model).items():  # fill what the command line left unset
+    defaults = dict(preset(args.model), timestep_fraction=1.0)
+    if args.loss in LOSS_PRESETS:  # the loss's defaults win over the model's
+        loss_defaults = dict(LOSS_PRESETS[args.loss], **(LOSS_HUB_PRESETS[args.loss] if args.model not in PRESETS
+                                                          else {}))
+        if "flux" in args.model:  # FLUX.1-dev's guidance is a distilled embedding, not CFG: keep the model's
+            loss_defaults.pop("guidance_scale")
+        defaults.update(loss_defaults)
+    for key, value in defaults.items():  # fill what the command line left unset
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.train_cfg is None:
@@ -246,9 +322,13 @@ def main(argv=None):
     samples = args.prompts_per_step * args.group_size  # global samples per step
     num_sample_batches = per_rank // args.sample_batch_size
     minibatch = per_rank // args.minibatches  # per-rank samples per optimizer step
+    optim_steps_per_step = args.updates_per_batch * args.minibatches
+    forward_process = args.loss in FORWARD_LOSSES
     print0(f"{WORLD} processes | {args.prompts_per_step} prompts x {args.group_size} = {samples} samples/step "
            f"({per_rank} per GPU, {num_sample_batches} rollout batches of {args.sample_batch_size}) | "
-           f"{args.updates_per_batch * args.minibatches} optimizer steps/step")
+           f"{optim_steps_per_step} optimizer steps/step"
+           + (f" | {args.sampler} rollouts, {forward_times(args)} training sigmas per sample"
+              if forward_process else ""))
 
     prompt_keys = dict(input_key=args.input_key, metadata_key=args.metadata_key)
     prompts, metadata = setup_or_exit(data.load_prompts, args.prompts, **prompt_keys)
@@ -262,18 +342,21 @@ def main(argv=None):
                               **{name: getattr(args, name) for name in rewards.OPTIONS})  # the reward group's flags
 
     # The policy: the pipeline, its trainable weights (LoRA adapter or all), the wrapper the training forward calls.
-    pipe, model, trainable, optimizer, ema = build_policy(args, device, amp_dtype)
+    pipe, model, trainable, optimizer, copies = build_policy(args, device, amp_dtype)
     transformer = pipe.transformer
 
     start_step, bad_in_a_row = 0, 0
     resume_from = checkpoints.resolve_resume(args.resume, args.out)
     if resume_from:
-        state, saved_ema = checkpoints.load(resume_from, args, trainable, optimizer,
-                                            fsdp_model=transformer if args.fsdp else None)
+        state, saved = checkpoints.load(resume_from, args, trainable, optimizer,
+                                        fsdp_model=transformer if args.fsdp else None)
         start_step, bad_in_a_row = state["step"], state.get("bad_in_a_row", 0)
-        ema = saved_ema if ema is not None and saved_ema is not None else ema
+        for name in copies:  # the EMA and the old policy continue where they were (if this run keeps them)
+            if copies[name] is not None and name in saved:
+                copies[name] = saved[name]
         print0(f"resumed from {resume_from} at step {start_step}")
         checkpoints.trim_metrics(args.out, start_step)  # a killed run's rows after the checkpoint are redone
+    ema, old = copies["ema"], copies["old"]  # {name: float32 tensor} or None
     checkpoints.start_run(args)
     wandb_run = None
     if args.wandb and is_main:
@@ -309,7 +392,7 @@ def main(argv=None):
                              "fix the reward, or lower --lr for non-finite gradients (see --max-bad-steps)")
         stopping = distributed.any_rank(stop["signal"] is not None, device)
         if (args.save_every and step % args.save_every == 0) or step == args.steps or stopping:
-            checkpoints.write(args, step, pipe, trainable, optimizer, ema, device, dict(bad_in_a_row=bad_in_a_row))
+            checkpoints.write(args, step, pipe, trainable, optimizer, copies, device, dict(bad_in_a_row=bad_in_a_row))
         if stopping:
             print0(f"stopped by {stop['signal'] or 'a signal on another rank'} after step {step}; "
                    f"checkpoint saved, continue with --resume auto --out {args.out}")
@@ -329,25 +412,31 @@ def main(argv=None):
                                        guidance_scale=max(sample_guidance, train_guidance))
         row = torch.tensor([unique.index(i) for i in my_prompt_ids])
         embeds = {k: v[row.to(v.device)] for k, v in embeds.items()}  # one row per sample, [per_rank, ...]
-        trained_steps = sde.sde_steps(args.num_steps, **window_kwargs(args, step))  # stochastic, trained step indices
+        trained_steps = [] if forward_process else sde.sde_steps(args.num_steps, **window_kwargs(args, step))
         pipe.transformer.eval()
         batches, futures = [], []
-        for b in range(num_sample_batches):
-            idx = slice(b * args.sample_batch_size, (b + 1) * args.sample_batch_size)
-            gen = seeded(args.seed, step, RANK, b)  # resumable noise
-            x = models.initial_noise(pipe, args.sample_batch_size, args.resolution, generator=gen).to(device)
-            sub = {k: v[idx] for k, v in embeds.items()}
-            with autocast():
-                traj = sde.rollout(lambda x_, s_: models.velocity(pipe, x_, s_, sub, guidance_scale=sample_guidance),
-                                   x, sigmas, sde_steps=trained_steps, kind=args.sde, eta=args.eta, generator=gen,
-                                   flash=args.flash)
-                images = models.decode(pipe, traj["latents"][:, -1])  # uint8 [b, H, W, 3]
-            batches.append(traj)
-            futures.append(reward_pool.submit(reward_fn, images, my_prompts[idx], my_meta[idx]))
-            if b == 0 and is_main:
-                first_images = images
-        # latents [n, T+1, ...], log_probs [n, K], means [n, K, ...], stds [n, K]
-        batch = {k: torch.cat([t[k] for t in batches]) for k in ("latents", "log_probs", "means", "stds")}
+        # DiffusionNFT samples with the old policy (train_nft_sd3.py L640); the other losses with the weights.
+        with models.swapped(trainable, old) if args.loss == "nft" else contextlib.nullcontext():
+            for b in range(num_sample_batches):
+                idx = slice(b * args.sample_batch_size, (b + 1) * args.sample_batch_size)
+                gen = seeded(args.seed, step, RANK, b)  # resumable noise
+                x = models.initial_noise(pipe, args.sample_batch_size, args.resolution, generator=gen).to(device)
+                sub = {k: v[idx] for k, v in embeds.items()}
+                velocity = lambda x_, s_: models.velocity(pipe, x_, s_, sub, guidance_scale=sample_guidance)  # noqa
+                with autocast():
+                    if forward_process:  # only the clean sample is kept: [b, 1, ...]
+                        traj = {"latents": sde.ode_sample(velocity, x, sigmas, solver=args.sampler)[:, None]}
+                    else:
+                        traj = sde.rollout(velocity, x, sigmas, sde_steps=trained_steps, kind=args.sde, eta=args.eta,
+                                           generator=gen, flash=args.flash)
+                    images = models.decode(pipe, traj["latents"][:, -1])  # uint8 [b, H, W, 3]
+                batches.append(traj)
+                futures.append(reward_pool.submit(reward_fn, images, my_prompts[idx], my_meta[idx]))
+                if b == 0 and is_main:
+                    first_images = images
+        # latents [n, T+1, ...] (forward process: [n, 1, ...]), log_probs [n, K], means [n, K, ...], stds [n, K]
+        batch = {k: torch.cat([t[k] for t in batches]) for k in batches[0] if k in ("latents", "log_probs", "means",
+                                                                                  "stds")}
 
         # ===================================================================== REWARDS
         t_sampled = time.time()
@@ -393,17 +482,97 @@ def main(argv=None):
         # ===================================================================== TRAINING
         model.train()
         stats, optim_steps, skipped_updates = {}, 0, 0
+        perms = [torch.randperm(per_rank, generator=seeded(args.seed, step, RANK, update, 1))
+                 for update in range(args.updates_per_batch)]  # the order of the samples in each pass
+
+        def micro_batches(update, m):  # per-rank sample indices of each forward of optimizer step (update, m)
+            mb = perms[update][m * minibatch:(m + 1) * minibatch]
+            return [mb[i:i + args.train_batch_size] for i in range(0, minibatch, args.train_batch_size)]
+
+        def renoised(ids, update, m, i):
+            """Forward process: micro-batch i's clean samples x0 [b, ...], training sigmas s [b, n] of the schedule,
+            fresh noise [n, b, ...] and inputs x_t = (1 - s) x0 + s eps (n of [b, ...]), seeded per micro-batch."""
+            gen = seeded(args.seed, step, RANK, update, m, i, 2)
+            x0 = batch["latents"][ids, -1]  # the clean rollout samples
+            if args.loss == "nft":  # each sample its own permutation of the schedule
+                times = sde.nft_timesteps(args.num_steps, len(ids), fraction=args.timestep_fraction, generator=gen)
+            else:  # stratified, shared by the micro-batch
+                times = sde.awm_timesteps(args.num_steps, args.train_timesteps, fraction=args.timestep_fraction,
+                                          kind=args.awm_timesteps, generator=gen).expand(len(ids), -1)
+            s = sigmas[times].to(device)  # [b, n]
+            noise = torch.randn((times.shape[1],) + tuple(x0.shape), generator=gen).to(device)  # [n, b, ...]
+            return dict(x0=x0, s=s, noise=noise, x_t=[sde.renoise(x0, eps, s[:, j]) for j, eps in enumerate(noise)])
+
+        def frozen_velocities(fp, sub):
+            """No-grad velocities at each x_t of the old copy (NFT's v_old, AWM's EMA-KL anchor) and of the base
+            model (the KL to it); each frozen model is set up once per micro-batch, not once per sigma."""
+            v_old = v_ref = None
+            with torch.no_grad():
+                if old is not None:
+                    with models.swapped(trainable, old), autocast():
+                        v_old = [models.velocity(pipe, x, fp["s"][:, j], sub, guidance_scale=train_guidance)
+                                 for j, x in enumerate(fp["x_t"])]
+                if args.kl_beta > 0:
+                    with models.reference(pipe), autocast():
+                        v_ref = [models.velocity(pipe, x, fp["s"][:, j], sub, guidance_scale=train_guidance)
+                                 for j, x in enumerate(fp["x_t"])]
+            return dict(v_old=v_old, v_ref=v_ref)
+
+        def forward_process_loss(v, j, ids, fp):
+            """DiffusionNFT or AWM at the j-th training sigma of a micro-batch, plus the velocity-space KL terms."""
+            x0, sigma, x_t = fp["x0"], fp["s"][:, j], fp["x_t"][j]
+            if args.loss == "nft":
+                loss, loss_info = losses.nft_loss(v, fp["v_old"][j], x_t, x0, sigma, r[ids], beta=args.nft_beta,
+                                                  adaptive=args.nft_adaptive)
+                loss = args.adv_clip * loss  # the reference's constant factor adv_clip_max (train_nft_sd3.py L960)
+            else:
+                log_prob = losses.awm_log_prob(v, x0, fp["noise"][j], sigma, weighting=args.awm_weighting,
+                                               p=args.ghuber_power)
+                old_log_prob = log_prob.detach() if fp["old_log_probs"] is None else fp["old_log_probs"][j]  # (8.)
+                loss, loss_info = losses.awm_loss(log_prob, old_log_prob, adv[ids], clip_range=args.clip_range,
+                                                  adv_clip=args.adv_clip)
+                if args.ema_kl_beta > 0:  # EMA-KL to the slowly updated old copy (train_sd3_awm.py L1341-1350)
+                    ema_kl, _ = losses.velocity_kl(v, fp["v_old"][j])
+                    loss = loss + args.ema_kl_beta * ema_kl
+                    loss_info["ema_kl"] = ema_kl.item()
+            if args.kl_beta > 0:  # KL to the frozen base, in velocity space (NFT L966-970, AWM L1337)
+                kl, _ = losses.velocity_kl(v, fp["v_ref"][j])
+                loss = loss + args.kl_beta * kl
+                loss_info["kl"] = kl.item()
+            return loss, loss_info
+
+        if forward_process:
+            r = losses.nft_optimality(adv, adv_clip=args.adv_clip)  # [per_rank] DiffusionNFT's optimality probability
+        awm_old = {}  # (update, m, i) -> [n, b]: AWM's old log-probs of the optimizer steps after the first (8.)
+        if args.loss == "awm" and optim_steps_per_step > 1:
+            for update in range(args.updates_per_batch):
+                for m in range(args.minibatches):
+                    for i, ids in enumerate(micro_batches(update, m) if (update, m) != (0, 0) else []):
+                        sub = {k: v[ids.to(v.device)] for k, v in embeds.items()}
+                        fp = renoised(ids, update, m, i)
+                        with torch.no_grad(), autocast():
+                            awm_old[update, m, i] = torch.stack([losses.awm_log_prob(
+                                models.velocity(pipe, x, fp["s"][:, j], sub, guidance_scale=train_guidance),
+                                fp["x0"], fp["noise"][j], fp["s"][:, j], weighting=args.awm_weighting,
+                                p=args.ghuber_power) for j, x in enumerate(fp["x_t"])])
+
+        n_terms = forward_times(args) if forward_process else len(trained_steps)  # backward passes per micro-batch
         for update in range(args.updates_per_batch):
-            perm = torch.randperm(per_rank, generator=seeded(args.seed, step, RANK, update, 1))
             for m in range(args.minibatches):
-                mb = perm[m * minibatch:(m + 1) * minibatch]
-                micro = [mb[i:i + args.train_batch_size] for i in range(0, minibatch, args.train_batch_size)]
-                n_backward, done = len(micro) * len(trained_steps), 0
-                for ids in micro:
+                micro = micro_batches(update, m)
+                n_backward, done = len(micro) * n_terms, 0
+                for i, ids in enumerate(micro):
                     sub = {k: v[ids.to(v.device)] for k, v in embeds.items()}
-                    for j, k in enumerate(trained_steps):
-                        x, x_next = batch["latents"][ids, k], batch["latents"][ids, k + 1]  # [b, ...]
-                        sigma, sigma_next = sigmas[k].item(), sigmas[k + 1].item()
+                    if forward_process:  # fresh noise at the training sigmas, and the frozen models' velocities
+                        fp = renoised(ids, update, m, i)
+                        fp.update(frozen_velocities(fp, sub), old_log_probs=awm_old.get((update, m, i)))
+                    for j in range(n_terms):
+                        if forward_process:  # the j-th training sigma of each sample
+                            x, sigma = fp["x_t"][j], fp["s"][:, j]
+                        else:  # the j-th trained denoising step and its stored transition
+                            k = trained_steps[j]
+                            x, x_next = batch["latents"][ids, k], batch["latents"][ids, k + 1]  # [b, ...]
+                            sigma, sigma_next = sigmas[k].item(), sigmas[k + 1].item()
                         last = (done == n_backward - 1)
                         if args.fsdp:  # FSDP's no_sync: accumulate unsharded, reduce-scatter after the last backward
                             transformer.set_requires_gradient_sync(last)
@@ -412,33 +581,37 @@ def main(argv=None):
                             with autocast():
                                 v = models.velocity(pipe, x, sigma, sub, guidance_scale=train_guidance,
                                                     transformer=model)
-                            out = sde.sde_step(v, x, sigma, sigma_next, kind=args.sde, eta=args.eta,
-                                               prev_sample=x_next, sigma_max=sigma_max)
-                            old_log_prob, adv_mb = batch["log_probs"][ids, j], adv[ids]
-                            if args.loss == "grpo":
-                                loss, loss_info = losses.grpo_loss(out.log_prob, old_log_prob, adv_mb,
-                                                                   clip_range=args.clip_range)
-                            elif args.loss == "guard":
-                                loss, loss_info = losses.guard_loss(out.log_prob, old_log_prob, out.mean,
-                                                                    batch["means"][ids, j], out.std, sigma_next - sigma,
-                                                                    adv_mb, clip_range=args.clip_range)
+                            if forward_process:
+                                loss, loss_info = forward_process_loss(v, j, ids, fp)
                             else:
-                                loss, loss_info = losses.flowdppo_loss(out.log_prob, old_log_prob, out.mean,
-                                                                       batch["means"][ids, j], out.std, adv_mb,
-                                                                       threshold=args.kl_mask_threshold)
-                            if args.kl_beta > 0:  # KL to the frozen base: the same transformer with the adapter off
-                                with torch.no_grad(), models.reference(pipe), autocast():
-                                    v_ref = models.velocity(pipe, x, sigma, sub, guidance_scale=train_guidance)
-                                ref = sde.sde_step(v_ref, x, sigma, sigma_next, kind=args.sde, eta=args.eta,
+                                out = sde.sde_step(v, x, sigma, sigma_next, kind=args.sde, eta=args.eta,
                                                    prev_sample=x_next, sigma_max=sigma_max)
-                                kl, _ = losses.kl_penalty(out.mean, ref.mean, out.std)
-                                loss = loss + args.kl_beta * kl
-                                loss_info["kl"] = kl.item()
+                                old_log_prob, adv_mb = batch["log_probs"][ids, j], adv[ids]
+                                if args.loss == "grpo":
+                                    loss, loss_info = losses.grpo_loss(out.log_prob, old_log_prob, adv_mb,
+                                                                       clip_range=args.clip_range)
+                                elif args.loss == "guard":
+                                    loss, loss_info = losses.guard_loss(out.log_prob, old_log_prob, out.mean,
+                                                                        batch["means"][ids, j], out.std,
+                                                                        sigma_next - sigma, adv_mb,
+                                                                        clip_range=args.clip_range)
+                                else:
+                                    loss, loss_info = losses.flowdppo_loss(out.log_prob, old_log_prob, out.mean,
+                                                                           batch["means"][ids, j], out.std, adv_mb,
+                                                                           threshold=args.kl_mask_threshold)
+                                if args.kl_beta > 0:  # KL to the frozen base: the same transformer, adapter off
+                                    with torch.no_grad(), models.reference(pipe), autocast():
+                                        v_ref = models.velocity(pipe, x, sigma, sub, guidance_scale=train_guidance)
+                                    ref = sde.sde_step(v_ref, x, sigma, sigma_next, kind=args.sde, eta=args.eta,
+                                                       prev_sample=x_next, sigma_max=sigma_max)
+                                    kl, _ = losses.kl_penalty(out.mean, ref.mean, out.std)
+                                    loss = loss + args.kl_beta * kl
+                                    loss_info["kl"] = kl.item()
+                                if optim_steps == 0 and update == 0:  # on-policy: ratio 1 before the first step
+                                    log_ratio = (out.log_prob.detach() - old_log_prob).abs().max()
+                                    loss_info["first_ratio_dev"] = log_ratio.exp().item() - 1
                             (loss * drop_scale / n_backward).backward()
                         done += 1
-                        if optim_steps == 0 and update == 0:  # on-policy: the ratio must be 1 before the first step
-                            log_ratio = (out.log_prob.detach() - old_log_prob).abs().max()
-                            loss_info["first_ratio_dev"] = log_ratio.exp().item() - 1
                         loss_info["loss"] = loss.item()
                         for key, val in loss_info.items():
                             stats.setdefault(key, []).append(val)
@@ -470,6 +643,12 @@ def main(argv=None):
                      else "mixed-precision noise")
             print0(f"warning: first-update ratio deviates from 1 by {first_ratio_dev:.2e}: the training forward does "
                    f"not match the rollout ({cause}); try --mixed-precision no or --train-cfg")
+        if old is not None:  # old <- d old + (1 - d) current; d from the optimizer steps so far, the same on every rank
+            decay = OLD_DECAYS[args.old_decay]((step + 1) * optim_steps_per_step)
+            with torch.no_grad():
+                for name, param in trainable:
+                    old[name].lerp_(param.detach().float(), 1 - decay)  # weight 1 (d = 0) copies exactly
+            info["old_decay"] = decay
 
         t_trained = time.time()
         # ===================================================================== LOG / SAVE
@@ -479,8 +658,9 @@ def main(argv=None):
         else:
             bad_in_a_row = 0
         info.update({k: float(np.mean(v)) for k, v in stats.items() if k != "first_ratio_dev"})
-        info["first_ratio_dev"] = first_ratio_dev
-        info.update(bad_in_a_row=bad_in_a_row, trained_steps=len(trained_steps), seconds=time.time() - t0,
+        if not forward_process:
+            info["first_ratio_dev"] = first_ratio_dev
+        info.update(bad_in_a_row=bad_in_a_row, trained_steps=n_terms, seconds=time.time() - t0,
                     seconds_sampling=t_sampled - t0, seconds_reward_wait=t_rewarded - t_sampled,
                     seconds_training=t_trained - t_rewarded)
         step += 1
@@ -540,8 +720,25 @@ def check_args(p, args, world_size):
     if args.kl_beta > 0 and args.lora_rank == 0:
         p.error("--kl-beta > 0 needs a LoRA adapter (the reference is the base model with it disabled): "
                 "set --lora-rank > 0 or --kl-beta 0")
-    if args.eta <= 0:
-        p.error("--eta must be > 0 for training: with no noise the step is an ODE and has no log-prob")
+    if args.loss in FORWARD_LOSSES:
+        if args.sde_window != "all" or args.flash:
+            p.error(f"--sde-window / --flash choose the SDE steps of the reverse-process losses; --loss {args.loss} "
+                    "samples with a deterministic --sampler and trains at re-noised samples: drop them")
+        if args.nft_beta <= 0 or args.ghuber_power <= 0:
+            p.error("--nft-beta and --ghuber-power must be positive")
+        try:  # the training sigmas must fit the schedule (one-line errors naming the flags)
+            if args.loss == "nft":
+                sde.nft_timesteps(args.num_steps, 1, fraction=args.timestep_fraction)
+            else:
+                sde.awm_timesteps(args.num_steps, args.train_timesteps, fraction=args.timestep_fraction,
+                                  kind=args.awm_timesteps)
+        except ValueError as e:
+            p.error(str(e))
+    else:
+        if args.sampler is not None or args.old_decay is not None:
+            p.error(f"--sampler and --old-decay belong to --loss nft / awm; --loss {args.loss} samples with --sde")
+        if args.eta <= 0:
+            p.error("--eta must be > 0 for training: with no noise the step is an ODE and has no log-prob")
     try:
         components = [name for name, _ in rewards.parse_spec(args.reward)]  # unknown names fail here, before any model
     except ValueError as e:
@@ -558,8 +755,14 @@ def check_args(p, args, world_size):
     return per_rank, components
 
 
+def forward_times(args):
+    """Training sigmas per sample of --loss nft (int(T x fraction)) or awm (--train-timesteps)."""
+    return int(args.num_steps * args.timestep_fraction) if args.loss == "nft" else args.train_timesteps
+
+
 def build_policy(args, device, amp_dtype):
-    """Load the model, add LoRA (or train everything), shard (FSDP) or wrap (DDP), compile; build AdamW and the EMA."""
+    """Load the model, add LoRA (or train everything), shard (FSDP) or wrap (DDP), compile; build AdamW and the
+    copies of the trained weights: the evaluation EMA, and the old policy of --loss nft (and of awm with EMA-KL)."""
     load_dtype = amp_dtype if (amp_dtype and args.lora_rank > 0) else torch.float32  # LoRA: frozen base in half
     pipe = setup_or_exit(models.load_pipeline, args.model, args.model_path, dtype=load_dtype, device=device)
     transformer = pipe.transformer
@@ -580,8 +783,10 @@ def build_policy(args, device, amp_dtype):
         model = torch.nn.parallel.DistributedDataParallel(transformer, device_ids=device_ids)
     if args.compile:
         model = torch.compile(model)
-    ema = {n: q.detach().float().clone() for n, q in trainable} if args.ema_decay > 0 else None
-    return pipe, model, trainable, optimizer, ema
+    copy = lambda: {n: q.detach().float().clone() for n, q in trainable}  # noqa: E731  float32, sharded like trainable
+    needs_old = args.loss == "nft" or (args.loss == "awm" and args.ema_kl_beta > 0)
+    copies = {"ema": copy() if args.ema_decay > 0 else None, "old": copy() if needs_old else None}
+    return pipe, model, trainable, optimizer, copies
 
 
 def collect_rewards(futures, my_prompts, args, step, device, reward_pool):

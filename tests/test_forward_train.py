@@ -1,0 +1,103 @@
+"""train.py with the forward-process losses (--loss nft, --loss awm) on the tiny model: runs, the old copy's soft
+update and checkpoint, exact resume, two processes, presets and refused flags."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+import train
+from test_train import SMALL, metrics, run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMING = ("seconds", "seconds_sampling", "seconds_reward_wait", "seconds_training")
+
+
+def tensors(path):
+    from safetensors.torch import load_file
+    return load_file(path)
+
+
+def train_in_process(out, *flags):
+    """train.main in this process (the imports are paid once), with test_train's small tiny setup."""
+    train.main([*SMALL, "--log-images-every", "0", "--out", str(out), *flags])
+    return metrics(str(out))
+
+
+@pytest.mark.parametrize("loss", ["nft", "awm"])
+def test_runs_soft_updates_the_old_copy_and_resumes_exactly(tmp_path, loss):
+    flags = ["--loss", loss, "--steps", "3", "--save-every", "1"]
+    full = train_in_process(tmp_path / "full", *flags)
+    assert [r["step"] for r in full] == [1, 2, 3] and not any(r.get("skipped") for r in full)
+    for r in full:
+        assert r["loss"] == r["loss"] and r["trained_steps"] == (3 if loss == "nft" else 6)  # int(4 x 0.99); 6 strata
+    # The old copy starts as the weights: at step 1 the old velocities are the current ones exactly.
+    assert full[0]["old_deviate" if loss == "nft" else "ema_kl"] == 0
+    assert full[1]["old_deviate" if loss == "nft" else "ema_kl"] > 0
+    # old <- d old + (1 - d) current after each step, d = min(0.001 k, 0.5) (nft) or min(0.3, 0.001 k) (awm).
+    ckpt = tmp_path / "full" / "checkpoints"
+    import models
+    initial = dict(models.load_pipeline("tiny").transformer.named_parameters())
+    old_prev = {n: q.detach() for n, q in initial.items()}
+    for k in (1, 2, 3):
+        weights, old = tensors(ckpt / str(k) / "trainable.safetensors"), tensors(ckpt / str(k) / "old.safetensors")
+        assert full[k - 1]["old_decay"] == pytest.approx(0.001 * k)
+        for name, w in weights.items():
+            torch.testing.assert_close(old[name], 0.001 * k * old_prev[name] + (1 - 0.001 * k) * w, rtol=1e-6,
+                                       atol=1e-7)
+        old_prev = old
+    # Resume from step 1's checkpoint in another folder: steps 2 and 3 as in the uninterrupted run, which needs
+    # the old copy restored (it enters every loss term) as well as the weights, Adam and the seeds.
+    resumed = train_in_process(tmp_path / "resumed", *flags, "--resume", str(ckpt / "1"))
+    assert [r["step"] for r in resumed] == [2, 3]
+    for a, b in zip(full[1:], resumed):
+        assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
+
+
+@pytest.mark.parametrize("loss", ["nft", "awm"])
+def test_torchrun_two_processes(tmp_path, loss):
+    out = str(tmp_path / "ddp")
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *SMALL,
+         "--loss", loss, "--lora-rank", "4", "--lora-alpha", "8", "--kl-beta", "0.01", "--steps", "2",
+         "--log-images-every", "0", "--out", out], tmp_path)
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["kl"] > 0 for r in rows[1:])
+    state = json.load(open(os.path.join(out, "checkpoints", "2", "state.json")))
+    assert len(state["rank_checksums"]) == 2 and state["rank_checksums"][0] == state["rank_checksums"][1]
+    weights = tensors(os.path.join(out, "checkpoints", "2", "trainable.safetensors"))
+    old = tensors(os.path.join(out, "checkpoints", "2", "old.safetensors"))
+    assert set(old) == set(weights) and any(not torch.equal(old[n], weights[n]) for n in weights)
+
+
+def test_loss_presets():
+    _, a = train.parse_args(["--loss", "nft", "--model", "sd3"])
+    assert (a.guidance_scale, a.sampler, a.timestep_fraction, a.old_decay, a.kl_beta) == (1.0, "dpm2", 0.99, "nft", 1e-4)
+    assert a.train_cfg is False
+    _, a = train.parse_args(["--loss", "awm", "--model", "sd3", "--guidance-scale", "4.5"])  # the command line wins
+    assert (a.guidance_scale, a.clip_range, a.timestep_fraction, a.kl_beta, a.train_cfg) == (4.5, 1.0, 0.9, 1e-3, True)
+    _, a = train.parse_args(["--loss", "nft", "--model", "flux"])  # FLUX keeps its distilled guidance
+    assert a.guidance_scale == 3.5
+    _, a = train.parse_args(["--loss", "nft"])  # tiny: no LoRA, so no KL
+    assert a.kl_beta == 0.0 and a.sampler == "dpm2"
+    _, a = train.parse_args(["--loss", "grpo", "--model", "sd3"])  # the reverse-process losses are untouched
+    assert (a.guidance_scale, a.sampler, a.timestep_fraction, a.old_decay, a.kl_beta) == (4.5, None, 1.0, None, 0.04)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--loss", "nft", "--sde-window", "fast"], "--sde-window"),
+    (["--loss", "awm", "--flash"], "--flash"),
+    (["--loss", "grpo", "--sampler", "dpm2"], "--sampler"),
+    (["--loss", "grpo", "--old-decay", "nft"], "--old-decay"),
+    (["--loss", "nft", "--timestep-fraction", "0.05"], "--timestep-fraction"),
+    (["--loss", "awm", "--num-steps", "4", "--timestep-fraction", "0.25"], "--train-timesteps"),
+    (["--loss", "nft", "--nft-beta", "0"], "--nft-beta"),
+    (["--loss", "nft", "--kl-beta", "0.1"], "--kl-beta"),  # tiny trains all weights: no base to compare with
+])
+def test_bad_flags_are_refused_in_one_line(flags, needle, capsys):
+    p, args = train.parse_args(flags)
+    with pytest.raises(SystemExit):
+        train.check_args(p, args, 1)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("train.py: error:") or "error:" in err
+    assert needle in err, err
