@@ -6,6 +6,7 @@ Launch
     python bench.py --model tiny --json bench.json -- --group-size 4  # train.py flags go after `--`
     python bench.py --model sd3-random @recipes/sd3_bench.args --json sd3.json       # GPU, random SD3.5-M, no hub
     python bench.py --windows --model tiny                            # speed-up of fast / mix / mix+flash over all
+    python bench.py --losses --model tiny                             # GRPO next to DiffusionNFT and AWM
     python bench.py --rewards                                         # images/s of each offline reward scorer
     scripts/gpu_bench.sh                                              # the GPU figures of the README
 
@@ -25,7 +26,8 @@ within seconds of each other keeps a shared machine's changing load out of it (o
 --threads 1: torch's threads wait on each other whenever one is descheduled, and step times swing 10x):
   rollout    no-grad forward (the CFG batch is already doubled inside the call), plus the decodes
   train      forward + backward
-  reference  no-grad forward with the LoRA adapter off (only when --kl-beta > 0)
+  reference  no-grad forward while training: the KL reference with the LoRA adapter off (--kl-beta > 0),
+             and the old copy of --loss nft / awm (the same compute; replayed with the current weights)
 The pure compute of a step is the sum of calls per step x median time, and
 
     overhead ratio = median over the measured steps of (step seconds / pure compute timed after that step)
@@ -46,6 +48,11 @@ H200's dense bf16 spec, 989 TFLOP/s) or when --peak-tflops is given.
 is each run's end-to-end samples/s over all's. Two load-free companions: `compute` prices every counted
 call at all's bare times (what the window saves in model work), and `at equal load` multiplies that by
 all's overhead ratio over the window's (each ratio is timed against the load of its own moment).
+
+--losses runs the recipe three times, each in its own process, with --loss grpo, nft and awm and the other
+flags as given (each loss fills in its own defaults: DiffusionNFT and AWM sample CFG-free with a
+deterministic solver unless the flags say otherwise): samples/s of each, their speed-up over grpo, and
+each run's overhead ratio.
 """
 import argparse
 import contextlib
@@ -71,6 +78,12 @@ WINDOWS = {
     "mix": ["--sde-window", "mix"],
     "mix+flash": ["--sde-window", "mix", "--flash"],
 }
+# --losses: the same model and batch with a reverse-process loss and the two forward-process ones.
+LOSSES = {
+    "grpo": ["--loss", "grpo"],
+    "nft": ["--loss", "nft"],
+    "awm": ["--loss", "awm"],
+}
 
 
 def parse_args(argv=None):
@@ -90,6 +103,8 @@ def parse_args(argv=None):
     p.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s of the chip for MFU (default on CUDA: 989, H200 dense bf16)")
     p.add_argument("--windows", action="store_true", help="run --sde-window all, fast, mix and mix --flash and print each one's speed-up over all")
     p.add_argument("--window-size", type=int, default=None, help="--windows: steps in the fast / mix window (default 2)")
+    p.add_argument("--losses", action="store_true",
+                   help="run --loss grpo, nft and awm on the same model and batch and print each one's samples/s")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads for the run and the bare timing (default: torch's; 1 is steadiest on a shared CPU)")
     p.add_argument("--rewards", action="store_true", help="only time the offline reward scorers (images/s)")
     p.add_argument("--reward-images", type=int, default=16, help="--rewards: images per timed call")
@@ -106,6 +121,10 @@ def parse_args(argv=None):
         p.error("--window-size before `--` belongs to --windows; for one run give train.py's --window-size after `--`")
     if args.windows and args.out:
         p.error("--out names one run's folder; --windows makes four: drop --out")
+    if args.losses and (args.windows or args.out):
+        p.error("--losses makes three runs of its own: drop --windows and --out")
+    if args.losses and any(a == "--loss" or a.startswith("--loss=") for a in train_args):
+        p.error("--losses sets --loss for each of its runs: drop --loss after `--`")
     args.window_size = args.window_size or 2
     for flag in ("--model", "--steps", "--out", "--reward", "--resume", "--eval-every"):
         if any(a == flag or a.startswith(flag + "=") for a in train_args):
@@ -243,9 +262,11 @@ def bare_call(pipe, entry, models):
 
 
 def phase_context(pipe, entry, models):
-    """The module state train.py ran the call in: eval() to sample, train() to update, adapter off for the reference."""
+    """The module state train.py ran the call in: eval() to sample, train() to update, adapter off for the reference
+    (a no-grad training forward without an adapter is the old copy of --loss nft / awm: same compute, as it is)."""
     pipe.transformer.train(entry["phase"] in ("train", "reference"))
-    return models.reference(pipe) if entry["phase"] == "reference" else contextlib.nullcontext()
+    reference = entry["phase"] == "reference" and models.has_adapter(pipe)
+    return models.reference(pipe) if reference else contextlib.nullcontext()
 
 
 def time_bare(pipe, calls, repeats, models):
@@ -442,24 +463,30 @@ def report(r):
     print("\n".join(lines), flush=True)
 
 
-def run_windows(args):
-    """Each window mode in its own process (clean peak memory); speed-up = end-to-end samples/s over `all`."""
+def run_each(args, mode, variants):
+    """Bench the recipe once per variant (extra train.py flags), each in its own process (clean peak memory)."""
     results = {}
-    with tempfile.TemporaryDirectory(prefix="bench-windows-") as tmp:
-        for name, flags in WINDOWS.items():
-            window = [] if name == "all" else ["--window-size", str(args.window_size)]
+    with tempfile.TemporaryDirectory(prefix=f"bench-{mode}-") as tmp:
+        for name, flags in variants.items():
             path = os.path.join(tmp, f"{name.replace('+', '_')}.json")
             cmd = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--reward", args.reward, "--repeats", str(args.repeats), "--json", path]
             cmd += ["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops is not None else []
             cmd += ["--threads", str(args.threads)] if args.threads else []
-            cmd += ["--"] + args.train_args + flags + window
-            print(f"--windows {name}: {' '.join(cmd[1:])}", flush=True)
+            cmd += ["--"] + args.train_args + flags
+            print(f"--{mode} {name}: {' '.join(cmd[1:])}", flush=True)
             proc = subprocess.run(cmd)
             if proc.returncode:
-                raise SystemExit(f"error: --windows {name} failed (exit {proc.returncode}); rerun the command above to see why")
+                raise SystemExit(f"error: --{mode} {name} failed (exit {proc.returncode}); rerun the command above to see why")
             with open(path) as f:
                 results[name] = json.load(f)
+    return results
+
+
+def run_windows(args):
+    """Each window mode in its own process; speed-up = end-to-end samples/s over `all`."""
+    results = run_each(args, "windows", {name: flags + ([] if name == "all" else ["--window-size", str(args.window_size)])
+                                         for name, flags in WINDOWS.items()})
     base = results["all"]["end_to_end_samples_per_s"]
     speedup = {name: r["end_to_end_samples_per_s"] / base for name, r in results.items()}
     # The same speed-up from the call counts alone, every call priced at `all`'s bare time: what the window
@@ -478,6 +505,25 @@ def run_windows(args):
     print("(samples/s; speed-up: end-to-end samples/s over all's; compute: from the counted calls priced at all's bare times; "
           "at equal load: compute x all's overhead ratio / the window's)")
     return dict(windows=results, speedup_vs_all=speedup, compute_speedup_vs_all=compute_speedup, equal_load_speedup_vs_all=equal_load)
+
+
+def run_losses(args):
+    """GRPO, DiffusionNFT and AWM on the same model and batch, each in its own process; speed-up over grpo's
+    end-to-end samples/s, and each run's overhead ratio (step time / the model compute inside it)."""
+    results = run_each(args, "losses", LOSSES)
+    base = results["grpo"]["end_to_end_samples_per_s"]
+    speedup = {name: r["end_to_end_samples_per_s"] / base for name, r in results.items()}
+    print(f"\n{'loss':6s} {'end-to-end':>11s} {'vs grpo':>8s} {'rollout':>9s} {'update':>9s} {'overhead':>9s} "
+          f"{'rollout fwd':>12s} {'train fwd+bwd':>14s} {'frozen fwd':>11s}")
+    for name, r in results.items():
+        calls = {phase: sum(c["per_step"] for c in r["calls"] if c["phase"] == phase)
+                 for phase in ("rollout", "train", "reference")}
+        print(f"{name:6s} {r['end_to_end_samples_per_s']:11.3f} {speedup[name]:7.2f}x {r['rollout_samples_per_s']:9.3f} "
+              f"{r['train_samples_per_s']:9.3f} {r['overhead_ratio']:9.3f} {calls['rollout']:12.1f} "
+              f"{calls['train']:14.1f} {calls['reference']:11.1f}")
+    print("(samples/s; overhead: step seconds / the bare model calls inside the step; calls per step: transformer "
+          "forwards of the rollout, forwards + backwards of the update, no-grad forwards while training)")
+    return dict(losses=results, speedup_vs_grpo=speedup)
 
 
 def reward_throughput(args):
@@ -527,6 +573,8 @@ def main(argv=None):
         result = reward_throughput(args)
     elif args.windows:
         result = run_windows(args)
+    elif args.losses:
+        result = run_losses(args)
     else:
         result = run(args)
         report(result)
@@ -534,7 +582,7 @@ def main(argv=None):
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    if not (args.windows or args.rewards):
+    if not (args.windows or args.rewards or args.losses):
         bad = [k for k in REQUIRED_KEYS + (("mfu",) if "mfu" in result else ()) if not (math.isfinite(result[k]) and result[k] > 0)]
         if bad:
             raise SystemExit(f"error: non-finite or non-positive figures {bad}; see the table above")

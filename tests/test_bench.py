@@ -76,6 +76,8 @@ def test_counted_calls_match_the_recipe(small):
     (["--steps", "0"], "must be >= 1"),
     (["--window-size", "3"], "belongs to --windows"),
     (["--", "--eval-every", "5"], "--eval-every samples outside the measured step"),
+    (["--losses", "--windows"], "--losses makes three runs"),
+    (["--losses", "--", "--loss", "nft"], "--losses sets --loss"),
 ])
 def test_bad_flags_fail_with_one_line(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
@@ -109,6 +111,36 @@ def test_windows_speedups(tmp_path):
     for name, r in result["windows"].items():
         assert result["equal_load_speedup_vs_all"][name] == pytest.approx(
             compute[name] * result["windows"]["all"]["overhead_ratio"] / r["overhead_ratio"])
+
+
+def test_nft_step_counts_its_calls(tmp_path):
+    """DiffusionNFT on the full fine-tune: 4 dpm2 rollout forwards and 1 decode per batch; int(4 x 0.99) = 3 training
+    sigmas, each a forward + backward and a no-grad forward of the old copy (replayed as it is: no adapter)."""
+    result, stdout = run_bench(tmp_path, train_flags=SMALL_FULL + ["--loss", "nft"])
+    per_step = {c["phase"]: c["per_step"] for c in result["calls"]}
+    assert per_step == {"rollout": 4, "decode": 1, "train": 3, "reference": 3}
+    assert all(c["seconds"] > 0 for c in result["calls"]) and math.isfinite(result["overhead_ratio"])
+    assert result["train_argv"][result["train_argv"].index("--loss") + 1] == "nft"
+
+
+@pytest.mark.slow
+def test_losses_side_by_side(tmp_path):
+    path = tmp_path / "losses.json"
+    cmd = [sys.executable, "bench.py", "--losses", "--model", "tiny", "--steps", "1", "--warmup", "1", "--repeats", "1",
+           "--threads", "1", "--json", str(path), "--", *SMALL]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(path.read_text())
+    assert result["speedup_vs_grpo"]["grpo"] == 1.0 and set(result["losses"]) == set(bench.LOSSES)
+    calls = {name: {c["phase"]: c["per_step"] for c in r["calls"]} for name, r in result["losses"].items()}
+    # grpo: 3 trained SDE steps, each with a KL reference forward; nft: 3 sigmas, old copy + base per sigma;
+    # awm: 6 strata, EMA anchor + base per sigma. Same rollout: 4 forwards (CFG 1 on tiny), 1 decode.
+    assert calls == {"grpo": {"rollout": 4, "decode": 1, "train": 3, "reference": 3},
+                     "nft": {"rollout": 4, "decode": 1, "train": 3, "reference": 6},
+                     "awm": {"rollout": 4, "decode": 1, "train": 6, "reference": 12}}
+    for name, r in result["losses"].items():
+        assert result["speedup_vs_grpo"][name] == pytest.approx(
+            r["end_to_end_samples_per_s"] / result["losses"]["grpo"]["end_to_end_samples_per_s"])
 
 
 def test_reward_throughput_times_every_offline_scorer(tmp_path):
