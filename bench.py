@@ -51,8 +51,8 @@ all's overhead ratio over the window's (each ratio is timed against the load of 
 
 --losses runs the recipe three times, each in its own process, with --loss grpo, nft and awm and the other
 flags as given (each loss fills in its own defaults: DiffusionNFT and AWM sample CFG-free with a
-deterministic solver unless the flags say otherwise): samples/s of each, their speed-up over grpo, and
-each run's overhead ratio.
+deterministic solver unless the flags say otherwise): samples/s of each, their speed-up over grpo (measured,
+and the load-free `compute` and `at equal load` as above, against grpo's calls), and each run's overhead ratio.
 """
 import argparse
 import contextlib
@@ -513,17 +513,28 @@ def run_losses(args):
     results = run_each(args, "losses", LOSSES)
     base = results["grpo"]["end_to_end_samples_per_s"]
     speedup = {name: r["end_to_end_samples_per_s"] / base for name, r in results.items()}
-    print(f"\n{'loss':6s} {'end-to-end':>11s} {'vs grpo':>8s} {'rollout':>9s} {'update':>9s} {'overhead':>9s} "
-          f"{'rollout fwd':>12s} {'train fwd+bwd':>14s} {'frozen fwd':>11s}")
+    # Load-free companions, as --windows: every counted call priced at grpo's bare time of the same kind and shapes
+    # (a no-grad training forward that grpo does not make, at the run's own time).
+    price = {(c["phase"], json.dumps(c["shapes"])): c["seconds"] for c in results["grpo"]["calls"]}
+    cost = {name: sum(c["per_step"] * price.get((c["phase"], json.dumps(c["shapes"])), c["seconds"]) for c in r["calls"])
+            for name, r in results.items()}
+    compute_speedup = {name: cost["grpo"] / cost[name] for name in results}
+    equal_load = {name: compute_speedup[name] * results["grpo"]["overhead_ratio"] / r["overhead_ratio"]
+                  for name, r in results.items()}
+    print(f"\n{'loss':6s} {'end-to-end':>11s} {'vs grpo':>8s} {'at equal load':>14s} {'compute':>8s} {'rollout':>9s} "
+          f"{'update':>9s} {'overhead':>9s} {'rollout fwd':>12s} {'train fwd+bwd':>14s} {'frozen fwd':>11s}")
     for name, r in results.items():
         calls = {phase: sum(c["per_step"] for c in r["calls"] if c["phase"] == phase)
                  for phase in ("rollout", "train", "reference")}
-        print(f"{name:6s} {r['end_to_end_samples_per_s']:11.3f} {speedup[name]:7.2f}x {r['rollout_samples_per_s']:9.3f} "
-              f"{r['train_samples_per_s']:9.3f} {r['overhead_ratio']:9.3f} {calls['rollout']:12.1f} "
-              f"{calls['train']:14.1f} {calls['reference']:11.1f}")
-    print("(samples/s; overhead: step seconds / the bare model calls inside the step; calls per step: transformer "
-          "forwards of the rollout, forwards + backwards of the update, no-grad forwards while training)")
-    return dict(losses=results, speedup_vs_grpo=speedup)
+        print(f"{name:6s} {r['end_to_end_samples_per_s']:11.3f} {speedup[name]:7.2f}x {equal_load[name]:13.2f}x "
+              f"{compute_speedup[name]:7.2f}x {r['rollout_samples_per_s']:9.3f} {r['train_samples_per_s']:9.3f} "
+              f"{r['overhead_ratio']:9.3f} {calls['rollout']:12.1f} {calls['train']:14.1f} {calls['reference']:11.1f}")
+    print("(samples/s; vs grpo: end-to-end samples/s over grpo's; compute: the counted calls priced at grpo's bare "
+          "times; at equal load: compute x grpo's overhead ratio / the loss's; overhead: step seconds / the bare model "
+          "calls inside it; calls per step: transformer forwards of the rollout, forwards + backwards of the update, "
+          "no-grad forwards while training)")
+    return dict(losses=results, speedup_vs_grpo=speedup, compute_speedup_vs_grpo=compute_speedup,
+                equal_load_speedup_vs_grpo=equal_load)
 
 
 def reward_throughput(args):

@@ -141,6 +141,8 @@ def test_losses_side_by_side(tmp_path):
     for name, r in result["losses"].items():
         assert result["speedup_vs_grpo"][name] == pytest.approx(
             r["end_to_end_samples_per_s"] / result["losses"]["grpo"]["end_to_end_samples_per_s"])
+    compute = result["compute_speedup_vs_grpo"]
+    assert compute["grpo"] == 1.0 and compute["nft"] < 1  # nft makes grpo's calls at the same shapes, and 3 more
 
 
 def test_reward_throughput_times_every_offline_scorer(tmp_path):

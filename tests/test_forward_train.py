@@ -101,3 +101,17 @@ def test_bad_flags_are_refused_in_one_line(flags, needle, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("train.py: error:") or "error:" in err
     assert needle in err, err
+
+
+@pytest.mark.slow
+def test_fsdp_full_fine_tune_resumes_exactly(tmp_path):
+    """--lora-rank 0 --fsdp: the old copy is sharded like the weights, exchanged shard by shard, gathered into the
+    checkpoint and cut back into shards on resume."""
+    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *SMALL,
+            "--loss", "nft", "--lora-rank", "0", "--fsdp", "--steps", "3", "--log-images-every", "0"]
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    run(base + ["--save-every", "1", "--out", full], tmp_path)
+    run(base + ["--resume", os.path.join(full, "checkpoints", "2"), "--out", part], tmp_path)
+    a, b = metrics(full)[-1], metrics(part)[-1]
+    assert a["step"] == b["step"] == 3
+    assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
