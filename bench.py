@@ -477,7 +477,8 @@ def run_each(args, mode, variants):
             print(f"--{mode} {name}: {' '.join(cmd[1:])}", flush=True)
             proc = subprocess.run(cmd)
             if proc.returncode:
-                raise SystemExit(f"error: --{mode} {name} failed (exit {proc.returncode}); rerun the command above to see why")
+                raise SystemExit(f"error: --{mode} {name} failed (exit {proc.returncode}); "
+                                 "rerun the command above to see why")
             with open(path) as f:
                 results[name] = json.load(f)
     return results
@@ -485,8 +486,9 @@ def run_each(args, mode, variants):
 
 def run_windows(args):
     """Each window mode in its own process; speed-up = end-to-end samples/s over `all`."""
-    results = run_each(args, "windows", {name: flags + ([] if name == "all" else ["--window-size", str(args.window_size)])
-                                         for name, flags in WINDOWS.items()})
+    window = ["--window-size", str(args.window_size)]
+    results = run_each(args, "windows",
+                       {name: flags + ([] if name == "all" else window) for name, flags in WINDOWS.items()})
     base = results["all"]["end_to_end_samples_per_s"]
     speedup = {name: r["end_to_end_samples_per_s"] / base for name, r in results.items()}
     # The same speed-up from the call counts alone, every call priced at `all`'s bare time: what the window
@@ -516,8 +518,8 @@ def run_losses(args):
     # Load-free companions, as --windows: every counted call priced at grpo's bare time of the same kind and shapes
     # (a no-grad training forward that grpo does not make, at the run's own time).
     price = {(c["phase"], json.dumps(c["shapes"])): c["seconds"] for c in results["grpo"]["calls"]}
-    cost = {name: sum(c["per_step"] * price.get((c["phase"], json.dumps(c["shapes"])), c["seconds"]) for c in r["calls"])
-            for name, r in results.items()}
+    cost = {name: sum(c["per_step"] * price.get((c["phase"], json.dumps(c["shapes"])), c["seconds"])
+                      for c in r["calls"]) for name, r in results.items()}
     compute_speedup = {name: cost["grpo"] / cost[name] for name in results}
     equal_load = {name: compute_speedup[name] * results["grpo"]["overhead_ratio"] / r["overhead_ratio"]
                   for name, r in results.items()}

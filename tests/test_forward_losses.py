@@ -145,7 +145,8 @@ def test_nft_bad_input():
 def np_awm(v, x0, eps, sigma, weighting, p=0.25):
     out = []
     for i in range(len(v)):
-        mse = ((np.asarray(v[i], np.float64) - (np.asarray(eps[i], np.float64) - np.asarray(x0[i], np.float64))) ** 2).mean()
+        vi, ei, xi = (np.asarray(a[i], np.float64) for a in (v, eps, x0))
+        mse = ((vi - (ei - xi)) ** 2).mean()
         t = float(sigma[i])
         nll = {"uniform": mse, "t": t * mse, "t2": t * t * mse, "huber": t * (np.sqrt(mse + 1e-10) - 1e-5),
                "ghuber": t / p * ((mse + 1e-10) ** p - 1e-10**p)}[weighting]
