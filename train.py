@@ -422,7 +422,8 @@ def main(argv=None):
                 gen = seeded(args.seed, step, RANK, b)  # resumable noise
                 x = models.initial_noise(pipe, args.sample_batch_size, args.resolution, generator=gen).to(device)
                 sub = {k: v[idx] for k, v in embeds.items()}
-                velocity = lambda x_, s_: models.velocity(pipe, x_, s_, sub, guidance_scale=sample_guidance)  # noqa
+                def velocity(x_, s_, sub=sub):  # what the sampler calls; CFG lives inside
+                    return models.velocity(pipe, x_, s_, sub, guidance_scale=sample_guidance)
                 with autocast():
                     if forward_process:  # only the clean sample is kept: [b, 1, ...]
                         traj = {"latents": sde.ode_sample(velocity, x, sigmas, solver=args.sampler)[:, None]}
@@ -435,8 +436,8 @@ def main(argv=None):
                 if b == 0 and is_main:
                     first_images = images
         # latents [n, T+1, ...] (forward process: [n, 1, ...]), log_probs [n, K], means [n, K, ...], stds [n, K]
-        batch = {k: torch.cat([t[k] for t in batches]) for k in batches[0] if k in ("latents", "log_probs", "means",
-                                                                                  "stds")}
+        batch = {k: torch.cat([t[k] for t in batches]) for k in ("latents", "log_probs", "means", "stds")
+                 if k in batches[0]}
 
         # ===================================================================== REWARDS
         t_sampled = time.time()
@@ -783,7 +784,9 @@ def build_policy(args, device, amp_dtype):
         model = torch.nn.parallel.DistributedDataParallel(transformer, device_ids=device_ids)
     if args.compile:
         model = torch.compile(model)
-    copy = lambda: {n: q.detach().float().clone() for n, q in trainable}  # noqa: E731  float32, sharded like trainable
+
+    def copy():  # float32, sharded like trainable under FSDP
+        return {n: q.detach().float().clone() for n, q in trainable}
     needs_old = args.loss == "nft" or (args.loss == "awm" and args.ema_kl_beta > 0)
     copies = {"ema": copy() if args.ema_decay > 0 else None, "old": copy() if needs_old else None}
     return pipe, model, trainable, optimizer, copies
