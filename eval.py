@@ -15,6 +15,7 @@ import os
 
 import torch
 
+import checkpoints
 import data
 import models
 import rewards
@@ -98,7 +99,7 @@ def save_sample_grid(path, images, prompts, values, n=8):
 def append_scores(path, step, scores):
     """One line of eval.jsonl: the step and the mean of every reward entry."""
     with open(path, "a") as f:
-        f.write(json.dumps({"step": step, **scores}) + "\n")
+        f.write(checkpoints.json_line({"step": step, **scores}))
 
 
 def plot_run(run_dir, out=None):
@@ -109,16 +110,30 @@ def plot_run(run_dir, out=None):
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise SystemExit(f"error: {path} not found: --plot takes a run folder written by train.py --out")
-    rows = [json.loads(line) for line in open(path) if line.strip()]
-    rows = [r for r in rows if not r.get("skipped")]
+    rows, torn = [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except ValueError:  # a run killed while writing its last line
+                torn += 1
+    if torn:
+        print(f"warning: {path}: skipped {torn} line(s) that are not JSON (a run killed mid-write)")
+    rows = [r for r in rows if isinstance(r, dict) and not r.get("skipped") and "reward_mean" in r]
+    if not rows:
+        raise SystemExit(f"error: {path} has no completed step to plot yet")
     steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    axes[0].plot(steps, [r["reward_mean"] for r in rows], label="reward_mean")
+    def series(key):  # null (a NaN when written) and absent both plot as gaps
+        return [float("nan") if r.get(key) is None else r[key] for r in rows]
+    axes[0].plot(steps, series("reward_mean"), label="reward_mean")
     for key in sorted({k for r in rows for k in r if k.startswith("reward/")}):
-        axes[0].plot(steps, [r.get(key, float("nan")) for r in rows], label=key, alpha=0.7)
+        axes[0].plot(steps, series(key), label=key, alpha=0.7)
     axes[0].set_xlabel("step")
     axes[0].legend(fontsize=7)
-    axes[1].plot(steps, [r.get("loss", float("nan")) for r in rows], label="loss")
+    axes[1].plot(steps, series("loss"), label="loss")
     axes[1].set_xlabel("step")
     axes[1].legend(fontsize=7)
     fig.tight_layout()
@@ -149,20 +164,28 @@ def main(argv=None):
         return plot_run(args.plot)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    prompts, metadata = data.load_prompts(args.prompts)
+    try:
+        prompts, metadata = data.load_prompts(args.prompts)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {e}")
     prompts, metadata = prompts[:args.max_prompts], metadata[:args.max_prompts]
-    reward_fn = rewards.build_reward(args.reward, device=device)
-    pipe = models.load_pipeline(args.model, args.model_path, device=device)
-    ranks = set()
+    ranks = set()  # the checkpoints are checked before any model loads
     for ckpt in args.checkpoints:
-        state_path = os.path.join(ckpt, "state.json")
-        if not os.path.isfile(state_path):
+        if not os.path.isfile(os.path.join(ckpt, "state.json")):
             raise SystemExit(f"error: {ckpt} is not a complete checkpoint (no state.json); pass <run>/checkpoints/<step>")
-        state = json.load(open(state_path))
+        if (problem := checkpoints.verify(ckpt)) is not None:
+            raise SystemExit(f"error: checkpoint {ckpt} cannot be trusted: {problem}; evaluate another step of the run")
+        with open(os.path.join(ckpt, "state.json")) as f:
+            state = json.load(f)
         ranks.add((state["lora_rank"], state.get("lora_alpha", state["lora_rank"])))
     if len(ranks) > 1:
         raise SystemExit("error: the checkpoints use different LoRA ranks; evaluate them in separate calls")
     rank, alpha = ranks.pop() if ranks else (0, 0)
+    try:  # an unknown reward, a model missing offline: one line naming the flag
+        reward_fn = rewards.build_reward(args.reward, device=device)
+        pipe = models.load_pipeline(args.model, args.model_path, device=device)
+    except (ValueError, OSError, RuntimeError, ImportError) as e:
+        raise SystemExit(f"error: {e}")
     models.add_lora(pipe, rank, alpha)
     base = {k: v.detach().clone() for k, v in pipe.transformer.state_dict().items()} if rank == 0 and args.checkpoints else None
 
