@@ -123,6 +123,7 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=8, help="images per forward")
     p.add_argument("--seed", type=int, default=0, help="noise seed (per prompt)")
     p.add_argument("--out", default="runs/eval", help="folder for summary.json and grid.png")
+    rewards.add_arguments(p)
     args = p.parse_args(argv)
     if args.plot:
         return plot_run(args.plot)
@@ -130,7 +131,10 @@ def main(argv=None):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     prompts, metadata = data.load_prompts(args.prompts)
     prompts, metadata = prompts[:args.max_prompts], metadata[:args.max_prompts]
-    reward_fn = rewards.build_reward(args.reward, device=device)
+    try:
+        reward_fn = rewards.build_reward(args.reward, device=device, **{k: getattr(args, k) for k in rewards.option_defaults()})
+    except (ValueError, OSError, RuntimeError, ImportError) as e:  # a bad option or config, a model missing offline
+        raise SystemExit(f"error: {e}")
     pipe = models.load_pipeline(args.model, args.model_path, device=device)
     ranks = set()
     for ckpt in args.checkpoints:
