@@ -522,7 +522,8 @@ def reward_throughput(args):
         bench("pickscore (tiny random CLIP stand-in)",
               rewards.pickscore(**dict(options, pickscore_processor_path=folder, pickscore_model_path=folder)))
         name, path = models.tiny_hps(os.path.join(tmp, "hps"), image_size=224, patch_size=14)
-        bench("hps (tiny random open_clip stand-in)", rewards.hps(**dict(options, hps_checkpoint_path=path, hps_model_name=name)))
+        bench("hps (tiny random open_clip stand-in)",
+              rewards.hps(**dict(options, hps_checkpoint_path=path, hps_model_name=name)))
     return {"reward_images_per_s": result}
 
 

@@ -132,7 +132,8 @@ def main(argv=None):
     prompts, metadata = data.load_prompts(args.prompts)
     prompts, metadata = prompts[:args.max_prompts], metadata[:args.max_prompts]
     try:
-        reward_fn = rewards.build_reward(args.reward, device=device, **{k: getattr(args, k) for k in rewards.option_defaults()})
+        options = {k: getattr(args, k) for k in rewards.option_defaults()}  # the reward group's flags
+        reward_fn = rewards.build_reward(args.reward, device=device, **options)
     except (ValueError, OSError, RuntimeError, ImportError) as e:  # a bad option or config, a model missing offline
         raise SystemExit(f"error: {e}")
     pipe = models.load_pipeline(args.model, args.model_path, device=device)

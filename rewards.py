@@ -71,9 +71,12 @@ NAME` the header `Authorization: <value of $NAME>`):
 `custom` and `custom_api` import and run user code named by a dotted path: only point them at
 code you trust.
 
-Why one file of about 900 lines: the scorers, the service loop and the options table are one
-concept, "turn images into checked scores", and each section is read on its own; the HTTP
-transport (about 70 lines) is here because only the reward services use it.
+Why one file of about 1,150 lines: it holds one concept, "turn images into checked scores", in
+sections read on their own: the offline scorers (~300 lines), the reward services (~480: configs,
+the deadline-bound HTTP transport ~110, the retry loop ~90, the judge and the three services),
+user code, mixtures and the option table (~250). The transport lives here because only the
+reward services use it; splitting the services off would make every scorer's options and checks
+cross a module boundary for no reader's benefit.
 
 Run `python bench.py --rewards` for the images/s of the offline scorers on this machine.
 """
@@ -144,7 +147,8 @@ def to_uint8(images):
     if not isinstance(images, torch.Tensor):
         raise TypeError(f"images must be a torch tensor or numpy array, got {type(images).__name__}")
     if images.ndim not in (4, 5) or images.shape[-1] != 3:
-        raise ValueError(f"images must be [B, H, W, 3] or video [B, F, H, W, 3] (channels last), got shape {tuple(images.shape)}")
+        raise ValueError(f"images must be [B, H, W, 3] or video [B, F, H, W, 3] (channels last), "
+                         f"got shape {tuple(images.shape)}")
     images = images.detach().cpu()
     if images.dtype == torch.uint8:
         return images.numpy()
@@ -167,13 +171,15 @@ def _png_base64(frame):
 
 
 def _hub_error(name, path, flag, err):
-    return RuntimeError(f"{name}: cannot load {path!r} ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+    first_line = str(err).splitlines()[0] if str(err) else ""
+    return RuntimeError(f"{name}: cannot load {path!r} ({type(err).__name__}: {first_line}); "
                         f"download it where the hub is reachable and point {flag} at the local copy")
 
 
 # ----------------------------------------------------------------------------- PickScore
 
-def pickscore(*, pickscore_processor_path, pickscore_model_path, pickscore_batch_size, pickscore_num_frames, device, **_):
+def pickscore(*, pickscore_processor_path, pickscore_model_path, pickscore_batch_size, pickscore_num_frames, device,
+              **_):
     """PickScore (Kirstain et al., Pick-a-Pic, arXiv:2305.01569), scaled as Flow-GRPO does:
 
         score = exp(logit_scale) * <t / |t|, v / |v|> / 26        (raw logits are about 0-26)
@@ -210,8 +216,9 @@ def pickscore(*, pickscore_processor_path, pickscore_model_path, pickscore_batch
         texts = [p for p in prompts for _ in range(n)]
         scores = []
         for i in range(0, len(frames), pickscore_batch_size):
-            pixels = processor(images=[Image.fromarray(f) for f in frames[i:i + pickscore_batch_size]], return_tensors="pt")
-            tokens = processor(text=texts[i:i + pickscore_batch_size], padding=True, truncation=True, max_length=77, return_tensors="pt")
+            batch = slice(i, i + pickscore_batch_size)
+            pixels = processor(images=[Image.fromarray(f) for f in frames[batch]], return_tensors="pt")
+            tokens = processor(text=texts[batch], padding=True, truncation=True, max_length=77, return_tensors="pt")
             v = features(model.get_image_features(pixel_values=pixels["pixel_values"].to(device)))
             tokens = {k: tokens[k].to(device) for k in ("input_ids", "attention_mask")}
             t = features(model.get_text_features(**tokens))
@@ -251,7 +258,8 @@ def hps(*, hps_version, hps_checkpoint_path, hps_batch_size, hps_model_name, dev
         except Exception as err:
             if not os.path.exists(path):
                 raise
-            log.warning("hps: %s holds more than tensors (%s); loading it with weights_only=False", path, type(err).__name__)
+            log.warning("hps: %s holds more than tensors (%s); loading it with weights_only=False",
+                        path, type(err).__name__)
             state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:
         raise _hub_error("hps", path, "--hps-checkpoint-path", err) from err
@@ -316,7 +324,8 @@ def _rapidocr_reader(threads):
 
     # PP-OCR models shipped in the wheel; detection resizes as PaddleOCR 2.x does (longest side at most 960)
     # instead of RapidOCR's default of upscaling the shortest side to 736, which is 2-20x slower on 512 px samples
-    engine = RapidOCR(intra_op_num_threads=threads, inter_op_num_threads=1, det_limit_type="max", det_limit_side_len=960)
+    engine = RapidOCR(intra_op_num_threads=threads, inter_op_num_threads=1, det_limit_type="max",
+                      det_limit_side_len=960)
 
     def read(frame):
         result, _ = engine(Image.fromarray(frame), use_cls=False)  # no angle classifier, as Flow-GRPO
@@ -371,7 +380,8 @@ def ocr(*, ocr_backend, ocr_workers, **_):
         video = images if images.ndim == 5 else images[:, None]  # [B, F, H, W, 3]
         texts = list(pool.map(read, video.reshape(-1, *video.shape[-3:])))
         f = video.shape[1]
-        return torch.tensor([np.mean([ocr_score(t, p) for t in texts[i * f:(i + 1) * f]]) for i, p in enumerate(prompts)],
+        return torch.tensor([np.mean([ocr_score(t, p) for t in texts[i * f:(i + 1) * f]])
+                             for i, p in enumerate(prompts)],
                             dtype=torch.float32)
 
     score.read = first  # the raw reader, for tests and debugging
@@ -442,7 +452,8 @@ def load_config(value, flag):
         if "prompt" in config:
             raise ValueError(f"{flag}: give prompt or prompt_path, not both")
         if folder is None:
-            raise ValueError(f"{flag}: prompt_path is not allowed in an inline config; put the rubric text under prompt")
+            raise ValueError(f"{flag}: prompt_path is not allowed in an inline config; "
+                             f"put the rubric text under prompt")
         with open(os.path.join(folder, config.pop("prompt_path")), encoding="utf-8") as f:
             config["prompt"] = f.read()
     return config
@@ -472,7 +483,8 @@ _attempt = threading.local()  # the service attempt this thread runs: deadline (
 @contextlib.contextmanager
 def _limits(seconds, max_bytes):
     """Bound the socket operations of `http_client` clients in this thread by one deadline and one byte budget."""
-    _attempt.deadline, _attempt.seconds, _attempt.left, _attempt.max_bytes = time.monotonic() + seconds, seconds, max_bytes, max_bytes
+    _attempt.deadline, _attempt.seconds = time.monotonic() + seconds, seconds
+    _attempt.left = _attempt.max_bytes = max_bytes
     try:
         yield
     finally:
@@ -589,16 +601,14 @@ def _error_text(err, seconds):
     return f"{type(err).__name__}: {err}"
 
 
-def _service_loop(*, timeout, timeout_name, max_concurrency, concurrency_name, reward_retries, reward_backoff,
-                  reward_on_error, reward_max_bytes):
+def _service_loop(timeout, timeout_name, max_concurrency, concurrency_name, retries, backoff, on_error, max_bytes):
     """A service's request-loop settings, checked when the reward is built: the keywords of `_serve`."""
-    if reward_on_error not in ("raise", "skip"):
-        raise ValueError(f"--reward-on-error must be 'raise' or 'skip', got {reward_on_error!r}")
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"--reward-on-error must be 'raise' or 'skip', got {on_error!r}")
     return dict(timeout=_real(timeout, timeout_name, positive=True),
                 max_concurrency=_integer(max_concurrency, 1, concurrency_name),
-                retries=_integer(reward_retries, 1, "--reward-retries"),
-                backoff=_real(reward_backoff, "--reward-backoff", minimum=0),
-                on_error=reward_on_error, max_bytes=_integer(reward_max_bytes, 1, "--reward-max-bytes"))
+                retries=_integer(retries, 1, "--reward-retries"), backoff=_real(backoff, "--reward-backoff", minimum=0),
+                on_error=on_error, max_bytes=_integer(max_bytes, 1, "--reward-max-bytes"))
 
 
 def _serve(service, units, prepare, send, *, timeout, max_bytes, retries, backoff, max_concurrency, on_error,
@@ -690,7 +700,8 @@ class OpenAIJudge:
         if api_key_env:
             self._key = os.environ.get(api_key_env)
             if not self._key:
-                raise ValueError(f"the environment variable {api_key_env} (api_key_env) is not set; export the API key in it")
+                raise ValueError(f"the environment variable {api_key_env} (api_key_env) is not set; "
+                                 f"export the API key in it")
         if not isinstance(model, str) or not model:
             raise ValueError(f"model must name the judge model, got {_show(model)}")
         self.model, self.url = model, _http_url(base_url, "base_url").rstrip("/")
@@ -698,9 +709,11 @@ class OpenAIJudge:
         self.score_min, self.score_max = _real(score_min, "score_min"), _real(score_max, "score_max")
         if self.score_min >= self.score_max:
             raise ValueError(f"score_min {score_min} must be below score_max {score_max}")
-        self.temperature, self.max_tokens = _real(temperature, "temperature", minimum=0), _integer(max_tokens, 1, "max_tokens")
+        self.temperature = _real(temperature, "temperature", minimum=0)
+        self.max_tokens = _integer(max_tokens, 1, "max_tokens")
         # No key (a server without auth): a placeholder keeps OPENAI_API_KEY unread and each request omits the header.
-        self._client = openai.OpenAI(api_key=self._key or "none", base_url=self.url, max_retries=0, http_client=http_client())
+        self._client = openai.OpenAI(api_key=self._key or "none", base_url=self.url, max_retries=0,
+                                     http_client=http_client())
         self._headers = None if self._key else {"Authorization": openai.Omit()}
 
     def __repr__(self):
@@ -782,12 +795,12 @@ def _api_scorer(service, client, loop):
     return score
 
 
-def _config_loop(flag, config, **options):
-    """The loop settings of a config-driven service: its `timeout_s` and `max_concurrency` (8) keys, popped."""
+def _config_loop(flag, config, timeout, *options):
+    """The loop settings of a config-driven service: its keys `timeout_s` (else --reward-timeout) and
+    `max_concurrency` (8) are popped from `config`; `options` are the retries, backoff, on_error and byte cap."""
     timeout_name = f"{flag}: timeout_s" if "timeout_s" in config else "--reward-timeout"
-    return _service_loop(timeout=config.pop("timeout_s", options.pop("reward_timeout")), timeout_name=timeout_name,
-                         max_concurrency=config.pop("max_concurrency", 8), concurrency_name=f"{flag}: max_concurrency",
-                         **options)
+    return _service_loop(config.pop("timeout_s", timeout), timeout_name, config.pop("max_concurrency", 8),
+                         f"{flag}: max_concurrency", *options)
 
 
 def _construct(cls, config, flag, name):
@@ -811,8 +824,7 @@ def openai_api(*, openai_api_rm_config, reward_timeout, reward_retries, reward_b
     unknown = sorted(set(config) - set(known))
     if unknown or "model" not in config:
         raise ValueError(f"{flag}: unknown keys {unknown} or no model; keys are {sorted(known) + ['prompt_path']}")
-    loop = _config_loop(flag, config, reward_timeout=reward_timeout, reward_retries=reward_retries,
-                        reward_backoff=reward_backoff, reward_on_error=reward_on_error, reward_max_bytes=reward_max_bytes)
+    loop = _config_loop(flag, config, reward_timeout, reward_retries, reward_backoff, reward_on_error, reward_max_bytes)
     return _api_scorer("openai_api", _construct(OpenAIJudge, config, flag, "OpenAIJudge"), loop)
 
 
@@ -831,8 +843,7 @@ def custom_api(*, custom_api_rm_config, reward_timeout, reward_retries, reward_b
     config = load_config(custom_api_rm_config, flag)
     path = config.pop("class", "rewards.OpenAIJudge")
     cls = import_object(path, f"{flag} class")
-    loop = _config_loop(flag, config, reward_timeout=reward_timeout, reward_retries=reward_retries,
-                        reward_backoff=reward_backoff, reward_on_error=reward_on_error, reward_max_bytes=reward_max_bytes)
+    loop = _config_loop(flag, config, reward_timeout, reward_retries, reward_backoff, reward_on_error, reward_max_bytes)
     client = _construct(cls, config, flag, path)
     missing = [hook for hook in HOOKS if not callable(getattr(client, hook, None))]
     if missing:
@@ -850,9 +861,8 @@ def remote(*, rm_url, rm_auth_env, remote_batch_size, remote_max_concurrency, re
         raise ValueError("reward 'remote' needs --rm-url http://host:port/path")
     _http_url(rm_url, "--rm-url")
     batch_size = _integer(remote_batch_size, 0, "--remote-batch-size")
-    loop = _service_loop(timeout=reward_timeout, timeout_name="--reward-timeout", max_concurrency=remote_max_concurrency,
-                         concurrency_name="--remote-max-concurrency", reward_retries=reward_retries,
-                         reward_backoff=reward_backoff, reward_on_error=reward_on_error, reward_max_bytes=reward_max_bytes)
+    loop = _service_loop(reward_timeout, "--reward-timeout", remote_max_concurrency, "--remote-max-concurrency",
+                         reward_retries, reward_backoff, reward_on_error, reward_max_bytes)
     headers, redact = {}, (lambda s: s)
     if rm_auth_env:
         token = os.environ.get(rm_auth_env)
@@ -875,8 +885,10 @@ def remote(*, rm_url, rm_auth_env, remote_batch_size, remote_max_concurrency, re
         units = [list(range(i, min(i + size, len(images)))) for i in range(0, len(images), size)]
 
         def prepare(u):
-            pngs = [_png_base64(images[i]) if images.ndim == 4 else [_png_base64(f) for f in images[i]] for i in units[u]]
-            return {"prompts": [prompts[i] for i in units[u]], "metadata": [metadata[i] for i in units[u]], "images": pngs}
+            pngs = [_png_base64(images[i]) if images.ndim == 4 else [_png_base64(f) for f in images[i]]
+                    for i in units[u]]
+            return {"prompts": [prompts[i] for i in units[u]], "metadata": [metadata[i] for i in units[u]],
+                    "images": pngs}
 
         scores, failed = _serve("remote", units, prepare, lambda u, body: send(body), redact=redact, **loop)
         return {"reward": scores, "failed": failed}
@@ -930,6 +942,8 @@ def custom(*, custom_rm_path, custom_rm_args, **_):
     return score
 
 
+# ----------------------------------------------------------------------------- mixtures and dispatch
+
 def parse_spec(spec):
     """'ocr' -> [('ocr', 1.0)]; 'ocr=0.8,pickscore=0.2' -> [('ocr', 0.8), ('pickscore', 0.2)]."""
     parts = [p.strip() for p in str(spec).split(",") if p.strip()]
@@ -952,6 +966,7 @@ def parse_spec(spec):
         out.append((name, w))
     return out
 
+
 def _as_scores(out, n, who):
     """A scorer's output -> (score [n] float32, failed [n] bool, extras {key: [n] float32}). Any other shape
     or type (None, strings, a wrong length) is a one-line ValueError naming `who` and what came back."""
@@ -965,7 +980,8 @@ def _as_scores(out, n, who):
             a = np.asarray(None)
         if a.dtype.kind not in kinds:  # strings, None and objects are refused, not parsed: "2" is no score
             kind = "booleans" if "b" in kinds else "numbers"
-            raise ValueError(f"{who} returned {what} {_show(x)}; give {n} {kind}, one per sample (list, array or tensor)")
+            raise ValueError(f"{who} returned {what} {_show(x)}; give {n} {kind}, one per sample "
+                             f"(list, array or tensor)")
         if a.size != n:
             raise ValueError(f"{who} returned {a.size} {what} for {n} samples: {_show(x)}")
         return torch.from_numpy(a.reshape(n).astype(bool if "b" in kinds else np.float32))
@@ -1015,7 +1031,8 @@ def build_reward(spec, *, device="cpu", **options):
         batch = len(images)
         metadata = [m or {} for m in (metadata if metadata is not None else [None] * batch)]
         if not len(prompts) == len(metadata) == batch:
-            raise ValueError(f"{batch} images, {len(prompts)} prompts and {len(metadata)} metadata dicts; they must match")
+            raise ValueError(f"{batch} images, {len(prompts)} prompts and {len(metadata)} metadata dicts; "
+                             f"they must match")
         specs = []
         for i, m in enumerate(metadata):
             try:
@@ -1031,21 +1048,22 @@ def build_reward(spec, *, device="cpu", **options):
         for name, idx in users.items():
             component = torch.full((batch,), float("nan"))  # NaN where the component does not apply
             if idx:
-                part, part_failed, extras = _as_scores(
-                    scorer(name)(images[idx], [prompts[i] for i in idx], [metadata[i] for i in idx]), len(idx), f"reward {name!r}")
+                result = scorer(name)(images[idx], [prompts[i] for i in idx], [metadata[i] for i in idx])
+                part, part_failed, extras = _as_scores(result, len(idx), f"reward {name!r}")
                 # The score must be finite; an extra entry may be NaN ("does not apply to this sample"), not inf.
-                for key, bad in [(name, ~torch.isfinite(part))] + [(k, torch.isinf(v)) for k, v in extras.items()]:
+                checks = [(name, part, ~torch.isfinite(part))] + [(k, v, torch.isinf(v)) for k, v in extras.items()]
+                for key, values, bad in checks:
                     bad &= ~part_failed
                     if bad.any():
                         j = int(bad.nonzero()[0])
-                        value = (part if key == name else extras[key])[j].item()
-                        raise NonFiniteReward(f"reward {name!r} ({key}) gave {value} for sample {idx[j]}")
+                        raise NonFiniteReward(f"reward {name!r} ({key}) gave {values[j].item()} for sample {idx[j]}")
                 part[part_failed] = float("nan")
                 component[idx] = part
                 failed[idx] |= part_failed
                 for key, values in extras.items():
                     if key in users or key in out or key in ("reward", "failed"):
-                        raise ValueError(f"reward {name!r} returned an entry {key!r} that clashes with a component name")
+                        raise ValueError(f"reward {name!r} returned an entry {key!r} that clashes with a "
+                                         f"component name")
                     out[key] = torch.full((batch,), float("nan"))
                     out[key][idx] = values
             out[name] = component
@@ -1068,7 +1086,8 @@ def add_arguments(parser):
     Each help string ends with the default, so `--help` shows it under any formatter. A reward
     module with flags of its own adds them with one line at the end (`geneval.add_arguments(parser)`).
     """
-    group = parser.add_argument_group("reward", "options of the scorers named by --reward (keywords of rewards.build_reward)")
+    group = parser.add_argument_group("reward", "options of the scorers named by --reward "
+                                                "(keywords of rewards.build_reward)")
 
     def flag(name, help, **kw):
         group.add_argument(name, help=help + " (default: %(default)s)", **kw)
@@ -1076,12 +1095,14 @@ def add_arguments(parser):
     # PickScore and HPS
     flag("--pickscore-processor-path", "hub id or local folder of the PickScore processor",
          default="laion/CLIP-ViT-H-14-laion2B-s32B-b79K")
-    flag("--pickscore-model-path", "hub id or local folder of the PickScore CLIP model", default="yuvalkirstain/PickScore_v1")
+    flag("--pickscore-model-path", "hub id or local folder of the PickScore CLIP model",
+         default="yuvalkirstain/PickScore_v1")
     flag("--pickscore-batch-size", "images per PickScore forward, per GPU", type=int, default=8)
     flag("--pickscore-num-frames", "video: evenly spaced frames scored per sample (None or 0: every frame)", type=int,
          default=None)
     flag("--hps-version", "HPSv2 checkpoint version", choices=sorted(HPS_FILES), default="v2.1")
-    flag("--hps-checkpoint-path", "HPS checkpoint file (None: the --hps-version file of the hub repo xswu/HPSv2)", default=None)
+    flag("--hps-checkpoint-path", "HPS checkpoint file (None: the --hps-version file of the hub repo xswu/HPSv2)",
+         default=None)
     flag("--hps-model-name", "open_clip architecture of the HPS checkpoint", default="ViT-H-14")
     flag("--hps-batch-size", "images per HPS forward, per GPU", type=int, default=8)
     # OCR
@@ -1089,12 +1110,13 @@ def add_arguments(parser):
     flag("--ocr-workers", "OCR threads, per GPU, each with its own engine on the CPU", type=int, default=2)
     # reward services
     flag("--openai-api-rm-config", "YAML file or base64:<yaml> configuring the openai_api judge", default=None)
-    flag("--custom-api-rm-config", "YAML file or base64:<yaml> configuring custom_api (class: pkg.mod.Class + its keys)",
-         default=None)
+    flag("--custom-api-rm-config", "YAML file or base64:<yaml> configuring custom_api (class: pkg.mod.Class "
+         "and its keywords)", default=None)
     flag("--rm-url", "URL of your reward server (the 'remote' reward)", default=None)
     flag("--rm-auth-env", "name of an environment variable whose value is sent to --rm-url as the Authorization "
          "header, e.g. 'Bearer <token>'; read at start, never logged or saved", metavar="NAME", default=None)
-    flag("--remote-batch-size", "samples per POST to --rm-url, per GPU (0: the whole rollout batch)", type=int, default=0)
+    flag("--remote-batch-size", "samples per POST to --rm-url, per GPU (0: the whole rollout batch)", type=int,
+         default=0)
     flag("--remote-max-concurrency", "POSTs in flight to --rm-url, per GPU", type=int, default=8)
     flag("--reward-retries", "attempts per request to a reward service (1: no retry)", type=int, default=3)
     flag("--reward-timeout", "deadline of one attempt in seconds: connect, send and the whole reply (a config's "
@@ -1105,8 +1127,8 @@ def add_arguments(parser):
     flag("--reward-max-bytes", "largest reply of a reward service in bytes (headers and body as received)", type=int,
          default=16 * 2**20)
     # user code
-    flag("--custom-rm-path", "module.function or file.py:function scoring a batch (the 'custom' reward); RUNS THAT CODE",
-         default=None)
+    flag("--custom-rm-path", "module.function or file.py:function scoring a batch (the 'custom' reward); "
+         "RUNS THAT CODE", default=None)
     flag("--custom-rm-args", "opaque string passed to --custom-rm-path", default=None)
     # a reward module with its own flags: one line here, e.g. geneval.add_arguments(parser)
 

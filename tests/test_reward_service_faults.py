@@ -1,7 +1,7 @@
 """The real training command line against a flaky `remote` reward server: HTTP 500s, replies slower than
---reward-timeout, replies trickled a byte at a time, retries that recover and ones that do not. Skip mode drops exactly the failed groups
-and trains on the rest with the served scores; raise mode stops with one line naming the service,
-the step and the prompt.
+--reward-timeout, replies trickled a byte at a time, retries that recover and ones that do not. Skip mode
+drops exactly the failed groups and trains on the rest with the served scores; raise mode stops with
+one line naming the service, the step and the prompt.
 
 With SMALL (2 prompts x 4, --sample-batch-size 4) each rollout batch is one group and one POST, and
 the trainer scores its batches one at a time, in order: the c-th distinct request is step c // 2,

@@ -555,7 +555,10 @@ def test_deadline_holds_against_a_trickling_server(service, trickle):
     """One byte every 50 ms keeps a per-read timeout happy forever; the attempt's deadline still ends it."""
     from reward_server import Raw
 
-    reply = Raw(b" ", interval_s=0.05, count=80) if trickle == "body" else Raw(b"", interval_s=0.05, count=0, trickle_head=True)
+    if trickle == "body":
+        reply = Raw(b" ", interval_s=0.05, count=80)
+    else:  # the status line and headers, one byte at a time
+        reply = Raw(b"", interval_s=0.05, count=0, trickle_head=True)
     with JsonServer(lambda body, headers: (200, reply, 0.0)) as server:
         options = {"rm_url": server.url} if service == "remote" else {
             "openai_api_rm_config": {"model": "m", "base_url": server.url + "/v1"}}
@@ -614,7 +617,8 @@ def test_remote_auth_header_comes_from_the_environment_and_stays_secret(monkeypa
         with pytest.raises(RewardServiceError) as err:
             reward(random_images(2), ["a", "b"], None)
     assert all(h["Authorization"] == token for h in server.headers)
-    assert "failed after 3 attempt(s): _HTTPStatus: HTTP 500" in str(err.value) and "bad credentials ***" in str(err.value)
+    assert "failed after 3 attempt(s): _HTTPStatus: HTTP 500" in str(err.value)
+    assert "bad credentials ***" in str(err.value)
     assert "retrying" in caplog.text
     for text in (str(err.value), caplog.text, repr(reward)):
         assert "rm-secret-4d1f" not in text
@@ -622,7 +626,8 @@ def test_remote_auth_header_comes_from_the_environment_and_stays_secret(monkeypa
 
 # ----------------------------------------------------------------------------- configs and hooks checked at build
 
-@pytest.mark.parametrize("reward, flag", [("openai_api", "--openai-api-rm-config"), ("custom_api", "--custom-api-rm-config")])
+@pytest.mark.parametrize("reward, flag", [("openai_api", "--openai-api-rm-config"),
+                                          ("custom_api", "--custom-api-rm-config")])
 def test_service_configs_are_checked_when_built(tmp_path, reward, flag):
     key = reward + "_rm_config"
     base = {"model": "m", "base_url": "http://127.0.0.1:9"}
@@ -632,7 +637,8 @@ def test_service_configs_are_checked_when_built(tmp_path, reward, flag):
         with pytest.raises(ValueError, match=f"{flag} must hold a YAML mapping"):
             build_reward(reward, **{key: str(path)})
     for value in (0, -1, True, 1.5):
-        with pytest.raises(ValueError, match=f"{flag}: max_concurrency must be an integer >= 1, got {type(value).__name__}"):
+        match = f"{flag}: max_concurrency must be an integer >= 1, got {type(value).__name__}"
+        with pytest.raises(ValueError, match=match):
             build_reward(reward, **{key: {**base, "max_concurrency": value}})
     with pytest.raises(ValueError, match=f"{flag}: timeout_s must be a finite number > 0"):
         build_reward(reward, **{key: {**base, "timeout_s": "10"}})
@@ -643,12 +649,13 @@ def test_service_configs_are_checked_when_built(tmp_path, reward, flag):
 def test_custom_api_class_and_values_are_checked():
     with pytest.raises(ValueError, match="class builtins.dict has no build_request, send_request, parse_response"):
         build_reward("custom_api", custom_api_rm_config={"class": "builtins.dict", "url": "http://127.0.0.1:9"})
-    with pytest.raises(ValueError, match=r"--custom-api-rm-config: reward_server.PlainScoreApi\(scale\) failed: .*'url'"):
+    match = r"--custom-api-rm-config: reward_server.PlainScoreApi\(scale\) failed: .*'url'"  # a missing keyword
+    with pytest.raises(ValueError, match=match):
         build_reward("custom_api", custom_api_rm_config={"class": "reward_server.PlainScoreApi", "scale": 2})
     for value, shown in [(True, "bool True"), ("2", "str '2'"), (None, "NoneType None")]:
         with JsonServer(lambda body, headers: (200, {"value": value}, 0.0)) as server:
-            reward = build_reward("custom_api", custom_api_rm_config={"class": "reward_server.BoolScoreApi", "url": server.url},
-                                  reward_retries=1)
+            config = {"class": "reward_server.BoolScoreApi", "url": server.url}
+            reward = build_reward("custom_api", custom_api_rm_config=config, reward_retries=1)
             with pytest.raises(RewardServiceError, match=f"parse_response's value is not a number: {shown}"):
                 reward(random_images(1), ["a"], None)
 
@@ -659,9 +666,13 @@ def returns(value):
     return fn
 
 
-BAD_RETURNS = {"none": returns(None), "strings": returns(lambda p: ["1"] * len(p)), "short": returns(lambda p: [1.0]),
-               "ragged": returns(lambda p: [[1.0], [1.0, 2.0]]), "bool_failed": returns(lambda p: {"reward": [1.0] * len(p),
-                                                                                                      "failed": ["yes"] * len(p)})}
+BAD_RETURNS = {
+    "none": returns(None),
+    "strings": returns(lambda p: ["1"] * len(p)),  # numbers in strings are refused, not parsed
+    "short": returns(lambda p: [1.0]),
+    "ragged": returns(lambda p: [[1.0], [1.0, 2.0]]),
+    "bool_failed": returns(lambda p: {"reward": [1.0] * len(p), "failed": ["yes"] * len(p)}),
+}
 EXTRAS = returns(lambda p: {"reward": [1.0, 2.0], "acc_red": [float("nan"), 1.0]})
 INF_EXTRA = returns(lambda p: {"reward": [1.0, 2.0], "acc_red": [float("inf"), 1.0]})
 
