@@ -567,7 +567,7 @@ def test_deadline_holds_against_a_trickling_server(service, trickle):
         with pytest.raises(RewardServiceError, match=f"{service}: sample 0 failed after 1 attempt.*0.5 s deadline"):
             reward(random_images(1), ["a"], None)
         elapsed = time.monotonic() - start
-    assert 0.45 < elapsed < 1.0, elapsed  # the deadline plus slack, not 80 x 50 ms
+    assert 0.45 < elapsed < 1.5, elapsed  # the deadline plus slack for a loaded machine, not 80 x 50 ms
 
 
 def test_reply_size_is_capped_without_reading_the_rest():
