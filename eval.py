@@ -159,6 +159,7 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=8, help="images per forward")
     p.add_argument("--seed", type=int, default=0, help="noise seed (per prompt)")
     p.add_argument("--out", default="runs/eval", help="folder for summary.json and grid.png")
+    rewards.add_arguments(p)
     args = p.parse_args(argv)
     if args.plot:
         return plot_run(args.plot)
@@ -181,8 +182,9 @@ def main(argv=None):
     if len(ranks) > 1:
         raise SystemExit("error: the checkpoints use different LoRA ranks; evaluate them in separate calls")
     rank, alpha = ranks.pop() if ranks else (0, 0)
-    try:  # an unknown reward, a model missing offline: one line naming the flag
-        reward_fn = rewards.build_reward(args.reward, device=device)
+    try:  # an unknown reward, a bad option or config, a model missing offline: one line naming the flag
+        options = {k: getattr(args, k) for k in rewards.option_defaults()}  # the reward group's flags
+        reward_fn = rewards.build_reward(args.reward, device=device, **options)
         pipe = models.load_pipeline(args.model, args.model_path, device=device)
     except (ValueError, OSError, RuntimeError, ImportError) as e:
         raise SystemExit(f"error: {e}")

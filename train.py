@@ -177,27 +177,7 @@ def parse_args(argv=None):
     # reward
     p.add_argument("--reward", default=None, help='reward spec: a name or weighted mix, e.g. "ocr=0.8,pickscore=0.2"; choices: ' + ", ".join(rewards.REWARDS))
     p.add_argument("--reward-key", default="reward", help="which reward entry trains (a component name or the weighted total 'reward')")
-    p.add_argument("--pickscore-processor-path", default="laion/CLIP-ViT-H-14-laion2B-s32B-b79K", help="PickScore processor")
-    p.add_argument("--pickscore-model-path", default="yuvalkirstain/PickScore_v1", help="PickScore CLIP model")
-    p.add_argument("--pickscore-batch-size", type=int, default=8, help="images per PickScore forward")
-    p.add_argument("--pickscore-num-frames", type=int, default=None, help="video: evenly spaced frames scored (default every frame)")
-    p.add_argument("--hps-version", default="v2.1", choices=["v2.0", "v2.1"], help="HPSv2 checkpoint version")
-    p.add_argument("--hps-checkpoint-path", default=None, help="HPS checkpoint file (default: the xswu/HPSv2 hub file)")
-    p.add_argument("--hps-model-name", default="ViT-H-14", help="open_clip architecture of the HPS checkpoint")
-    p.add_argument("--hps-batch-size", type=int, default=8, help="images per HPS forward")
-    p.add_argument("--ocr-backend", default="rapidocr", choices=["rapidocr", "paddle"], help="OCR engine")
-    p.add_argument("--ocr-workers", type=int, default=2, help="OCR worker pool size, per GPU")
-    p.add_argument("--openai-api-rm-config", default=None, help="YAML file or base64:<yaml> for the openai_api judge")
-    p.add_argument("--custom-api-rm-config", default=None, help="YAML file or base64:<yaml> for custom_api")
-    p.add_argument("--rm-url", default=None, help="URL of a remote reward server (the 'remote' reward)")
-    p.add_argument("--remote-batch-size", type=int, default=0, help="samples per POST to --rm-url (0: the whole rollout batch)")
-    p.add_argument("--remote-max-concurrency", type=int, default=8, help="POSTs in flight to --rm-url")
-    p.add_argument("--custom-rm-path", default=None, help="module.function scoring a batch; RUNS THAT USER CODE")
-    p.add_argument("--custom-rm-args", default=None, help="opaque string passed to --custom-rm-path")
-    p.add_argument("--reward-retries", type=int, default=3, help="attempts per request to a reward service")
-    p.add_argument("--reward-timeout", type=float, default=60.0, help="seconds per reward service request")
-    p.add_argument("--reward-backoff", type=float, default=1.0, help="seconds before the first retry; doubles each time")
-    p.add_argument("--reward-on-error", default="raise", choices=["raise", "skip"], help="after the retries: stop the run, or drop the affected groups from the update")
+    rewards.add_arguments(p)  # the reward options, declared and defaulted in rewards.py
     # loss
     p.add_argument("--loss", default="grpo", choices=["grpo", "guard", "flowdppo"],
                    help="GRPO (PPO clip), GRPO-Guard (RatioNorm), FlowDPPO (KL-ADV mask)")
@@ -298,7 +278,7 @@ def main(argv=None):
         print0(f"warning: {missing} of {len(prompts)} prompts in {args.prompts} have no quoted target; "
                "the OCR reward scores them 0")
     reward_fn = setup_or_exit(rewards.build_reward, args.reward, device=device,
-                              **{name: getattr(args, name) for name in rewards.OPTIONS})  # the reward group's flags
+                              **{name: getattr(args, name) for name in rewards.option_defaults()})  # reward flags
 
     # The policy: the pipeline, its trainable weights (LoRA adapter or all), the wrapper the training forward calls.
     pipe, model, trainable, optimizer, ema = build_policy(args, device, amp_dtype)
