@@ -108,8 +108,8 @@ COLOR_TEMPLATES = ("a photo of a {c} {classname}", "a photo of a {c}-colored {cl
                    "a photo of a {c} object")  # eval L113-117
 SCORES = ("partial", "strict", "correct", "corrected")  # what `geneval_judge(..., score=)` returns under "score"
 DEFAULT_DETECTOR = "facebook/mask2former-swin-small-coco-instance"
-PROMPT_FORMAT = ('{"prompt": "a photo of a cat", "metadata": {"tag": "single_object", '
-                 '"include": [{"class": "cat", "count": 1}]}} (as prompts/geneval_test.jsonl, read with --input-key prompt)')
+PROMPT_FORMAT = ('{"prompt": "a photo of a cat", "metadata": {"tag": "single_object", "include": '
+                 '[{"class": "cat", "count": 1}]}} (as prompts/geneval_test.jsonl, read with --input-key prompt)')
 
 
 # ----------------------------------------------------------------------------- the judge
@@ -218,8 +218,8 @@ def _official(metadata, objects):
                         bad = [t for t in groups[target] if relation not in relative_position(obj["box"], t["box"])]
                         if bad:
                             matched = False
-                            found_rel = " and ".join(sorted(relative_position(obj["box"], bad[0]["box"]))) or "no relation"
-                            reasons.append(f"expected {name} {relation} target, found {found_rel}")
+                            seen = " and ".join(sorted(relative_position(obj["box"], bad[0]["box"]))) or "no relation"
+                            reasons.append(f"expected {name} {relation} target, found {seen}")
                             break
         groups.append(found if matched else None)
     for clause in metadata.get("exclude", []):
@@ -253,7 +253,8 @@ def _partial(metadata, objects):
                     strict = matched = False
                     terms.append(0.0)  # server L243
                 else:
-                    if any(relation not in relative_position(o["box"], t["box"]) for o in found for t in groups[target]):
+                    pairs = [(o["box"], t["box"]) for o in found for t in groups[target]]
+                    if any(relation not in relative_position(a, b) for a, b in pairs):
                         strict = matched = False
                         terms.append(0.0)  # server L254, first violation
                     terms.append(1.0)  # quirk 4, server L258: appended even after a violation
@@ -351,7 +352,8 @@ def summary_of_scores(scores):
     tags = [None] * len(correct)
     for tag in TAGS:
         if f"geneval_{tag}" in scores:
-            for i in torch.as_tensor(scores[f"geneval_{tag}"]).float().isnan().logical_not().nonzero().flatten().tolist():
+            mine = ~torch.as_tensor(scores[f"geneval_{tag}"]).float().isnan()
+            for i in mine.nonzero().flatten().tolist():
                 tags[i] = tag
     scored = [i for i, t in enumerate(tags) if t is not None]
     return summary([tags[i] for i in scored], correct[scored].tolist())
@@ -384,15 +386,16 @@ def _prompt(tag, digits):
     names = OBJECT_NAMES
     if tag == "single_object":
         (a,) = digits
-        return {"tag": tag, "include": [{"class": names[a], "count": 1}], "prompt": f"a photo of {_with_article(names[a])}"}
+        return {"tag": tag, "include": [{"class": names[a], "count": 1}],
+                "prompt": f"a photo of {_with_article(names[a])}"}
     if tag == "two_object":
         a, b = digits[0], _others(digits[1], [digits[0]])
         return {"tag": tag, "include": [{"class": names[a], "count": 1}, {"class": names[b], "count": 1}],
                 "prompt": f"a photo of {_with_article(names[a])} and {_with_article(names[b])}"}
     if tag == "counting":
         a, n = digits[0], digits[1] + 2  # counts 2-4
-        return {"tag": tag, "include": [{"class": names[a], "count": n}], "exclude": [{"class": names[a], "count": n + 1}],
-                "prompt": f"a photo of {NUMBERS[n]} {_plural(names[a])}"}
+        include, exclude = [{"class": names[a], "count": n}], [{"class": names[a], "count": n + 1}]
+        return {"tag": tag, "include": include, "exclude": exclude, "prompt": f"a photo of {NUMBERS[n]} {_plural(names[a])}"}
     if tag == "colors":
         a, c = _others(digits[0], [person]), COLORS[digits[1]]
         return {"tag": tag, "include": [{"class": names[a], "count": 1, "color": c}],
@@ -613,7 +616,8 @@ def colour_classifier(model, preprocess, tokenizer, device="cpu", *, batch_size=
     import torch.nn.functional as F
 
     weights = {}  # class name -> [D, len(COLORS)]
-    amp = torch.autocast("cuda", dtype=torch.float16) if str(device).startswith("cuda") else torch.autocast("cpu", enabled=False)
+    on_cuda = str(device).startswith("cuda")
+    amp = torch.autocast("cuda", dtype=torch.float16) if on_cuda else torch.autocast("cpu", enabled=False)
 
     def text_weights(name):
         if name not in weights:
@@ -726,7 +730,7 @@ def reward(*, device, geneval_detector, geneval_detector_path, geneval_clip_path
                                                      batch_size=geneval_batch_size))
         return classifier[0](items)
 
-    if geneval_detector == "mask2former":  # photographs carry no colour labels: fail now, not at the first colour prompt
+    if geneval_detector == "mask2former":  # photographs have no colour labels: fail now, not at the first colour prompt
         classify([])
 
     def score(images, prompts, metadata):
@@ -784,7 +788,7 @@ DETECTORS = {
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description="Write GenEval-format prompt files.")
     p.add_argument("--make-prompts", action="store_true", help="write a train split disjoint from --test")
-    p.add_argument("--test", default="prompts/geneval_test.jsonl", help="the held-out prompts (rows as prompts/*.jsonl)")
+    p.add_argument("--test", default="prompts/geneval_test.jsonl", help="held-out prompts (rows as prompts/*.jsonl)")
     p.add_argument("--out", default="prompts/geneval_train.jsonl", help="output JSONL")
     p.add_argument("--per-tag", type=int, default=800, help="prompts per tag at most")
     p.add_argument("--seed", type=int, default=0, help="shuffling seed")

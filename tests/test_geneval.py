@@ -29,7 +29,7 @@ COUNT2 = {"tag": "counting", "include": [{"class": "bus", "count": 2}], "exclude
 RED_CAR = {"tag": "colors", "include": [{"class": "car", "count": 1, "color": "red"}]}
 ATTR = {"tag": "color_attr", "include": [{"class": "car", "count": 1, "color": "red"},
                                          {"class": "bus", "count": 1, "color": "blue"}]}
-# "a photo of a dog right of a cat": the target (cat) is clause 0, the placed object clause 1 (create_prompts.py L110-116)
+# "a photo of a dog right of a cat": the target (cat) is clause 0, the dog clause 1 (create_prompts.py L110-116)
 DOG_RIGHT_OF_CAT = {"tag": "position", "include": [{"class": "cat", "count": 1},
                                                    {"class": "dog", "count": 1, "position": ["right of", 0]}]}
 CAT = det("cat", box=(0, 0, 10, 10))  # centre (5, 5), 10 x 10
@@ -117,7 +117,8 @@ def test_counting_is_exact(n, expected):
 
 
 def test_exclude_clause_counts_officially_but_not_in_the_partial_score():
-    no_dog = {"tag": "single_object", "include": [{"class": "cat", "count": 1}], "exclude": [{"class": "dog", "count": 1}]}
+    no_dog = {"tag": "single_object", "include": [{"class": "cat", "count": 1}],
+              "exclude": [{"class": "dog", "count": 1}]}
     v = geneval_judge(no_dog, [det("cat"), det("dog")])
     # official: dog present (1 >= 1) fails; partial never reads exclude (server L215); corrected x (1 - 1) / 1 = 0
     assert (v["correct"], v["strict"], v["partial"], v["score_corrected"]) == (0, 1, 1.0, 0.0)
@@ -168,8 +169,8 @@ def test_position_rules():
     # exactly at the direction threshold (dx = 0.5, see test_relative_position_by_hand) is not "right of"
     assert verdict(DOG_RIGHT_OF_CAT, [CAT, det("dog", box=(4, 0, 14, 10))])[0] == 0
     # two dogs, the best one right of the cat: officially correct; partial counts both -> 1 | 0, 0.0 -> 1/3
-    assert verdict(DOG_RIGHT_OF_CAT, [CAT, det("dog", 0.99, box=(20, 0, 30, 10)), det("dog", 0.5, box=(-20, 0, -10, 10))]) \
-        == pytest.approx((1, 0, 1 / 3, 1.0))
+    dogs = [det("dog", 0.99, box=(20, 0, 30, 10)), det("dog", 0.5, box=(-20, 0, -10, 10))]
+    assert verdict(DOG_RIGHT_OF_CAT, [CAT] + dogs) == pytest.approx((1, 0, 1 / 3, 1.0))
 
 
 def test_score_selects_the_entry_and_bad_input_is_refused():
@@ -196,9 +197,9 @@ ROWS = _rows("geneval_test.jsonl")
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(0, len(ROWS) - 1), st.lists(st.tuples(st.integers(0, 3), st.sampled_from([0.2, 0.3, 0.5, 0.9, 0.95]),
-                                                         st.integers(0, 40), st.integers(0, 40), st.sampled_from(geneval.COLORS[:3])),
-                                               max_size=6))
+@given(st.integers(0, len(ROWS) - 1),
+       st.lists(st.tuples(st.integers(0, 3), st.sampled_from([0.2, 0.3, 0.5, 0.9, 0.95]), st.integers(0, 40),
+                          st.integers(0, 40), st.sampled_from(geneval.COLORS[:3])), max_size=6))
 def test_scores_agree_with_the_official_verdict(row, raw):
     metadata = ROWS[row]
     names = [c["class"] for c in metadata["include"]] + ["person"]
@@ -280,7 +281,7 @@ def test_preprocess_sizes_and_padding():
     assert size == (60, 80) and tuple(pixels.shape) == (1, 3, 64, 96)  # padded to multiples of 32
     expected = (124 - torch.tensor([123.675, 116.28, 103.53])) / torch.tensor([58.395, 57.12, 57.375])
     assert torch.allclose(pixels[0, :, :60, :80], expected.view(3, 1, 1).expand(3, 60, 80), atol=1e-6)
-    assert pixels[0, :, 60:].abs().max() == 0 and pixels[0, :, :, 80:].abs().max() == 0  # zero padding after normalising
+    assert pixels[0, :, 60:].abs().max() == 0 and pixels[0, :, :, 80:].abs().max() == 0  # zeros after normalising
 
 
 def test_postprocess_hand_built_logits():
@@ -313,7 +314,8 @@ def test_postprocess_hand_built_logits():
                                                  original_size=(4, 3))
     assert len(everything) == 100 and sum(d["score"] > 0 for d in everything) == 1
     with pytest.raises(ValueError, match="80 COCO"):
-        geneval.mask2former_postprocess(logits[:, :11], masks, padded_size=(8, 8), resized_size=(8, 6), original_size=(4, 3))
+        geneval.mask2former_postprocess(logits[:, :11], masks, padded_size=(8, 8), resized_size=(8, 6),
+                                        original_size=(4, 3))
 
 
 def test_mask_boxes_against_numpy():
@@ -334,9 +336,9 @@ def tiny_mask2former(tmp_path_factory):
     torch.manual_seed(0)
     backbone = SwinConfig(image_size=64, patch_size=4, embed_dim=32, depths=[1, 1, 1, 1], num_heads=[1, 1, 1, 1],
                           window_size=4, out_features=["stage1", "stage2", "stage3", "stage4"])
-    config = Mask2FormerConfig(backbone_config=backbone, num_labels=80, num_queries=10, hidden_dim=32, mask_feature_size=32,
-                               feature_size=32, encoder_layers=1, decoder_layers=2, num_attention_heads=2,
-                               dim_feedforward=32, encoder_feedforward_dim=32)
+    config = Mask2FormerConfig(backbone_config=backbone, num_labels=80, num_queries=10, hidden_dim=32,
+                               mask_feature_size=32, feature_size=32, encoder_layers=1, decoder_layers=2,
+                               num_attention_heads=2, dim_feedforward=32, encoder_feedforward_dim=32)
     model = Mask2FormerForUniversalSegmentation(config)
     with torch.no_grad():
         model.class_predictor.bias[geneval.OBJECT_NAMES.index("bus")] = 8.0
@@ -375,7 +377,8 @@ def test_detector_load_errors(tiny_mask2former, tmp_path):
             geneval.mask2former_detector(path, "cpu")
         assert "\n" not in str(err.value)
     config = Mask2FormerConfig.from_pretrained(tiny_mask2former)
-    config.num_labels, config.id2label, config.label2id = 3, {i: str(i) for i in range(3)}, {str(i): i for i in range(3)}
+    config.id2label, config.label2id = {i: str(i) for i in range(3)}, {str(i): i for i in range(3)}
+    config.num_labels = 3
     Mask2FormerForUniversalSegmentation(config).save_pretrained(str(tmp_path / "three"))
     with pytest.raises(ValueError, match="80 COCO thing classes"):
         geneval.mask2former_detector(str(tmp_path / "three"), "cpu")
@@ -442,7 +445,8 @@ def tiny_clip(tmp_path_factory):
 
     folder = str(tmp_path_factory.mktemp("clip"))
     name = "tiny-geneval-clip"
-    config = {"embed_dim": 16, "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
+    config = {"embed_dim": 16,
+              "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
               "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
     with open(os.path.join(folder, name + ".json"), "w") as f:
         json.dump(config, f)
@@ -471,7 +475,8 @@ def test_clip_colour_classifier_matches_zero_shot_formula(tiny_clip, tmp_path):
         for image_, d, classname in items:
             weights = []
             for c in geneval.COLORS:
-                texts = [f"a photo of a {c} {classname}", f"a photo of a {c}-colored {classname}", f"a photo of a {c} object"]
+                texts = [f"a photo of a {c} {classname}", f"a photo of a {c}-colored {classname}",
+                         f"a photo of a {c} object"]
                 e = model.encode_text(tokenizer(texts))
                 e = (e / e.norm(dim=-1, keepdim=True)).mean(0)
                 weights.append(e / e.norm())
@@ -568,7 +573,8 @@ def test_build_reward_accepts_nan_tag_entries(monkeypatch):
     monkeypatch.setitem(geneval.DETECTORS, "stub", stub_detector)
     assert rewards.geneval_judge is geneval_judge
     reward_fn = rewards.build_reward("geneval", geneval_detector="stub", geneval_clip_path="unused")
-    out = reward_fn(torch.from_numpy(images_for([0, 1])), ["a photo of a bench", "a photo of two buses"], [SINGLE, COUNT2])
+    out = reward_fn(torch.from_numpy(images_for([0, 1])), ["a photo of a bench", "a photo of two buses"],
+                    [SINGLE, COUNT2])
     assert out["geneval"].tolist() == [-1.0, 1.0] == out["reward"].tolist()  # partial score by default
     assert out["geneval_counting"][0].isnan() and out["geneval_counting"][1] == 1.0
     assert out["geneval_position"].isnan().all()
@@ -613,7 +619,8 @@ def test_train_two_steps_with_geneval_reward(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     monkeypatch.setitem(geneval.DETECTORS, "stub", brightness_detector)
     prompts = tmp_path / "geneval.jsonl"
-    geneval.write_prompts(prompts, [dict(SINGLE, prompt="a photo of a bench"), dict(COUNT2, prompt="a photo of two buses")])
+    geneval.write_prompts(prompts, [dict(SINGLE, prompt="a photo of a bench"),
+                                    dict(COUNT2, prompt="a photo of two buses")])
     out = str(tmp_path / "run")
     train.main(["--model", "tiny", "--reward", "geneval", "--geneval-detector", "stub", "--prompts", str(prompts),
                 "--input-key", "prompt", "--eval-prompts", str(prompts), "--eval-every", "2", "--eval-steps", "2",
