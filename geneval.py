@@ -395,7 +395,8 @@ def _prompt(tag, digits):
     if tag == "counting":
         a, n = digits[0], digits[1] + 2  # counts 2-4
         include, exclude = [{"class": names[a], "count": n}], [{"class": names[a], "count": n + 1}]
-        return {"tag": tag, "include": include, "exclude": exclude, "prompt": f"a photo of {NUMBERS[n]} {_plural(names[a])}"}
+        return {"tag": tag, "include": include, "exclude": exclude,
+                "prompt": f"a photo of {NUMBERS[n]} {_plural(names[a])}"}
     if tag == "colors":
         a, c = _others(digits[0], [person]), COLORS[digits[1]]
         return {"tag": tag, "include": [{"class": names[a], "count": 1, "color": c}],
