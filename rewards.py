@@ -17,6 +17,7 @@
 | `custom_api`             | the same loop with your own request/response hooks       | yours                    |
 | `remote`                 | a reward server you run, one POST per batch              | yours                    |
 | `custom`                 | your function (`--custom-rm-path module.function`)       | yours                    |
+| `geneval`                | GenEval verdict from detections (geneval.py)             | [0, 1]; partial <= 1     |
 
 Options. `add_arguments(parser)` declares every option `build_reward` takes (the argparse group
 "reward", shared by train.py, eval.py and bench.py) and is the only place they are defaulted:
@@ -98,6 +99,9 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import numpy as np
 import torch
 from PIL import Image
+
+import geneval  # light at import: its models load inside geneval.reward
+from geneval import geneval_judge  # noqa: F401  (rewards.geneval_judge, as DESIGN.md names it)
 
 log = logging.getLogger(__name__)
 
@@ -1130,7 +1134,7 @@ def add_arguments(parser):
     flag("--custom-rm-path", "module.function or file.py:function scoring a batch (the 'custom' reward); "
          "RUNS THAT CODE", default=None)
     flag("--custom-rm-args", "opaque string passed to --custom-rm-path", default=None)
-    # a reward module with its own flags: one line here, e.g. geneval.add_arguments(parser)
+    geneval.add_arguments(parser)  # the GenEval reward's own group
 
 
 def option_defaults():
@@ -1150,4 +1154,5 @@ REWARDS = {
     "custom_api": custom_api,
     "remote": remote,
     "custom": custom,
+    "geneval": geneval.reward,
 }

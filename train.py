@@ -146,7 +146,8 @@ def parse_args(argv=None):
     p.add_argument("--prompts", default=None, help="training prompts: .txt (one per line) or .jsonl")
     p.add_argument("--eval-prompts", default=None, help="held-out prompts for --eval-every (default: none)")
     p.add_argument("--input-key", default="input", help="JSONL key of the prompt")
-    p.add_argument("--metadata-key", default="metadata", help="JSONL key of the per-sample metadata (rm_type, ...)")
+    p.add_argument("--metadata-key", default="metadata",
+                   help="JSONL key of the per-sample metadata (rm_type, ...); '' takes the whole row (GenEval's files)")
     p.add_argument("--no-shuffle", action="store_true",
                    help="keep file order instead of a seeded permutation per epoch")
     # sampling
@@ -391,7 +392,7 @@ def main(argv=None):
             bad_groups[all_groups[distributed.all_gather_cat(failed.to(device))]] = True
             if bad_groups.all():  # not one reward: an update would only replay Adam's momentum and weight decay
                 info["dropped_groups"] = int(bad_groups.sum())
-                bad = f"every group lost its reward: {args.reward} failed after --reward-retries {args.reward_retries}"
+                bad = f"every group lost its reward ({args.reward} gave up on every sample)"
         if bad is not None:  # skip the update, not the bookkeeping: the step is logged, counted, checkpointed
             bad_in_a_row += 1
             info.update(skipped=1, skip_reason=bad, bad_in_a_row=bad_in_a_row, seconds=time.time() - t0)
@@ -666,15 +667,17 @@ def collect_rewards(futures, my_prompts, args, step, device, reward_pool, stop):
     except rewards.NonFiniteReward as e:
         bad = str(e)
     except rewards.RewardServiceError as e:  # after the retries, with --reward-on-error raise
-        fatal = " ".join(str(e).split())  # one line, even when the service sent a multi-line error page
+        fatal = (" ".join(str(e).split()) + "; retry later, raise --reward-retries / --reward-timeout, or use "
+                 "--reward-on-error skip")  # one line, even when the service sent a multi-line error page
+    except (ValueError, TypeError) as e:  # a scorer returned something unusable (wrong length, strings): no retry helps
+        fatal = " ".join(str(e).split())
     except InterruptedError:
         pass
     if distributed.any_rank(interrupted, device):  # every rank stops waiting, saves and exits together
         return None, None, None
-    if distributed.any_rank(fatal is not None, device):  # every rank stops, not only the one whose service failed
+    if distributed.any_rank(fatal is not None, device):  # every rank stops, not only the one whose reward failed
         reward_pool.shutdown(wait=False, cancel_futures=True)  # later batches' requests are not sent
-        raise SystemExit(f"error: {fatal or 'a reward service failed on another rank'}; "
-                         "retry later, raise --reward-retries / --reward-timeout, or use --reward-on-error skip")
+        raise SystemExit(f"error: {fatal or 'the reward failed on another rank'}")
     if distributed.any_rank(bad is not None, device):
         bad = bad or "non-finite reward on another rank"
     return scores, failed, bad

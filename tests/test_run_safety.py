@@ -332,3 +332,15 @@ def test_eval_refuses_damaged_inputs_in_one_line(three_checkpoints, tmp_path, ca
         f.write('{"step": 4, "rew')  # a torn last line
     evaluation.main(["--plot", str(run_dir)])
     assert "skipped 1 line" in capsys.readouterr().out and (run_dir / "curves.png").is_file()
+
+
+def test_a_custom_reward_of_the_wrong_length_stops_in_one_line(tmp_path):
+    (tmp_path / "shortreward.py").write_text("def score(images, prompts, metadata, args):\n    return [0.5]\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(SystemExit) as e:
+            main("--steps", "2", "--reward", "custom", "--custom-rm-path", "shortreward.score", out=tmp_path / "run")
+    finally:
+        sys.path.remove(str(tmp_path))
+    message = str(e.value)
+    assert message.startswith("error:") and "--custom-rm-path" in message and len(message.splitlines()) == 1
