@@ -102,8 +102,8 @@ def test_loss_presets():
     (["--loss", "nft", "--kl-beta", "0.1"], "--kl-beta"),  # tiny trains all weights: no base to compare with
 ])
 def test_bad_flags_are_refused_in_one_line(flags, needle, capsys):
-    p, args = train.parse_args(flags)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit):  # at parsing (a flag's own range) or in check_args (combinations)
+        p, args = train.parse_args(flags)
         train.check_args(p, args, 1)
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("train.py: error:") or "error:" in err

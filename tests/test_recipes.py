@@ -19,12 +19,39 @@ SHRINK = ["--model", "tiny", "--resolution", "32", "--prompts-per-step", "2", "-
 
 @pytest.fixture(scope="module")
 def tiny_reward_models(tmp_path_factory):
-    """Stand-ins for the hub reward models: tiny random PickScore and HPS built from configs."""
+    """Stand-ins for the hub reward models: tiny random PickScore and HPS built from configs, and for GenEval's
+    detector and colour classifier a tiny random Mask2Former (80 labels) and open_clip model."""
     folder = str(tmp_path_factory.mktemp("reward_models"))
     pick = models.tiny_pickscore(os.path.join(folder, "pickscore"))
     hps_name, hps_path = models.tiny_hps(os.path.join(folder, "hps"))
     return ["--pickscore-model-path", pick, "--pickscore-processor-path", pick,
-            "--hps-checkpoint-path", hps_path, "--hps-model-name", hps_name]
+            "--hps-checkpoint-path", hps_path, "--hps-model-name", hps_name,
+            *tiny_geneval_models(os.path.join(folder, "geneval"))]
+
+
+def tiny_geneval_models(folder):
+    import open_clip
+    import torch
+    from transformers import Mask2FormerConfig, Mask2FormerForUniversalSegmentation, SwinConfig
+
+    torch.manual_seed(0)
+    backbone = SwinConfig(image_size=64, patch_size=4, embed_dim=32, depths=[1, 1, 1, 1], num_heads=[1, 1, 1, 1],
+                          window_size=4, out_features=["stage1", "stage2", "stage3", "stage4"])
+    config = Mask2FormerConfig(backbone_config=backbone, num_labels=80, num_queries=10, hidden_dim=32,
+                               mask_feature_size=32, feature_size=32, encoder_layers=1, decoder_layers=2,
+                               num_attention_heads=2, dim_feedforward=32, encoder_feedforward_dim=32)
+    detector = os.path.join(folder, "mask2former")
+    Mask2FormerForUniversalSegmentation(config).save_pretrained(detector)
+    name = "tiny-recipes-clip"
+    clip_config = {"embed_dim": 16,
+                   "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
+                   "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
+    with open(os.path.join(folder, name + ".json"), "w") as f:
+        json.dump(clip_config, f)
+    open_clip.add_model_config(os.path.join(folder, name + ".json"))
+    clip = os.path.join(folder, "clip.pt")
+    torch.save(open_clip.create_model(name, pretrained=None, force_quick_gelu=True).state_dict(), clip)
+    return ["--geneval-detector-path", detector, "--geneval-clip-path", clip, "--geneval-clip-model", name]
 
 
 def test_every_published_setup_has_a_recipe():
@@ -42,8 +69,6 @@ def test_every_published_setup_has_a_recipe():
 @pytest.mark.parametrize("recipe", RECIPES, ids=[os.path.basename(r) for r in RECIPES])
 def test_recipe_runs_one_step_on_tiny(recipe, tmp_path, tiny_reward_models, monkeypatch):
     monkeypatch.chdir(ROOT)
-    if "geneval" in os.path.basename(recipe) and "geneval" not in rewards.REWARDS:
-        pytest.skip("the geneval reward is not in this tree yet")
     parser, published = train.parse_args([f"@{recipe}"])
     assert published.model in ("sd3", "flux")
     out = str(tmp_path / "run")
