@@ -258,9 +258,10 @@ def awm_timesteps(num_steps, n, *, fraction=0.9, kind="discrete_wo_init", genera
         raise ValueError(f"unknown AWM timestep sampling {kind!r}; choose one of {', '.join(AWM_TIMESTEPS)} "
                          "(--awm-timesteps)")
     lo, hi = (1 if kind == "discrete_wo_init" else 0), int(num_steps * fraction)
-    if n < 1 or hi <= lo or not 0 < fraction <= 1:
-        raise ValueError(f"--train-timesteps {n} over --timestep-fraction {fraction} of {num_steps} steps leaves no "
-                         "index to draw: raise --timestep-fraction or --num-steps, or use at least 1 timestep")
+    if not 1 <= n <= hi - lo or not 0 < fraction <= 1:
+        raise ValueError(f"--train-timesteps {n} strata over schedule indices {lo} .. {hi - 1} (--timestep-fraction "
+                         f"{fraction} of {num_steps} steps) leave a stratum empty: use 1 to {max(hi - lo, 0)} of them, "
+                         "or raise --timestep-fraction or --num-steps")
     bounds = torch.linspace(lo, hi, n + 1)  # float32, as the reference
     lower, upper = bounds[:-1].long(), bounds[1:].long()
     return lower + (torch.rand(n, generator=generator) * (upper - lower)).long()

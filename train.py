@@ -195,7 +195,8 @@ def parse_args(argv=None):
     p.add_argument("--no-shuffle", action="store_true",
                    help="keep file order instead of a seeded permutation per epoch")
     # sampling
-    p.add_argument("--num-steps", type=bounded(int, 2), default=None, help="denoising steps of a training rollout")
+    p.add_argument("--num-steps", type=bounded(int, 2, 1000), default=None,
+                   help="denoising steps of a training rollout (at most the 1000 of the training grid)")
     p.add_argument("--shift", type=POSITIVE, default=3.0, help="time shift of the sigma schedule (SD3: 3)")
     p.add_argument("--guidance-scale", type=POSITIVE, default=None,
                    help="CFG scale (FLUX: distilled guidance value); --loss nft / awm: 1 on CFG models")
