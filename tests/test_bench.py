@@ -127,17 +127,17 @@ def test_nft_step_counts_its_calls(tmp_path):
 def test_losses_side_by_side(tmp_path):
     path = tmp_path / "losses.json"
     cmd = [sys.executable, "bench.py", "--losses", "--model", "tiny", "--steps", "1", "--warmup", "1", "--repeats", "1",
-           "--threads", "1", "--json", str(path), "--", *SMALL]
+           "--threads", "1", "--json", str(path), "--", *SMALL, "--train-timesteps", "2"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(path.read_text())
     assert result["speedup_vs_grpo"]["grpo"] == 1.0 and set(result["losses"]) == set(bench.LOSSES)
     calls = {name: {c["phase"]: c["per_step"] for c in r["calls"]} for name, r in result["losses"].items()}
     # grpo: 3 trained SDE steps, each with a KL reference forward; nft: 3 sigmas, old copy + base per sigma;
-    # awm: 6 strata, EMA anchor + base per sigma. Same rollout: 4 forwards (CFG 1 on tiny), 1 decode.
+    # awm: 2 strata (--train-timesteps 2), EMA anchor + base per sigma. Same rollout: 4 forwards (CFG 1), 1 decode.
     assert calls == {"grpo": {"rollout": 4, "decode": 1, "train": 3, "reference": 3},
                      "nft": {"rollout": 4, "decode": 1, "train": 3, "reference": 6},
-                     "awm": {"rollout": 4, "decode": 1, "train": 6, "reference": 12}}
+                     "awm": {"rollout": 4, "decode": 1, "train": 2, "reference": 4}}
     for name, r in result["losses"].items():
         assert result["speedup_vs_grpo"][name] == pytest.approx(
             r["end_to_end_samples_per_s"] / result["losses"]["grpo"]["end_to_end_samples_per_s"])

@@ -12,6 +12,7 @@ from test_train import SMALL, metrics, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = ("seconds", "seconds_sampling", "seconds_reward_wait", "seconds_training")
+AWM_SMALL = ["--train-timesteps", "2"]  # 4 steps at fraction 0.9 leave schedule indices 1 and 2: two strata
 
 
 def tensors(path):
@@ -28,14 +29,15 @@ def train_in_process(out, *flags):
 @pytest.mark.parametrize("loss", ["nft", "awm"])
 def test_runs_soft_updates_the_old_copy_and_resumes_exactly(tmp_path, loss):
     # awm with two optimizer steps per step: the second one's old log-probs are computed before the first step.
-    flags = ["--loss", loss, "--steps", "3", "--save-every", "1"] + (["--minibatches", "2"] if loss == "awm" else [])
+    flags = ["--loss", loss, "--steps", "3", "--save-every", "1"] + (AWM_SMALL + ["--minibatches", "2"] if loss == "awm"
+                                                                     else [])
     full = train_in_process(tmp_path / "full", *flags)
     assert [r["step"] for r in full] == [1, 2, 3] and not any(r.get("skipped") for r in full)
     for r in full:
-        assert r["loss"] == r["loss"] and r["trained_steps"] == (3 if loss == "nft" else 6)  # int(4 x 0.99); 6 strata
-        if loss == "awm":  # ratio 1 on the first optimizer step, near 1 on the second (same noise and sigmas;
-            # old log-probs taken at other noise put approx_kl at 6e-4 to 1.2e-3 here)
-            assert r["ratio_mean"] != 1 and r["approx_kl"] < 2e-4, r
+        assert r["loss"] == r["loss"] and r["trained_steps"] == (3 if loss == "nft" else 2)  # int(4 x 0.99); 2 strata
+        if loss == "awm":  # ratio 1 on the first optimizer step, near 1 on the second (same noise and sigmas:
+            # approx_kl 4e-6 to 5e-5 here; old log-probs taken at other noise put it at 3e-4 to 7e-4)
+            assert r["ratio_mean"] != 1 and r["approx_kl"] < 1.5e-4, r
     # The old copy starts as the weights: at step 1 (one optimizer step) the old velocities are the current ones.
     if loss == "nft":
         assert full[0]["old_deviate"] == 0 and full[1]["old_deviate"] > 0
@@ -66,7 +68,7 @@ def test_torchrun_two_processes(tmp_path, loss):
     out = str(tmp_path / "ddp")
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *SMALL,
          "--loss", loss, "--lora-rank", "4", "--lora-alpha", "8", "--kl-beta", "0.01", "--steps", "2",
-         "--log-images-every", "0", "--out", out], tmp_path)
+         "--log-images-every", "0", "--out", out] + (AWM_SMALL if loss == "awm" else []), tmp_path)
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2] and all(r["kl"] > 0 for r in rows[1:])
     state = json.load(open(os.path.join(out, "checkpoints", "2", "state.json")))
