@@ -179,9 +179,12 @@ def sde_steps(num_steps, *, window="all", iteration=0, timestep_fraction=1.0, wi
     """Sorted indices of the steps that are stochastic AND trained (step i: sigmas[i] -> sigmas[i+1]).
 
     all:  the first floor(num_steps * timestep_fraction) steps (Flow-GRPO's timestep_fraction).
-    fast: Flow-GRPO-Fast, `window_size` consecutive steps starting at a step drawn uniformly from
-          window_range = (lo, hi), both inclusive (default: every start that fits), from a generator
-          seeded with (seed, iteration), so every rank and a resumed run draw the same window.
+    fast: Flow-GRPO-Fast, `window_size` consecutive steps that all lie in steps lo .. hi - 1 of
+          window_range = (lo, hi), as Flow-GRPO's sde_window_range (sd3_pipeline_with_logprob_fast.py:
+          start = randint(lo, hi - window_size), both ends inclusive), so (0, 5) with size 3 trains
+          steps 0..4 only; default (0, num_steps - 1), every window without the last step. The start
+          comes from a generator seeded with (seed, iteration): every rank and a resumed run draw
+          the same window.
     mix:  MixGRPO (arXiv:2507.21802), a sliding window of `window_size` steps starting at step 0
           that moves `stride` steps later every `iters_per_window` iterations; its last position
           ends at the last trainable step (a position past it is clamped there). It then stays
@@ -207,11 +210,12 @@ def sde_steps(num_steps, *, window="all", iteration=0, timestep_fraction=1.0, wi
                          f"got {window_size}")
     last_start = trainable - window_size
     if window == "fast":
-        lo, hi = (0, last_start) if window_range is None else window_range
-        if not 0 <= lo <= hi <= last_start:
-            raise ValueError(f"--window-range must satisfy 0 <= LO <= HI <= {last_start} "
-                             f"(= num_steps - 1 - window_size), got {lo} {hi}")
-        start = random.Random(f"fast-window/{seed}/{iteration}").randint(lo, hi)  # a str seed: same in every process
+        lo, hi = (0, trainable) if window_range is None else window_range
+        if not 0 <= lo <= hi - window_size or hi > trainable:
+            raise ValueError(f"--window-range LO HI must hold the whole window: 0 <= LO, LO + --window-size "
+                             f"{window_size} <= HI <= {trainable} (= num_steps - 1, the last step is never trained), "
+                             f"got {lo} {hi}")
+        start = random.Random(f"fast-window/{seed}/{iteration}").randint(lo, hi - window_size)  # same in every process
     else:  # mix
         if stride < 1:
             raise ValueError(f"--window-stride must be at least 1, got {stride}")

@@ -139,7 +139,8 @@ def parse_args(argv=None):
                         "MixGRPO sliding window")
     p.add_argument("--window-size", type=int, default=2, help="steps in the fast/mix window")
     p.add_argument("--window-range", type=int, nargs=2, default=None, metavar=("LO", "HI"),
-                   help="range of window starts for --sde-window fast")
+                   help="--sde-window fast: the window lies in steps LO .. HI - 1 (Flow-GRPO's sde_window_range; "
+                        "its start is drawn from LO .. HI - --window-size); default 0 and --num-steps - 1")
     p.add_argument("--window-stride", type=int, default=1, help="steps the mix window slides each time")
     p.add_argument("--iters-per-window", type=int, default=25, help="training steps before the mix window slides")
     p.add_argument("--roll-back", action="store_true", help="mix window returns to step 0 after reaching the end")

@@ -241,8 +241,19 @@ def test_sde_steps_fast_is_a_seeded_window_in_range():
     assert starts == set(range(0, 8))  # every start that fits is drawn
     other = [sde.sde_steps(10, window="fast", iteration=it, seed=8)[0] for it in range(50)]
     assert other != [sde.sde_steps(10, window="fast", iteration=it, seed=7)[0] for it in range(50)]
-    ranged = {sde.sde_steps(10, window="fast", iteration=it, window_size=3, window_range=(2, 4))[0] for it in range(100)}
+    ranged = {sde.sde_steps(10, window="fast", iteration=it, window_size=3, window_range=(2, 7))[0] for it in range(100)}
     assert ranged == {2, 3, 4}
+
+
+def test_sde_steps_fast_window_range_is_flow_grpos():
+    """Flow-GRPO's sde_window_range (lo, hi) holds the whole window: start = randint(lo, hi - size), both ends
+    inclusive (sd3_pipeline_with_logprob_fast.py); pickscore_sd3_fast_nocfg's (0, 5) with size 3 trains 0..4 only."""
+    windows = {tuple(sde.sde_steps(10, window="fast", iteration=it, window_size=3, window_range=(0, 5), seed=3))
+               for it in range(200)}
+    assert windows == {(0, 1, 2), (1, 2, 3), (2, 3, 4)}
+    assert {sde.sde_steps(10, window="fast", iteration=it, window_size=2, window_range=(4, 9))[0]
+            for it in range(200)} == {4, 5, 6, 7}  # up to step 8, the last trainable one
+    assert sde.sde_steps(10, window="fast", window_size=3, window_range=(2, 5)) == [2, 3, 4]  # the only window
 
 
 def test_sde_steps_mix_slides_and_rolls_back():
@@ -259,8 +270,9 @@ def test_sde_steps_mix_slides_and_rolls_back():
 @pytest.mark.parametrize("kwargs, flag", [
     (dict(window="fast", window_size=10), "--window-size"),
     (dict(window="mix", window_size=0), "--window-size"),
-    (dict(window="fast", window_size=2, window_range=(0, 8)), "--window-range"),
-    (dict(window="fast", window_size=2, window_range=(5, 3)), "--window-range"),
+    (dict(window="fast", window_size=2, window_range=(0, 10)), "--window-range"),  # would hold the last step
+    (dict(window="fast", window_size=2, window_range=(5, 6)), "--window-range"),  # too short for the window
+    (dict(window="fast", window_size=2, window_range=(-1, 4)), "--window-range"),
     (dict(window="mix", stride=0), "--window-stride"),
     (dict(window="mix", iters_per_window=0), "--iters-per-window"),
     (dict(timestep_fraction=0.05), "--timestep-fraction"),
