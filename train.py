@@ -27,9 +27,14 @@ Where this departs from the papers, and why
 3. The last denoising step (sigma ~0.01 -> 0) is always an ODE step and never trained: its transition
    std is ~0 and its log-prob would dominate the ratio (Flow-GRPO trains it with timestep_fraction 0.99).
 4. Groups whose reward service failed (`--reward-on-error skip`) are dropped from the advantages as
-   whole groups (a partial group would shift the group mean of the others); their samples still run
-   with advantage 0, so every rank does the same number of backward passes, and the loss is scaled by
-   samples / kept samples so that a partial outage does not shrink the step.
+   whole groups (a partial group would shift the group mean of the others): advantage 0, below.
+   Samples with advantage 0 (those, and saturated groups, whose rewards are all equal) leave the update,
+   as in Flow-GRPO: the policy term is the mean over the samples that carry one, not diluted by the rest.
+   Each rank keeps its number of micro-batches (the same forwards and backwards on every rank, as DDP and
+   FSDP need) and trains its kept samples in smaller ones, topped up with advantage-0 samples to a multiple
+   of that number as Flow-GRPO does. The departure: each rank's loss is weighted by its share of the
+   trained samples, so the step is the mean over all of them; Flow-GRPO averages the GPUs' means, which
+   weights a sample by 1 / (the count on its GPU) and so depends on where the samples landed.
 5. Rewards are computed in a background thread while the next sample batch is generated; the result is
    identical to scoring afterwards, only earlier.
 """
@@ -251,7 +256,7 @@ def main(argv=None):
     # Derived totals, printed and checked once so a wrong recipe fails here and not at step 3000.
     samples = args.prompts_per_step * args.group_size  # global samples per step
     num_sample_batches = per_rank // args.sample_batch_size
-    minibatch = per_rank // args.minibatches  # per-rank samples per optimizer step
+    n_micro = per_rank // args.train_batch_size  # training micro-batches per update, the same on every rank
     print0(f"{WORLD} processes | {args.prompts_per_step} prompts x {args.group_size} = {samples} samples/step "
            f"({per_rank} per GPU, {num_sample_batches} rollout batches of {args.sample_batch_size}) | "
            f"{args.updates_per_batch * args.minibatches} optimizer steps/step")
@@ -386,10 +391,14 @@ def main(argv=None):
         all_adv[keep] = losses.group_advantages(all_rewards[keep], all_groups[keep], global_std=args.global_std,
                                                 clip=args.adv_clip)
         adv = all_adv[RANK * per_rank:(RANK + 1) * per_rank]  # [per_rank]
-        drop_scale = keep.numel() / keep.sum().item()  # dropped samples train with A = 0: keep the step size
+        # Samples with advantage 0 (saturated groups, dropped groups) carry no policy gradient and leave the update
+        # (departure 4); each rank keeps its micro-batch count and trains its kept samples in smaller micro-batches.
+        train_ids = trained_samples(adv, n_micro, seeded(args.seed, step, RANK, 2))
+        counts = distributed.all_gather_cat(torch.tensor([len(train_ids)], device=device))  # [WORLD]
+        rank_weight = WORLD * len(train_ids) / counts.sum().item()  # DDP's mean over ranks -> the mean over samples
         info.update(reward_mean=all_rewards[keep].mean().item(),
                     reward_std=all_rewards[keep].std().item() if keep.sum() > 1 else 0.0,
-                    dropped_groups=int(bad_groups.sum()))
+                    dropped_groups=int(bad_groups.sum()), zero_adv_fraction=(all_adv == 0).float().mean().item())
         for name, value in scores.items():
             if name != "reward":
                 info[f"reward/{name}_mean"] = torch.nanmean(distributed.all_gather_cat(value.to(device))).item()
@@ -399,11 +408,12 @@ def main(argv=None):
         # ===================================================================== TRAINING
         model.train()
         stats, optim_steps, skipped_updates = {}, 0, 0
+        micro_size = len(train_ids) // n_micro  # --train-batch-size when no sample has advantage 0
         for update in range(args.updates_per_batch):
-            perm = torch.randperm(per_rank, generator=seeded(args.seed, step, RANK, update, 1))
+            order = train_ids[torch.randperm(len(train_ids), generator=seeded(args.seed, step, RANK, update, 1))]
+            micros = order.split(micro_size)  # n_micro of them
             for m in range(args.minibatches):
-                mb = perm[m * minibatch:(m + 1) * minibatch]
-                micro = [mb[i:i + args.train_batch_size] for i in range(0, minibatch, args.train_batch_size)]
+                micro = micros[m * n_micro // args.minibatches:(m + 1) * n_micro // args.minibatches]
                 n_backward, done = len(micro) * len(trained_steps), 0
                 for ids in micro:
                     sub = {k: v[ids.to(v.device)] for k, v in embeds.items()}
@@ -441,7 +451,7 @@ def main(argv=None):
                                 kl, _ = losses.kl_penalty(out.mean, ref.mean, out.std, dt=kl_dt)
                                 loss = loss + args.kl_beta * kl
                                 loss_info["kl"] = kl.item()
-                            (loss * drop_scale / n_backward).backward()
+                            (loss * rank_weight / n_backward).backward()
                         done += 1
                         if optim_steps == 0 and update == 0:  # on-policy: the ratio must be 1 before the first step
                             log_ratio = (out.log_prob.detach() - old_log_prob).abs().max()
@@ -563,6 +573,18 @@ def check_args(p, args, world_size):
     except ValueError as e:
         p.error(str(e))
     return per_rank, components
+
+
+def trained_samples(adv, n_micro, generator):
+    """Indices of this rank's samples that the update trains: those with a nonzero advantage, as Flow-GRPO's
+    train_sd3.py keeps (its `mask = advantages.abs().sum(dim=1) != 0` block), topped up with randomly drawn
+    advantage-0 samples to a multiple of n_micro, at least n_micro, as it does (to num_batches_per_epoch). Every
+    rank then runs its n_micro micro-batches (the same forwards and backwards everywhere, as FSDP and DDP need),
+    each of len / n_micro samples. Returns an int64 CPU tensor."""
+    adv = adv.cpu()
+    live, zero = torch.nonzero(adv != 0).flatten(), torch.nonzero(adv == 0).flatten()
+    size = max(1, math.ceil(len(live) / n_micro))  # size * n_micro <= len(adv): enough zeros to top up
+    return torch.cat([live, zero[torch.randperm(len(zero), generator=generator)[:size * n_micro - len(live)]]])
 
 
 def build_policy(args, device, amp_dtype):

@@ -1,0 +1,75 @@
+"""train.py's choices that follow the authors' code, on the tiny model, in process.
+
+Saturated groups leave the update (Flow-GRPO train_sd3.py), a group can share its starting noise (MixGRPO's
+--init_same_noise), the EMA follows flow_grpo/ema.py and is what evaluation and export see.
+"""
+import json
+import os
+import textwrap
+
+import pytest
+import torch
+
+import models
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--group-size", "4", "--sample-batch-size", "4", "--num-steps", "4", "--resolution", "32",
+         "--log-images-every", "0", "--no-shuffle", "--no-global-std", "--steps", "1"]
+
+# Pixel mean for most prompts; a constant for prompts starting with "flat", whose groups are then saturated.
+SATURATING_REWARD = textwrap.dedent('''
+    def score(images, prompts, metadata, args):
+        pixel_mean = images.reshape(len(images), -1).float().mean(1) / 255
+        return [0.5 if p.startswith("flat") else float(r) for p, r in zip(prompts, pixel_mean)]
+''')
+
+
+def metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def weights(out, step=1):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(out, "checkpoints", str(step), "trainable.safetensors"))
+
+
+def test_saturated_groups_leave_the_update(tmp_path, monkeypatch):
+    """Two live groups and two saturated ones train exactly as the two live groups alone: the same gradient
+    (norm and, through Adam's first step, sign of every entry). Kept in, the saturated groups' zero
+    advantages would halve the policy gradient."""
+    monkeypatch.chdir(ROOT)
+    (tmp_path / "reward.py").write_text(SATURATING_REWARD)
+    live = ["a red apple on a table", "a blue car in the rain"]
+    (tmp_path / "mixed.txt").write_text("\n".join(live + ["flat grey wall", "flat white sheet"]) + "\n")
+    (tmp_path / "live.txt").write_text("\n".join(live) + "\n")
+    reward = ["--reward", "custom", "--custom-rm-path", f"{tmp_path / 'reward.py'}:score", "--lr", "1e-3"]
+    mixed, alone = str(tmp_path / "mixed"), str(tmp_path / "alone")
+    # Same rollouts for the live groups (rollout batch b = group b), 4 micro-batches of 2 trained samples in each run.
+    train.main([*SMALL, *reward, "--prompts", str(tmp_path / "mixed.txt"), "--prompts-per-step", "4",
+                "--train-batch-size", "4", "--out", mixed])
+    train.main([*SMALL, *reward, "--prompts", str(tmp_path / "live.txt"), "--prompts-per-step", "2",
+                "--train-batch-size", "2", "--out", alone])
+    (a,), (b,) = metrics(mixed), metrics(alone)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    assert a["zero_adv_fraction"] == 0.5 and b["zero_adv_fraction"] == 0.0
+    # Adam's first step is lr g / (|g| + 1e-8): the steps agree in direction (entries with |g| ~ 1e-8 carry the
+    # summation-order noise of two different micro-batch splits, hence the cosine rather than entrywise equality).
+    wa, wb = weights(mixed), weights(alone)
+    base = dict(models.load_pipeline("tiny").transformer.named_parameters())
+    da = torch.cat([(wa[k] - base[k].detach()).flatten() for k in wa])
+    db = torch.cat([(wb[k] - base[k].detach()).flatten() for k in wa])
+    assert torch.nn.functional.cosine_similarity(da, db, dim=0) > 0.99999
+    assert da.norm() == pytest.approx(db.norm().item(), rel=1e-5)
+
+
+def test_trained_samples_top_up_to_the_micro_batch_count():
+    """Flow-GRPO keeps the nonzero-advantage samples and tops them up with zero ones to a multiple of its batch count."""
+    g = torch.Generator().manual_seed(0)
+    adv = torch.tensor([0.0, 1.0, 0.0, -1.0, 0.0, 0.5, 0.0, 0.0])
+    ids = train.trained_samples(adv, 4, g)
+    assert len(ids) == 4 and len(set(ids.tolist())) == 4 and {1, 3, 5} <= set(ids.tolist())
+    assert len(train.trained_samples(adv, 2, g)) == 4  # 3 live -> 2 micro-batches of 2
+    assert len(train.trained_samples(torch.zeros(8), 4, g)) == 4  # nothing live: one sample per micro-batch
+    assert sorted(train.trained_samples(torch.ones(8), 4, g).tolist()) == list(range(8))  # nothing to drop
