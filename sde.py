@@ -258,8 +258,30 @@ def _dpm_solver_2m(velocity_fn, x, grid):
         yield x
 
 
+def flash_grid(sigmas, start, ratio):
+    """MixGRPO-Flash's compressed grid for the ODE steps after the window: from sigmas[start] to sigmas[-1],
+    n = max(int((T - start + 1) ratio), 2) points evenly spaced in step index, T = len(sigmas) - 1
+    (MixGRPO sampling_utils.py, run_sample_step with dpm_apply_strategy "post": its ratio is
+    dpm_post_compress_ratio, 0.4 in its scripts). MixGRPO spaces them evenly in its unshifted time,
+    which is linear in the step index of its schedule, and shifts them again; here a point between two
+    steps gets sigma interpolated linearly between them, which serves any schedule (the same points
+    where they fall on the grid). At least 2 points (one step): MixGRPO's max(..., 1) would leave the
+    sample at sigmas[start] when the window ends within 1 / ratio steps of the end."""
+    if not 0 < ratio <= 1:
+        raise ValueError(f"--flash-ratio must be in (0, 1], got {ratio}")
+    sigmas = torch.as_tensor(sigmas, dtype=torch.float64).cpu()
+    num = len(sigmas) - 1
+    n = max(int((num - start + 1) * ratio), 2)
+    position = torch.linspace(start, num, n, dtype=torch.float64)
+    low = position.floor().long().clamp(max=num - 1)
+    grid = sigmas[low] + (position - low) * (sigmas[low + 1] - sigmas[low])
+    grid[0], grid[-1] = sigmas[start], sigmas[-1]  # exact ends
+    return grid.float()
+
+
 @torch.no_grad()
-def rollout(velocity_fn, x, sigmas, *, sde_steps, kind="flow", eta=0.7, generator=None, sigma_max=None, flash=False):
+def rollout(velocity_fn, x, sigmas, *, sde_steps, kind="flow", eta=0.7, generator=None, sigma_max=None, flash=False,
+            flash_ratio=0.4):
     """Run one trajectory from the noise x through `sigmas`, stochastic on `sde_steps`, ODE elsewhere.
 
     velocity_fn(x, sigma: float) -> v is the only model-dependent part (CFG lives inside it).
@@ -275,12 +297,12 @@ def rollout(velocity_fn, x, sigmas, *, sde_steps, kind="flow", eta=0.7, generato
     Without flash, N = T + 1 and latents[:, i] is at sigmas[i].
 
     flash (MixGRPO-Flash, arXiv:2507.21802): the ODE steps after the last stochastic step
-    are replaced by DPM-Solver++(2M) on every other point of the remaining grid (ceil(R / 2) steps
-    instead of R; the last point, 0, is always kept). latents then holds the original grid up to
-    the end of the window, followed by the solver's states, so N = e + 1 + ceil(R / 2) where e is
-    the last stochastic step + 1 and R = T - e. Steps in `steps` index latents exactly as without
-    flash. Never before the window: the window's states must be those of the base sampler's
-    marginal. A different solver before it moves the states the SDE steps start from, so its error
+    are replaced by DPM-Solver++(2M) on flash_grid(sigmas, e, flash_ratio), n points from
+    sigmas[e] to 0 (n - 1 steps instead of R), where e is the last stochastic step + 1 and
+    R = T - e. latents then holds the original grid up to the end of the window, followed by the
+    solver's states, so N = e + n. Steps in `steps` index latents exactly as without flash.
+    Never before the window: the window's states must be those of the base sampler's marginal.
+    A different solver before it moves the states the SDE steps start from, so its error
     lands inside the trained steps' inputs, and the policy is trained (and its log-probs taken) at
     states the Euler sampler never visits. After the window no log-prob is taken; the solver only
     changes how the final image is reached, which the reward sees.
@@ -313,9 +335,7 @@ def rollout(velocity_fn, x, sigmas, *, sde_steps, kind="flow", eta=0.7, generato
         latents.append(x)
     latent_sigmas = sigmas[:flash_from + 1]
     if flash_from < num:
-        grid = sigmas[flash_from::2]
-        if grid[-1] != sigmas[-1]:
-            grid = torch.cat([grid, sigmas[-1:]])
+        grid = flash_grid(sigmas, flash_from, flash_ratio)
         latents.extend(_dpm_solver_2m(velocity_fn, x, grid.tolist()))
         latent_sigmas = torch.cat([latent_sigmas, grid[1:]])
 

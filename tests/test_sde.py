@@ -346,6 +346,26 @@ def test_rollout_without_stochastic_steps_and_bad_calls():
         sde.rollout(exact_velocity, x, sigmas, sde_steps=[4])
 
 
+def test_flash_grid_is_mixgrpos_compressed_schedule():
+    """MixGRPO sampling_utils.py (dpm_apply_strategy "post"): after the window's last stochastic step L, int(max((T - L)
+    ratio, 1)) points from its unshifted time t_{L+1} to 0, evenly spaced and shifted again (shift 3, T = 25 there)."""
+    num, shift, ratio = 25, 3.0, 0.4
+    time_shift = lambda t: shift * t / (1 + (shift - 1) * t)
+    sigmas = time_shift(torch.linspace(1, 0, num + 1, dtype=torch.float64))  # MixGRPO's own schedule
+    for last in range(num - 1):
+        points = int(max((num - last) * ratio, 1))
+        reference = time_shift(torch.linspace(1 - (last + 1) / num, 0, points, dtype=torch.float64))
+        grid = sde.flash_grid(sigmas, last + 1, ratio).double()
+        if points == 1:  # MixGRPO would stop at sigma_{L+1}, short of 0: here one step to 0
+            assert grid.tolist() == pytest.approx([sigmas[last + 1].item(), 0.0])
+            continue
+        assert len(grid) == points and grid[0] == pytest.approx(sigmas[last + 1].item()) and grid[-1] == 0
+        assert (grid - reference).abs().max() < 2e-3  # equal on grid points, linear in sigma between them
+    assert len(sde.flash_grid(sigmas, 4, 1.0)) == num - 3  # ratio 1: the original grid after the window
+    with pytest.raises(ValueError, match="--flash-ratio"):
+        sde.flash_grid(sigmas, 4, 0.0)
+
+
 @pytest.mark.parametrize("num_steps, steps", [(20, [0, 1, 2, 3]), (20, [5, 6, 7, 8]), (50, [10, 11, 12, 13])])
 def test_flash_matches_the_ode_with_fewer_calls(num_steps, steps):
     sigmas = sde.sd3_sigmas(num_steps)
@@ -358,16 +378,20 @@ def test_flash_matches_the_ode_with_fewer_calls(num_steps, steps):
         runs[flash] = out, velocity.calls
     (base, base_calls), (fast, fast_calls) = runs[False], runs[True]
     end = steps[-1] + 1
-    remaining = num_steps - end
-    assert base_calls == num_steps and fast_calls == end + math.ceil(remaining / 2)
+    points = max(int((num_steps - end + 1) * 0.4), 2)  # MixGRPO's dpm_post_compress_ratio 0.4
+    assert base_calls == num_steps and fast_calls == end + points - 1
     # The window is untouched: same states, same log-probs, indexed by step as without flash.
     assert torch.equal(fast["latents"][:, :end + 1], base["latents"][:, :end + 1])
     assert torch.equal(fast["log_probs"], base["log_probs"]) and torch.equal(fast["means"], base["means"])
-    assert fast["latents"].shape[1] == len(fast["latent_sigmas"]) == end + 1 + math.ceil(remaining / 2)
+    assert fast["latents"].shape[1] == len(fast["latent_sigmas"]) == end + points
     assert torch.equal(fast["latent_sigmas"][:end + 1], sigmas[:end + 1]) and fast["latent_sigmas"][-1] == 0
-    # The final sample: close to the Euler ODE's (within Euler's own error, 0.04-0.1 here), and closer
-    # than it to the exact ODE solution from the same state.
+    # The final sample: closer to the exact ODE solution from the same state than Euler on the same
+    # compressed grid (the second order at work), and near the full Euler ODE's.
     exact = exact_transport(base["latents"][:, end], sigmas[end].item())
+    euler = base["latents"][:, end]
+    grid = sde.flash_grid(sigmas, end, 0.4).tolist()
+    for s, s_next in zip(grid[:-1], grid[1:]):
+        euler = euler + (s_next - s) * exact_velocity(euler, s)
     rms = lambda a, b: ((a - b) ** 2).mean().sqrt().item()
-    assert rms(fast["latents"][:, -1], base["latents"][:, -1]) < 0.2
-    assert rms(fast["latents"][:, -1], exact) < rms(base["latents"][:, -1], exact)
+    assert rms(fast["latents"][:, -1], exact) < rms(euler, exact)
+    assert rms(fast["latents"][:, -1], base["latents"][:, -1]) < 0.15
