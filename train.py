@@ -151,10 +151,16 @@ def parse_args(argv=None):
     p.add_argument("--roll-back", action="store_true", help="mix window returns to step 0 after reaching the end")
     p.add_argument("--flash", action="store_true",
                    help="MixGRPO-Flash: second-order solver on a compressed schedule after the window")
+    p.add_argument("--flash-ratio", type=float, default=0.4,
+                   help="--flash: the steps after the window are compressed to about this fraction "
+                        "(MixGRPO's dpm_post_compress_ratio; sde.flash_grid)")
     p.add_argument("--timestep-fraction", type=float, default=1.0, help="fraction of steps trained with --sde-window all")
     p.add_argument("--group-size", type=int, default=None, help="images per prompt (a group; may span GPUs)")
     p.add_argument("--prompts-per-step", type=int, default=None, help="prompts per training step, global")
     p.add_argument("--sample-batch-size", type=int, default=None, help="images per rollout forward, per GPU")
+    p.add_argument("--same-noise-per-group", action="store_true",
+                   help="every image of a prompt's group starts from the same noise x_T (MixGRPO's --init_same_noise; "
+                        "Flow-GRPO's same_latent); the SDE noise still differs")
     # reward
     p.add_argument("--reward", default=None, help='reward spec: a name or weighted mix, e.g. "ocr=0.8,pickscore=0.2"; choices: ' + ", ".join(rewards.REWARDS))
     p.add_argument("--reward-key", default="reward", help="which reward entry trains (a component name or the weighted total 'reward')")
@@ -242,6 +248,17 @@ def seeded(*parts):
     for part in parts:
         seed = (seed * 1_000_003 + int(part)) % 2**63
     return torch.Generator().manual_seed(seed)
+
+
+def starting_noise(pipe, args, step, group_ids, generator):
+    """x at sigma = 1 for one rollout batch, [len(group_ids), ...]. With --same-noise-per-group every sample of a
+    group starts from one x_T drawn from (seed, step, group): the same on every rank that holds part of the group
+    and after a resume (MixGRPO draws one per GPU, which holds whole groups there); `generator` then draws
+    only the SDE noise, which still differs from sample to sample."""
+    if not args.same_noise_per_group:
+        return models.initial_noise(pipe, len(group_ids), args.resolution, generator=generator)
+    return torch.cat([models.initial_noise(pipe, 1, args.resolution, generator=seeded(args.seed, step, -1, g))
+                      for g in group_ids])
 
 
 def main(argv=None):
@@ -332,7 +349,8 @@ def main(argv=None):
         # ===================================================================== SAMPLING
         prompt_ids = data.step_prompt_ids(len(prompts), step, prompts_per_step=args.prompts_per_step,
                                           seed=args.seed, shuffle=not args.no_shuffle)
-        my_prompt_ids, _ = data.rank_samples(prompt_ids, group_size=args.group_size, rank=RANK, world_size=WORLD)
+        my_prompt_ids, my_groups = data.rank_samples(prompt_ids, group_size=args.group_size, rank=RANK,
+                                                     world_size=WORLD)
         my_prompts = [prompts[i] for i in my_prompt_ids]
         my_meta = [metadata[i] for i in my_prompt_ids]
         unique = sorted(set(my_prompt_ids))
@@ -346,12 +364,12 @@ def main(argv=None):
         for b in range(num_sample_batches):
             idx = slice(b * args.sample_batch_size, (b + 1) * args.sample_batch_size)
             gen = seeded(args.seed, step, RANK, b)  # resumable noise
-            x = models.initial_noise(pipe, args.sample_batch_size, args.resolution, generator=gen).to(device)
+            x = starting_noise(pipe, args, step, my_groups[idx], gen).to(device)
             sub = {k: v[idx] for k, v in embeds.items()}
             with autocast():
                 traj = sde.rollout(lambda x_, s_: models.velocity(pipe, x_, s_, sub, guidance_scale=sample_guidance),
                                    x, sigmas, sde_steps=trained_steps, kind=args.sde, eta=args.eta, generator=gen,
-                                   flash=args.flash)
+                                   flash=args.flash, flash_ratio=args.flash_ratio)
                 images = models.decode(pipe, traj["latents"][:, -1])  # uint8 [b, H, W, 3]
             batches.append(traj)
             futures.append(reward_pool.submit(reward_fn, images, my_prompts[idx], my_meta[idx]))
@@ -557,6 +575,8 @@ def check_args(p, args, world_size):
     if args.kl_beta > 0 and args.lora_rank == 0:
         p.error("--kl-beta > 0 needs a LoRA adapter (the reference is the base model with it disabled): "
                 "set --lora-rank > 0 or --kl-beta 0")
+    if not 0 < args.flash_ratio <= 1:
+        p.error(f"--flash-ratio must be in (0, 1], got {args.flash_ratio}")
     if args.eta <= 0:
         p.error("--eta must be > 0 for training: with no noise the step is an ODE and has no log-prob")
     try:

@@ -73,3 +73,38 @@ def test_trained_samples_top_up_to_the_micro_batch_count():
     assert len(train.trained_samples(adv, 2, g)) == 4  # 3 live -> 2 micro-batches of 2
     assert len(train.trained_samples(torch.zeros(8), 4, g)) == 4  # nothing live: one sample per micro-batch
     assert sorted(train.trained_samples(torch.ones(8), 4, g).tolist()) == list(range(8))  # nothing to drop
+
+
+def test_same_noise_per_group_shares_x_T_not_the_sde_noise(tmp_path, monkeypatch):
+    """MixGRPO's --init_same_noise: a group's samples start from one x_T (here also when the group spans rollout
+    batches or ranks), and still end apart because the SDE noise differs."""
+    import sde
+    monkeypatch.chdir(ROOT)
+    starts, ends, real_rollout = [], [], sde.rollout
+
+    def recording_rollout(velocity_fn, x, sigmas, **kw):
+        out = real_rollout(velocity_fn, x, sigmas, **kw)
+        starts.append(x.clone())
+        ends.append(out["latents"][:, -1])
+        return out
+    monkeypatch.setattr(sde, "rollout", recording_rollout)
+    # 2 groups of 4 in rollout batches of 2: each group spans two batches, as a group spans ranks.
+    train.main([*SMALL, "--prompts-per-step", "2", "--sample-batch-size", "2", "--train-batch-size", "2",
+                "--same-noise-per-group", "--out", str(tmp_path / "run")])
+    x, y = torch.cat(starts), torch.cat(ends)  # [8, ...] in sample order: group 0 = rows 0-3, group 1 = rows 4-7
+    for group in (x[:4], x[4:]):
+        assert all(torch.equal(group[0], row) for row in group[1:])
+    assert not torch.equal(x[0], x[4])
+    assert all(not torch.equal(y[i], y[j]) for i in range(4) for j in range(i + 1, 4))  # the SDE noise differs
+
+    # The x_T of a group depends only on (seed, step, group): rank 1's half of groups 1 and 2 sees what rank 0 sees.
+    pipe = models.load_pipeline("tiny")
+    _, args = train.parse_args(["--same-noise-per-group", "--resolution", "32"])
+    gen = torch.Generator().manual_seed(0)
+    rank0 = train.starting_noise(pipe, args, 3, [0, 0, 1, 1], gen)
+    rank1 = train.starting_noise(pipe, args, 3, [1, 1, 2, 2], torch.Generator().manual_seed(1))
+    assert torch.equal(rank0[2], rank1[0]) and not torch.equal(rank0[0], rank1[2])
+    assert not torch.equal(train.starting_noise(pipe, args, 4, [1], gen)[0], rank1[0])  # a new x_T every step
+    args.same_noise_per_group = False  # off: every sample its own x_T
+    off = train.starting_noise(pipe, args, 3, [0, 0], torch.Generator().manual_seed(0))
+    assert not torch.equal(off[0], off[1])
