@@ -291,6 +291,9 @@ def main(argv=None):
 
     # The policy: the pipeline, its trainable weights (LoRA adapter or all), the wrapper the training forward calls.
     pipe, model, trainable, optimizer, ema = build_policy(args, device, amp_dtype)
+    # fp16 (as Flow-GRPO's configs, through accelerate) needs loss scaling: the tiny gradients of mean-reduced
+    # log-probs underflow its range (26 % of the gradient norm lost on the tiny model). Disabled: every call a no-op.
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     transformer = pipe.transformer
 
     start_step, bad_in_a_row = 0, 0
@@ -320,7 +323,7 @@ def main(argv=None):
     sample_guidance = args.guidance_scale
     train_guidance = args.guidance_scale if (args.train_cfg or "flux" in args.model) else 1.0
     reward_pool = ThreadPoolExecutor(max_workers=1)  # scores batch b while batch b+1 is sampled
-    step = start_step
+    step, ratio_warned = start_step, False
     from tqdm import tqdm
     # A live bar on rank 0's terminal; none in log files, where the per-step lines already say everything.
     bar = tqdm(total=args.steps, initial=start_step, disable=not (is_main and sys.stderr.isatty()), dynamic_ncols=True)
@@ -425,7 +428,7 @@ def main(argv=None):
 
         # ===================================================================== TRAINING
         model.train()
-        stats, optim_steps, skipped_updates = {}, 0, 0
+        stats, optim_steps, skipped_updates, overflows = {}, 0, 0, 0
         micro_size = len(train_ids) // n_micro  # --train-batch-size when no sample has advantage 0
         for update in range(args.updates_per_batch):
             order = train_ids[torch.randperm(len(train_ids), generator=seeded(args.seed, step, RANK, update, 1))]
@@ -469,23 +472,30 @@ def main(argv=None):
                                 kl, _ = losses.kl_penalty(out.mean, ref.mean, out.std, dt=kl_dt)
                                 loss = loss + args.kl_beta * kl
                                 loss_info["kl"] = kl.item()
-                            (loss * rank_weight / n_backward).backward()
+                            scaler.scale(loss * rank_weight / n_backward).backward()
                         done += 1
                         if optim_steps == 0 and update == 0:  # on-policy: the ratio must be 1 before the first step
                             log_ratio = (out.log_prob.detach() - old_log_prob).abs().max()
                             loss_info["first_ratio_dev"] = log_ratio.exp().item() - 1
+                            loss_info["first_clip_dev"] = max(loss_info["ratio_max"] - 1, 1 - loss_info["ratio_min"])
                         loss_info["loss"] = loss.item()
                         for key, val in loss_info.items():
                             stats.setdefault(key, []).append(val)
                 # One optimizer step per minibatch; a non-finite gradient (NaN loss, log-prob or reward) skips it.
+                scaler.unscale_(optimizer)  # fp16: the loss-scaled gradients back to their size (else a no-op)
                 grad_norm = torch.nn.utils.clip_grad_norm_([q for _, q in trainable], args.max_grad_norm)
                 if args.fsdp:  # the norm over all shards, as a DTensor: a plain tensor, the same on every rank
                     grad_norm = grad_norm.full_tensor()
                 if not math.isfinite(grad_norm.item()):
-                    skipped_updates += 1
+                    if scaler.get_scale() > 1:  # fp16: the loss scale overflowed; update() lowers it, not a bad step
+                        overflows += 1
+                    else:
+                        skipped_updates += 1
+                    scaler.update()
                     optimizer.zero_grad(set_to_none=True)
                     continue
-                optimizer.step()
+                scaler.step(optimizer)
+                scaler.update()
                 optimizer.zero_grad(set_to_none=True)
                 optim_steps += 1
                 stats.setdefault("grad_norm", []).append(grad_norm.item())
@@ -500,21 +510,29 @@ def main(argv=None):
         if distributed.any_rank(same_forward and first_ratio_dev > 1e-3, device):  # all ranks stop together
             raise SystemExit(f"error: ratio on the first update of an on-policy batch is off by {first_ratio_dev:.2e} "
                              "(must be 1): the training forward differs from the rollout's (CFG, dtype or adapter)")
-        if first_ratio_dev > 0.1:
+        # The loss's own ratio (GRPO-Guard's RatioNorm one) against the clip: beyond it, rollout/train mismatch alone
+        # (e.g. bf16 kernels that differ with the batch shape, 1e-3 on the tiny model) is clipped. Warned once.
+        first_clip_dev = max(stats.get("first_clip_dev", [0.0]))
+        clip_limit = args.clip_range if args.loss in ("grpo", "guard") else 0.1  # FlowDPPO has no clip
+        if first_clip_dev > clip_limit and not ratio_warned:
+            ratio_warned = True
             cause = ("--train-cfg is off while sampling uses CFG" if train_guidance != sample_guidance
-                     else "mixed-precision noise")
-            print0(f"warning: first-update ratio deviates from 1 by {first_ratio_dev:.2e}: the training forward does "
-                   f"not match the rollout ({cause}); try --mixed-precision no or --train-cfg")
+                     else f"{args.mixed_precision} rounding")
+            print0(f"warning: on-policy ratio deviates from 1 by {first_clip_dev:.2e}, more than the clip range "
+                   f"{clip_limit:g}: the training forward does not match the rollout ({cause}); try --mixed-precision "
+                   "fp16 or no, or --train-cfg")
 
         t_trained = time.time()
         # ===================================================================== LOG / SAVE
+        if overflows:
+            info["fp16_overflows"] = overflows
         if skipped_updates:
             bad_in_a_row += 1
             info.update(skipped=1, skip_reason="non-finite gradient", skipped_updates=skipped_updates)
         else:
             bad_in_a_row = 0
-        info.update({k: float(np.mean(v)) for k, v in stats.items() if k != "first_ratio_dev"})
-        info["first_ratio_dev"] = first_ratio_dev
+        info.update({k: float(np.mean(v)) for k, v in stats.items() if k not in ("first_ratio_dev", "first_clip_dev")})
+        info.update(first_ratio_dev=first_ratio_dev, first_clip_dev=first_clip_dev)
         info.update(bad_in_a_row=bad_in_a_row, trained_steps=len(trained_steps), seconds=time.time() - t0,
                     seconds_sampling=t_sampled - t0, seconds_reward_wait=t_rewarded - t_sampled,
                     seconds_training=t_trained - t_rewarded)
@@ -569,6 +587,8 @@ def check_args(p, args, world_size):
                 "use --sde flow or dance")
     if args.eval_every and not args.eval_prompts:
         p.error("--eval-every needs --eval-prompts (a held-out prompt file)")
+    if args.fsdp and args.mixed_precision == "fp16":
+        p.error("--mixed-precision fp16 needs loss scaling, which is not wired for --fsdp: use bf16")
     if args.fsdp and (args.lora_rank > 0 or world_size == 1):
         p.error("--fsdp shards a full fine-tune over processes: use it with --lora-rank 0 under torchrun "
                 "--nproc_per_node N > 1 (LoRA runs use DDP)")
