@@ -183,8 +183,9 @@ def sde_steps(num_steps, *, window="all", iteration=0, timestep_fraction=1.0, wi
           window_range = (lo, hi), as Flow-GRPO's sde_window_range (sd3_pipeline_with_logprob_fast.py:
           start = randint(lo, hi - window_size), both ends inclusive), so (0, 5) with size 3 trains
           steps 0..4 only; default (0, num_steps - 1), every window without the last step. The start
-          comes from a generator seeded with (seed, iteration): every rank and a resumed run draw
-          the same window.
+          comes from a generator seeded with (seed, iteration), seed an int or a tuple of ints: the
+          same arguments draw the same window in any process and after a resume (train.py passes
+          (seed, rank, rollout batch): each rollout batch its own window, as Flow-GRPO-Fast).
     mix:  MixGRPO (arXiv:2507.21802), a sliding window of `window_size` steps starting at step 0
           that moves `stride` steps later every `iters_per_window` iterations; its last position
           ends at the last trainable step (a position past it is clamped there). It then stays

@@ -119,7 +119,7 @@ def parse_args(argv=None):
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute transformer activations in the backward pass (less memory, ~30%% more compute)")
     p.add_argument("--compile", action="store_true", help="torch.compile the transformer")
-    p.add_argument("--fsdp", action="store_true",
+    p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=False,
                    help="full fine-tune (--lora-rank 0) under torchrun: shard weights, gradients and Adam state over "
                         "the processes (FSDP2) instead of replicating them (DDP)")
     # data
@@ -236,10 +236,11 @@ def parse_args(argv=None):
     return p, args
 
 
-def window_kwargs(args, step):
+def window_kwargs(args, step, draw=()):
+    """sde.sde_steps' arguments at `step`; `draw` (rank, rollout batch) picks the batch's own fast window."""
     return dict(window=args.sde_window, iteration=step, timestep_fraction=args.timestep_fraction,
                 window_size=args.window_size, window_range=args.window_range, stride=args.window_stride,
-                iters_per_window=args.iters_per_window, roll_back=args.roll_back, seed=args.seed)
+                iters_per_window=args.iters_per_window, roll_back=args.roll_back, seed=(args.seed, *draw))
 
 
 def seeded(*parts):
@@ -361,7 +362,6 @@ def main(argv=None):
                                        guidance_scale=max(sample_guidance, train_guidance))
         row = torch.tensor([unique.index(i) for i in my_prompt_ids])
         embeds = {k: v[row.to(v.device)] for k, v in embeds.items()}  # one row per sample, [per_rank, ...]
-        trained_steps = sde.sde_steps(args.num_steps, **window_kwargs(args, step))  # stochastic, trained step indices
         pipe.transformer.eval()
         batches, futures = [], []
         for b in range(num_sample_batches):
@@ -369,6 +369,8 @@ def main(argv=None):
             gen = seeded(args.seed, step, RANK, b)  # resumable noise
             x = starting_noise(pipe, args, step, my_groups[idx], gen).to(device)
             sub = {k: v[idx] for k, v in embeds.items()}
+            # The stochastic, trained steps; --sde-window fast draws them for each rollout batch, as Flow-GRPO-Fast.
+            trained_steps = sde.sde_steps(args.num_steps, **window_kwargs(args, step, (RANK, b)))
             with autocast():
                 traj = sde.rollout(lambda x_, s_: models.velocity(pipe, x_, s_, sub, guidance_scale=sample_guidance),
                                    x, sigmas, sde_steps=trained_steps, kind=args.sde, eta=args.eta, generator=gen,
@@ -378,8 +380,10 @@ def main(argv=None):
             futures.append(reward_pool.submit(reward_fn, images, my_prompts[idx], my_meta[idx]))
             if b == 0 and is_main:
                 first_images = images
-        # latents [n, T+1, ...], log_probs [n, K], means [n, K, ...], stds [n, K]
+        # latents [n, T+1, ...], log_probs [n, K], means [n, K, ...], stds [n, K], steps [n, K] (each sample's)
         batch = {k: torch.cat([t[k] for t in batches]) for k in ("latents", "log_probs", "means", "stds")}
+        batch["steps"] = torch.cat([t["steps"].expand(len(t["latents"]), -1) for t in batches])
+        n_trained = len(trained_steps)  # K, the same for every batch and rank
 
         # ===================================================================== REWARDS
         t_sampled = time.time()
@@ -435,12 +439,13 @@ def main(argv=None):
             micros = order.split(micro_size)  # n_micro of them
             for m in range(args.minibatches):
                 micro = micros[m * n_micro // args.minibatches:(m + 1) * n_micro // args.minibatches]
-                n_backward, done = len(micro) * len(trained_steps), 0
+                n_backward, done = len(micro) * n_trained, 0
                 for ids in micro:
                     sub = {k: v[ids.to(v.device)] for k, v in embeds.items()}
-                    for j, k in enumerate(trained_steps):
+                    for j in range(n_trained):
+                        k = batch["steps"][ids, j]  # [b]: each sample's j-th trained step
                         x, x_next = batch["latents"][ids, k], batch["latents"][ids, k + 1]  # [b, ...]
-                        sigma, sigma_next = sigmas[k].item(), sigmas[k + 1].item()
+                        sigma, sigma_next = sigmas[k], sigmas[k + 1]  # [b]
                         last = (done == n_backward - 1)
                         if args.fsdp:  # FSDP's no_sync: accumulate unsharded, reduce-scatter after the last backward
                             transformer.set_requires_gradient_sync(last)
@@ -533,7 +538,7 @@ def main(argv=None):
             bad_in_a_row = 0
         info.update({k: float(np.mean(v)) for k, v in stats.items() if k not in ("first_ratio_dev", "first_clip_dev")})
         info.update(first_ratio_dev=first_ratio_dev, first_clip_dev=first_clip_dev)
-        info.update(bad_in_a_row=bad_in_a_row, trained_steps=len(trained_steps), seconds=time.time() - t0,
+        info.update(bad_in_a_row=bad_in_a_row, trained_steps=n_trained, seconds=time.time() - t0,
                     seconds_sampling=t_sampled - t0, seconds_reward_wait=t_rewarded - t_sampled,
                     seconds_training=t_trained - t_rewarded)
         step += 1

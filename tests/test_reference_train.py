@@ -142,3 +142,27 @@ def test_ratio_warning_follows_the_clip_range(tmp_path, monkeypatch, capsys):
     assert out.count("more than the clip range 0.0001") == 1 and "--train-cfg is off" in out
     train.main([*flags, "--clip-range", "1e-2", "--out", str(tmp_path / "loose")])
     assert "more than the clip range" not in capsys.readouterr().out
+
+
+def test_fast_window_is_drawn_per_rollout_batch(tmp_path, monkeypatch):
+    """Flow-GRPO-Fast draws a window in each rollout batch (sd3_pipeline_with_logprob_fast.py, on every GPU), not one
+    per step; a resumed run draws the same ones (seeded by seed, step, rank and batch)."""
+    import sde
+    monkeypatch.chdir(ROOT)
+    windows, real_rollout = [], sde.rollout
+
+    def recording_rollout(velocity_fn, x, sigmas, *, sde_steps, **kw):
+        windows.append(tuple(sde_steps))
+        return real_rollout(velocity_fn, x, sigmas, sde_steps=sde_steps, **kw)
+    monkeypatch.setattr(sde, "rollout", recording_rollout)
+    flags = [*SMALL, "--num-steps", "8", "--prompts-per-step", "4", "--sample-batch-size", "2", "--train-batch-size", "2",
+             "--sde-window", "fast", "--window-size", "2", "--window-range", "0", "6", "--steps", "2"]
+    train.main([*flags, "--out", str(tmp_path / "run")])
+    assert len(windows) == 16 and all(w[1] == w[0] + 1 and w[1] <= 5 for w in windows)
+    assert len(set(windows[:8])) > 1 and len(set(windows[8:])) > 1  # several windows within one step
+    rows = metrics(str(tmp_path / "run"))
+    assert all(r["trained_steps"] == 2 and r["first_ratio_dev"] < 1e-6 for r in rows)  # on-policy at every window
+    first = list(windows)
+    windows.clear()
+    train.main([*flags, "--out", str(tmp_path / "again")])
+    assert windows == first
