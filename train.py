@@ -148,8 +148,9 @@ def parse_args(argv=None):
                         "its start is drawn from LO .. HI - --window-size); default 0 and --num-steps - 1")
     p.add_argument("--window-stride", type=int, default=1, help="steps the mix window slides each time")
     p.add_argument("--iters-per-window", type=int, default=25, help="training steps before the mix window slides")
-    p.add_argument("--roll-back", action="store_true", help="mix window returns to step 0 after reaching the end")
-    p.add_argument("--flash", action="store_true",
+    p.add_argument("--roll-back", action=argparse.BooleanOptionalAction, default=False,
+                   help="mix window returns to step 0 after reaching the end")
+    p.add_argument("--flash", action=argparse.BooleanOptionalAction, default=False,
                    help="MixGRPO-Flash: second-order solver on a compressed schedule after the window")
     p.add_argument("--flash-ratio", type=float, default=0.4,
                    help="--flash: the steps after the window are compressed to about this fraction "
@@ -158,7 +159,7 @@ def parse_args(argv=None):
     p.add_argument("--group-size", type=int, default=None, help="images per prompt (a group; may span GPUs)")
     p.add_argument("--prompts-per-step", type=int, default=None, help="prompts per training step, global")
     p.add_argument("--sample-batch-size", type=int, default=None, help="images per rollout forward, per GPU")
-    p.add_argument("--same-noise-per-group", action="store_true",
+    p.add_argument("--same-noise-per-group", action=argparse.BooleanOptionalAction, default=False,
                    help="every image of a prompt's group starts from the same noise x_T (MixGRPO's --init_same_noise; "
                         "Flow-GRPO's same_latent); the SDE noise still differs")
     # reward

@@ -65,7 +65,7 @@ def test_saturated_groups_leave_the_update(tmp_path, monkeypatch):
 
 
 def test_trained_samples_top_up_to_the_micro_batch_count():
-    """Flow-GRPO keeps the nonzero-advantage samples and tops them up with zero ones to a multiple of its batch count."""
+    """Flow-GRPO keeps the nonzero-advantage samples, topped up with zero ones to a multiple of its batch count."""
     g = torch.Generator().manual_seed(0)
     adv = torch.tensor([0.0, 1.0, 0.0, -1.0, 0.0, 0.5, 0.0, 0.0])
     ids = train.trained_samples(adv, 4, g)
@@ -155,8 +155,8 @@ def test_fast_window_is_drawn_per_rollout_batch(tmp_path, monkeypatch):
         windows.append(tuple(sde_steps))
         return real_rollout(velocity_fn, x, sigmas, sde_steps=sde_steps, **kw)
     monkeypatch.setattr(sde, "rollout", recording_rollout)
-    flags = [*SMALL, "--num-steps", "8", "--prompts-per-step", "4", "--sample-batch-size", "2", "--train-batch-size", "2",
-             "--sde-window", "fast", "--window-size", "2", "--window-range", "0", "6", "--steps", "2"]
+    flags = [*SMALL, "--num-steps", "8", "--prompts-per-step", "4", "--sample-batch-size", "2",
+             "--train-batch-size", "2", "--sde-window", "fast", "--window-size", "2", "--window-range", "0", "6", "--steps", "2"]
     train.main([*flags, "--out", str(tmp_path / "run")])
     assert len(windows) == 16 and all(w[1] == w[0] + 1 and w[1] <= 5 for w in windows)
     assert len(set(windows[:8])) > 1 and len(set(windows[8:])) > 1  # several windows within one step

@@ -241,7 +241,8 @@ def test_sde_steps_fast_is_a_seeded_window_in_range():
     assert starts == set(range(0, 8))  # every start that fits is drawn
     other = [sde.sde_steps(10, window="fast", iteration=it, seed=8)[0] for it in range(50)]
     assert other != [sde.sde_steps(10, window="fast", iteration=it, seed=7)[0] for it in range(50)]
-    ranged = {sde.sde_steps(10, window="fast", iteration=it, window_size=3, window_range=(2, 7))[0] for it in range(100)}
+    ranged = {sde.sde_steps(10, window="fast", iteration=it, window_size=3, window_range=(2, 7))[0]
+              for it in range(100)}
     assert ranged == {2, 3, 4}
 
 
