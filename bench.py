@@ -94,9 +94,11 @@ def parse_args(argv=None):
     p.add_argument("--rewards", action="store_true", help="only time the offline reward scorers (images/s)")
     p.add_argument("--reward-images", type=int, default=16, help="--rewards: images per timed call")
     p.add_argument("--reward-size", type=int, default=512, help="--rewards: image side in pixels")
-    p.add_argument("--ocr-workers", type=int, nargs="+", default=[1, 2, 4], help="--rewards: OCR pool sizes to time")
     p.add_argument("--json", default=None, help="write the figures to this JSON file")
     p.add_argument("--out", default=None, help="train.py run folder (default: a temporary folder, removed afterwards)")
+    import rewards
+
+    rewards.add_arguments(p)  # reward options: passed on to train.py, and used by --rewards
     args, unknown = p.parse_known_args(own)
     if unknown:
         p.error(f"unknown bench flag(s) {' '.join(unknown)}: put train.py flags after `--` (python bench.py --model tiny -- {' '.join(unknown)})")
@@ -112,7 +114,9 @@ def parse_args(argv=None):
             p.error({"--resume": "--resume does not apply to a benchmark: drop it",
                      "--eval-every": "--eval-every samples outside the measured step and would be counted in it: drop it"}.get(
                 flag, f"{flag} after `--` is set by bench.py: give it as a bench flag before `--`"))
-    args.train_args = train_args
+    defaults = rewards.option_defaults()  # reward flags given before `--` go on to train.py (their names are --<dest>)
+    args.train_args = train_args + [a for k, v in defaults.items() if getattr(args, k) != v
+                                    for a in ("--" + k.replace("_", "-"), str(getattr(args, k)))]
     return args
 
 
@@ -508,16 +512,18 @@ def reward_throughput(args):
         result[label] = repeats * n / (time.perf_counter() - start)
         print(f"{label:44s} {result[label]:8.1f} images/s")
 
-    bench("jpeg_compressibility", rewards.jpeg_compressibility())
-    bench("jpeg_incompressibility", rewards.jpeg_incompressibility())
-    for workers in args.ocr_workers:
-        bench(f"ocr (rapidocr, {workers} worker(s))", rewards.ocr(ocr_workers=workers), repeats=1)
+    options = dict({k: getattr(args, k) for k in rewards.option_defaults()}, device="cpu")
+    bench("jpeg_compressibility", rewards.jpeg_compressibility(**options))
+    bench("jpeg_incompressibility", rewards.jpeg_incompressibility(**options))
+    bench(f"ocr ({args.ocr_backend}, {args.ocr_workers} worker(s))", rewards.ocr(**options), repeats=1)
     with tempfile.TemporaryDirectory() as tmp:
         # 224 px in patches of 14: the 256 image tokens of ViT-H-14, in a 2-layer, 32-wide model
         folder = models.tiny_pickscore(os.path.join(tmp, "pickscore"), image_size=224, patch_size=14)
-        bench("pickscore (tiny random CLIP stand-in)", rewards.pickscore(pickscore_processor_path=folder, pickscore_model_path=folder))
+        bench("pickscore (tiny random CLIP stand-in)",
+              rewards.pickscore(**dict(options, pickscore_processor_path=folder, pickscore_model_path=folder)))
         name, path = models.tiny_hps(os.path.join(tmp, "hps"), image_size=224, patch_size=14)
-        bench("hps (tiny random open_clip stand-in)", rewards.hps(hps_checkpoint_path=path, hps_model_name=name))
+        bench("hps (tiny random open_clip stand-in)",
+              rewards.hps(**dict(options, hps_checkpoint_path=path, hps_model_name=name)))
     return {"reward_images_per_s": result}
 
 

@@ -5,6 +5,7 @@
     print0(...)                          print on rank 0 only
     all_gather_cat(t)                    [n, ...] on every rank -> [WORLD * n, ...] in rank order
     any_rank(flag, device)               True everywhere when True anywhere (lockstep skips and stops)
+    broadcast(obj)                       rank 0's value of a small object, on every rank
     barrier(), finish()
     shard_transformer(transformer, device)                        FSDP2, one unit per transformer block
     check_replicas(trainable, fsdp, device) -> [checksum per rank]
@@ -49,6 +50,15 @@ def print0(*args, **kwargs):
 def barrier():
     if WORLD > 1:
         dist.barrier()
+
+
+def broadcast(obj):
+    """Rank 0's value of a small picklable object, on every rank."""
+    if WORLD == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def all_gather_cat(t):

@@ -3,6 +3,8 @@
     python eval.py --model tiny --prompts prompts/tiny.txt --reward jpeg_compressibility \
         --checkpoints runs/default/checkpoints/60 --out runs/default/eval
     python eval.py --plot runs/default                      # reward and loss curves -> runs/default/curves.png
+    python eval.py --model sd3 --prompts prompts/geneval_test.jsonl --input-key prompt --max-prompts 553 \
+        --reward geneval --resolution 512 --guidance-scale 4.5 --checkpoints ...   # GenEval per tag and overall
 
 Every prompt gets the same initial noise in every column (seeded by --seed and the prompt's index), so
 the columns of the grid and of the table differ only by the weights. The base model is always the
@@ -15,7 +17,9 @@ import os
 
 import torch
 
+import checkpoints
 import data
+import geneval
 import models
 import rewards
 import sde
@@ -44,9 +48,17 @@ def sample_images(pipe, prompts, *, resolution, num_steps, guidance_scale, seed=
 
 
 def score(reward_fn, images, prompts, metadata):
-    """Mean of every reward entry (nan-aware: rm_type overrides leave other components NaN)."""
+    """Mean of every reward entry (nan-aware: rm_type overrides leave other components NaN).
+
+    GenEval: the geneval_<tag> means are the per-tag accuracies; geneval_overall is their mean
+    (the official number) and geneval_mean_over_images the mean of geneval_correct.
+    """
     result = reward_fn(images, prompts, metadata)
-    return {k: torch.nanmean(v.float()).item() for k, v in result.items() if k != "failed"}
+    means = {k: torch.nanmean(v.float()).item() for k, v in result.items() if k != "failed"}
+    if "geneval_correct" in result:
+        overall = geneval.summary_of_scores(result)
+        means.update(geneval_overall=overall["overall"], geneval_mean_over_images=overall["mean_over_images"])
+    return means
 
 
 def load_weights(pipe, path, *, use_ema=False):
@@ -98,7 +110,7 @@ def save_sample_grid(path, images, prompts, values, n=8):
 def append_scores(path, step, scores):
     """One line of eval.jsonl: the step and the mean of every reward entry."""
     with open(path, "a") as f:
-        f.write(json.dumps({"step": step, **scores}) + "\n")
+        f.write(checkpoints.json_line({"step": step, **scores}))
 
 
 def plot_run(run_dir, out=None):
@@ -109,16 +121,30 @@ def plot_run(run_dir, out=None):
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise SystemExit(f"error: {path} not found: --plot takes a run folder written by train.py --out")
-    rows = [json.loads(line) for line in open(path) if line.strip()]
-    rows = [r for r in rows if not r.get("skipped")]
+    rows, torn = [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except ValueError:  # a run killed while writing its last line
+                torn += 1
+    if torn:
+        print(f"warning: {path}: skipped {torn} line(s) that are not JSON (a run killed mid-write)")
+    rows = [r for r in rows if isinstance(r, dict) and not r.get("skipped") and "reward_mean" in r]
+    if not rows:
+        raise SystemExit(f"error: {path} has no completed step to plot yet")
     steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    axes[0].plot(steps, [r["reward_mean"] for r in rows], label="reward_mean")
+    def series(key):  # null (a NaN when written) and absent both plot as gaps
+        return [float("nan") if r.get(key) is None else r[key] for r in rows]
+    axes[0].plot(steps, series("reward_mean"), label="reward_mean")
     for key in sorted({k for r in rows for k in r if k.startswith("reward/")}):
-        axes[0].plot(steps, [r.get(key, float("nan")) for r in rows], label=key, alpha=0.7)
+        axes[0].plot(steps, series(key), label=key, alpha=0.7)
     axes[0].set_xlabel("step")
     axes[0].legend(fontsize=7)
-    axes[1].plot(steps, [r.get("loss", float("nan")) for r in rows], label="loss")
+    axes[1].plot(steps, series("loss"), label="loss")
     axes[1].set_xlabel("step")
     axes[1].legend(fontsize=7)
     fig.tight_layout()
@@ -136,6 +162,8 @@ def main(argv=None):
     p.add_argument("--checkpoints", nargs="*", default=[], help="train.py checkpoint folders (<run>/checkpoints/<step>)")
     p.add_argument("--ema", action="store_true", help="use the checkpoints' EMA weights where saved")
     p.add_argument("--prompts", default="prompts/tiny.txt", help="held-out prompts (.txt or .jsonl)")
+    p.add_argument("--input-key", default="input", help="JSONL key of the prompt (GenEval files: prompt)")
+    p.add_argument("--metadata-key", default="metadata", help="JSONL key of the metadata; '' takes the whole row")
     p.add_argument("--max-prompts", type=int, default=16, help="first N prompts of the file")
     p.add_argument("--reward", default="jpeg_compressibility", help="reward spec, as train.py --reward")
     p.add_argument("--resolution", type=int, default=64, help="image side in pixels")
@@ -144,25 +172,35 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=8, help="images per forward")
     p.add_argument("--seed", type=int, default=0, help="noise seed (per prompt)")
     p.add_argument("--out", default="runs/eval", help="folder for summary.json and grid.png")
+    rewards.add_arguments(p)
     args = p.parse_args(argv)
     if args.plot:
         return plot_run(args.plot)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    prompts, metadata = data.load_prompts(args.prompts)
+    try:
+        prompts, metadata = data.load_prompts(args.prompts, input_key=args.input_key, metadata_key=args.metadata_key)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {e}")
     prompts, metadata = prompts[:args.max_prompts], metadata[:args.max_prompts]
-    reward_fn = rewards.build_reward(args.reward, device=device)
-    pipe = models.load_pipeline(args.model, args.model_path, device=device)
-    ranks = set()
+    ranks = set()  # the checkpoints are checked before any model loads
     for ckpt in args.checkpoints:
-        state_path = os.path.join(ckpt, "state.json")
-        if not os.path.isfile(state_path):
+        if not os.path.isfile(os.path.join(ckpt, "state.json")):
             raise SystemExit(f"error: {ckpt} is not a complete checkpoint (no state.json); pass <run>/checkpoints/<step>")
-        state = json.load(open(state_path))
+        if (problem := checkpoints.verify(ckpt)) is not None:
+            raise SystemExit(f"error: checkpoint {ckpt} cannot be trusted: {problem}; evaluate another step of the run")
+        with open(os.path.join(ckpt, "state.json")) as f:
+            state = json.load(f)
         ranks.add((state["lora_rank"], state.get("lora_alpha", state["lora_rank"])))
     if len(ranks) > 1:
         raise SystemExit("error: the checkpoints use different LoRA ranks; evaluate them in separate calls")
     rank, alpha = ranks.pop() if ranks else (0, 0)
+    try:  # an unknown reward, a bad option or config, a model missing offline: one line naming the flag
+        options = {k: getattr(args, k) for k in rewards.option_defaults()}  # the reward group's flags
+        reward_fn = rewards.build_reward(args.reward, device=device, **options)
+        pipe = models.load_pipeline(args.model, args.model_path, device=device)
+    except (ValueError, OSError, RuntimeError, ImportError) as e:
+        raise SystemExit(f"error: {e}")
     models.add_lora(pipe, rank, alpha)
     base = {k: v.detach().clone() for k, v in pipe.transformer.state_dict().items()} if rank == 0 and args.checkpoints else None
 

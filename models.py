@@ -38,12 +38,15 @@ import functools
 import gzip
 import json
 import importlib.util
+import logging
 import math
 import os
 
 import torch
 
 SD3_ID = "stabilityai/stable-diffusion-3.5-medium"
+# Image sides must be multiples of VAE down-sampling x transformer patch; checked before a model loads.
+RESOLUTION_MULTIPLE = {"tiny": 8, "tiny-flux": 8, "sd3": 16, "sd3-random": 16, "flux": 16}
 FLUX_ID = "black-forest-labs/FLUX.1-dev"
 SD3_T5_TOKENS = 256  # diffusers' default max_sequence_length for SD3
 FLUX_T5_TOKENS = 512  # FLUX.1-dev's T5 context, the FluxPipeline default
@@ -277,11 +280,31 @@ def sd3_random(model_path=None, dtype=torch.float32, device="cpu"):
     return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
 
 
+_TRUNCATION_SEEN = set()
+
+
+def _truncation_once(record):
+    """A logging filter for the pipelines' prompt-truncation warnings: each distinct one once, cut to 300 characters
+    (diffusers repeats the whole cut-off text at every encode: a 1 MB prompt would log 1 MB per step)."""
+    message = record.getMessage()
+    if "truncated" not in message:
+        return True
+    if message in _TRUNCATION_SEEN:
+        return False
+    _TRUNCATION_SEEN.add(message)
+    if len(message) > 300:
+        record.msg, record.args = f"{message[:300]}... ({len(message)} characters)", ()
+    return True
+
+
 def load_pipeline(name, model_path=None, *, dtype=torch.float32, device="cpu"):
     """Build or load model `name` (a key of MODELS), frozen, on `device`."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
     pipe = MODELS[name](model_path, dtype=dtype, device=device).to(device)
+    pipeline_log = logging.getLogger(type(pipe).__module__)
+    if _truncation_once not in pipeline_log.filters:
+        pipeline_log.addFilter(_truncation_once)
     for module in _modules(pipe):
         module.requires_grad_(False)  # add_lora decides what trains
     return pipe

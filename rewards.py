@@ -17,32 +17,52 @@
 | `custom_api`             | the same loop with your own request/response hooks       | yours                    |
 | `remote`                 | a reward server you run, one POST per batch              | yours                    |
 | `custom`                 | your function (`--custom-rm-path module.function`)       | yours                    |
+| `geneval`                | GenEval verdict from detections (geneval.py)             | [0, 1]; partial <= 1     |
+
+Options. `add_arguments(parser)` declares every option `build_reward` takes (the argparse group
+"reward", shared by train.py, eval.py and bench.py) and is the only place they are defaulted:
+`option_defaults()` reads the defaults back, each factory takes its own options as keyword-only
+arguments without defaults, and a keyword that no flag declares is refused with the closest name.
+A reward module with flags of its own (its own `add_arguments`) is wired in with one line at the
+end of ours.
 
 Conventions shared by every scorer:
 
 - Images are quantised to uint8 by one helper, `to_uint8`: uint8 passes through; float images are
   taken to be in [0, 1], clamped, multiplied by 255 and rounded half-to-even (`torch.round`), the
   same rounding as `models.decode`. Every scorer sees exactly these pixels.
-- Each factory loads its model once, when it is called (`build_reward` calls the factories of the
-  spec's components at build time, and those of `rm_type` overrides the first time one appears),
-  so a reward that is not used downloads and costs nothing.
+- Each factory checks its options and loads its model once, when it is called (`build_reward`
+  calls the factories of the spec's components at build time, and those of `rm_type` overrides the
+  first time one appears), so a bad option fails before any GPU time is spent, and a reward that
+  is not used downloads and costs nothing.
 - A JSONL row's `metadata.rm_type` (a name, or a spec such as "ocr=0.5,pickscore=0.5") replaces
   the global spec for that sample. A component scores all the samples that use it in one batched
   call; where it does not apply, its entry is NaN (log with nanmean). `reward` is always finite: a
-  NaN or inf score raises `NonFiniteReward` naming the reward and the sample.
+  NaN or inf score raises `NonFiniteReward` naming the reward and the sample. A scorer's extra
+  entries (a dict's keys besides "reward") may be NaN, meaning "does not apply to this sample".
 - Model loading that fails (offline, wrong path) raises one sentence naming the flag that points
   at a local copy.
 
 Reward services (`openai_api`, `custom_api`, `remote`) send requests from a thread pool of at most
-`max_concurrency` in flight, each bounded by its timeout (`timeout_s` of the config, else
-`reward_timeout`, per socket operation as urllib applies it), retried with exponential backoff
-(`reward_backoff * 2**attempt` seconds) up to `reward_retries` attempts. HTTP 4xx other than
-408/429 is not retried. Once the attempts are spent, `reward_on_error="raise"` raises
-`RewardServiceError` naming the service and the sample; `"skip"` marks the sample in `failed`
-and gives it reward 0. API keys are read from the environment variable the config names and never
-appear in logs or errors.
+`max_concurrency` in flight (per process). Each attempt has one deadline for everything (connect,
+send, the whole reply): `timeout_s` of the config, else `--reward-timeout`; a server that answers
+one byte a second fails at the deadline. A reply larger than `--reward-max-bytes` (counted on the
+wire; compressed replies are refused, as their size is unknown until decoded) fails the attempt
+without being read further. Attempts are retried with exponential backoff (`reward_backoff *
+2**attempt` seconds) up to `reward_retries` attempts; HTTP 4xx other than 408/429 is not retried.
+Once an attempt fails for good, `reward_on_error="raise"` raises `RewardServiceError` naming the
+service, the sample and the attempts made, and sends nothing more; `"skip"` marks the sample in
+`failed` and gives it reward 0. Secrets (the judge's `api_key_env`, `--rm-auth-env`) are read from
+the environment when the reward is built and never appear in logs, errors or args.json.
 
-The `remote` protocol (POST to `--rm-url`, Content-Type application/json):
+Transport: httpx, one pooled client per service (environment proxies honoured). httpx's timeouts
+bound each socket operation, not the request, so `http_client` wraps its socket layer: every read
+or write waits at most until the running attempt's deadline, and reads stop at the byte cap. The
+`openai_api` judge uses the official `openai` client on that same transport, with its own retries
+off: one retry loop (ours) serves every service alike.
+
+The `remote` protocol (POST to `--rm-url`, Content-Type application/json, and with `--rm-auth-env
+NAME` the header `Authorization: <value of $NAME>`):
 
     request:  {"prompts":  ["a cat", ...],                       # B strings
                "metadata": [{...}, ...],                         # B JSON objects
@@ -52,24 +72,36 @@ The `remote` protocol (POST to `--rm-url`, Content-Type application/json):
 `custom` and `custom_api` import and run user code named by a dotted path: only point them at
 code you trust.
 
+Why one file of about 1,150 lines: it holds one concept, "turn images into checked scores", in
+sections read on their own: the offline scorers (~300 lines), the reward services (~480: configs,
+the deadline-bound HTTP transport ~110, the retry loop ~90, the judge and the three services),
+user code, mixtures and the option table (~250). The transport lives here because only the
+reward services use it; splitting the services off would make every scorer's options and checks
+cross a module boundary for no reader's benefit.
+
 Run `python bench.py --rewards` for the images/s of the offline scorers on this machine.
 """
 
+import argparse
 import base64
+import contextlib
+import difflib
 import io
 import json
 import logging
 import math
 import os
+import reprlib
 import threading
 import time
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import numpy as np
 import torch
 from PIL import Image
+
+import geneval  # light at import: its models load inside geneval.reward
+from geneval import geneval_judge  # noqa: F401  (rewards.geneval_judge, as DESIGN.md names it)
 
 log = logging.getLogger(__name__)
 
@@ -82,16 +114,28 @@ class NonFiniteReward(ValueError):
     """A scorer returned NaN or inf; it must never reach the advantages."""
 
 
-# every keyword `build_reward` accepts (argparse dests in train.py), each defaulted in the factories
-OPTIONS = (
-    "pickscore_processor_path", "pickscore_model_path", "pickscore_batch_size", "pickscore_num_frames",
-    "hps_version", "hps_checkpoint_path", "hps_batch_size", "hps_model_name",
-    "ocr_backend", "ocr_workers",
-    "openai_api_rm_config", "custom_api_rm_config",
-    "rm_url", "remote_batch_size", "remote_max_concurrency",
-    "custom_rm_path", "custom_rm_args",
-    "reward_retries", "reward_timeout", "reward_backoff", "reward_on_error",
-)
+# ----------------------------------------------------------------------------- checks of options and outputs
+
+def _show(value):
+    """A short one-line picture of what a user function or config gave, for error messages."""
+    return f"{type(value).__name__} {' '.join(reprlib.repr(value).split())}"
+
+
+def _integer(value, low, name):
+    """`value` if it is an integer >= low, else a one-line error naming `name` (True and 1.5 are refused, not cast)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {_show(value)}")
+    return int(value)
+
+
+def _real(value, name, *, minimum=None, positive=False):
+    """`value` as a float if it is a finite number (> 0 with `positive`, >= `minimum` if given), else an error
+    naming `name`."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float, np.number)) and math.isfinite(value)
+    if not ok or (positive and value <= 0) or (minimum is not None and value < minimum):
+        bound = " > 0" if positive else f" >= {minimum:g}" if minimum is not None else ""
+        raise ValueError(f"{name} must be a finite number{bound}, got {_show(value)}")
+    return float(value)
 
 
 # ----------------------------------------------------------------------------- images
@@ -107,7 +151,8 @@ def to_uint8(images):
     if not isinstance(images, torch.Tensor):
         raise TypeError(f"images must be a torch tensor or numpy array, got {type(images).__name__}")
     if images.ndim not in (4, 5) or images.shape[-1] != 3:
-        raise ValueError(f"images must be [B, H, W, 3] or video [B, F, H, W, 3] (channels last), got shape {tuple(images.shape)}")
+        raise ValueError(f"images must be [B, H, W, 3] or video [B, F, H, W, 3] (channels last), "
+                         f"got shape {tuple(images.shape)}")
     images = images.detach().cpu()
     if images.dtype == torch.uint8:
         return images.numpy()
@@ -130,15 +175,15 @@ def _png_base64(frame):
 
 
 def _hub_error(name, path, flag, err):
-    return RuntimeError(f"{name}: cannot load {path!r} ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+    first_line = str(err).splitlines()[0] if str(err) else ""
+    return RuntimeError(f"{name}: cannot load {path!r} ({type(err).__name__}: {first_line}); "
                         f"download it where the hub is reachable and point {flag} at the local copy")
 
 
 # ----------------------------------------------------------------------------- PickScore
 
-def pickscore(*, pickscore_processor_path="laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
-              pickscore_model_path="yuvalkirstain/PickScore_v1", pickscore_batch_size=8,
-              pickscore_num_frames=None, device="cpu", **_):
+def pickscore(*, pickscore_processor_path, pickscore_model_path, pickscore_batch_size, pickscore_num_frames, device,
+              **_):
     """PickScore (Kirstain et al., Pick-a-Pic, arXiv:2305.01569), scaled as Flow-GRPO does:
 
         score = exp(logit_scale) * <t / |t|, v / |v|> / 26        (raw logits are about 0-26)
@@ -147,6 +192,10 @@ def pickscore(*, pickscore_processor_path="laion/CLIP-ViT-H-14-laion2B-s32B-b79K
     frames (default every frame) are scored against the prompt and averaged.
     """
     from transformers import AutoProcessor, CLIPModel
+
+    _integer(pickscore_batch_size, 1, "--pickscore-batch-size")
+    if pickscore_num_frames is not None:
+        _integer(pickscore_num_frames, 0, "--pickscore-num-frames")
 
     try:
         processor = AutoProcessor.from_pretrained(pickscore_processor_path)
@@ -171,8 +220,9 @@ def pickscore(*, pickscore_processor_path="laion/CLIP-ViT-H-14-laion2B-s32B-b79K
         texts = [p for p in prompts for _ in range(n)]
         scores = []
         for i in range(0, len(frames), pickscore_batch_size):
-            pixels = processor(images=[Image.fromarray(f) for f in frames[i:i + pickscore_batch_size]], return_tensors="pt")
-            tokens = processor(text=texts[i:i + pickscore_batch_size], padding=True, truncation=True, max_length=77, return_tensors="pt")
+            batch = slice(i, i + pickscore_batch_size)
+            pixels = processor(images=[Image.fromarray(f) for f in frames[batch]], return_tensors="pt")
+            tokens = processor(text=texts[batch], padding=True, truncation=True, max_length=77, return_tensors="pt")
             v = features(model.get_image_features(pixel_values=pixels["pixel_values"].to(device)))
             tokens = {k: tokens[k].to(device) for k in ("input_ids", "attention_mask")}
             t = features(model.get_text_features(**tokens))
@@ -187,7 +237,7 @@ def pickscore(*, pickscore_processor_path="laion/CLIP-ViT-H-14-laion2B-s32B-b79K
 HPS_FILES = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}  # files of the hub repo xswu/HPSv2
 
 
-def hps(*, hps_version="v2.1", hps_checkpoint_path=None, hps_batch_size=8, hps_model_name="ViT-H-14", device="cpu", **_):
+def hps(*, hps_version, hps_checkpoint_path, hps_batch_size, hps_model_name, device, **_):
     """Human Preference Score v2 / v2.1 (Wu et al., arXiv:2306.09341): an open_clip ViT-H-14 whose
     weights all come from the HPS checkpoint; score = diag(image_features @ text_features.T) with
     both features L2-normalised, i.e. the cosine of each image with its own prompt. Images only.
@@ -197,6 +247,7 @@ def hps(*, hps_version="v2.1", hps_checkpoint_path=None, hps_batch_size=8, hps_m
 
     if hps_version not in HPS_FILES:
         raise ValueError(f"--hps-version must be one of {sorted(HPS_FILES)}, got {hps_version!r}")
+    _integer(hps_batch_size, 1, "--hps-batch-size")
     path = hps_checkpoint_path
     if path is None:
         from huggingface_hub import hf_hub_download
@@ -211,7 +262,8 @@ def hps(*, hps_version="v2.1", hps_checkpoint_path=None, hps_batch_size=8, hps_m
         except Exception as err:
             if not os.path.exists(path):
                 raise
-            log.warning("hps: %s holds more than tensors (%s); loading it with weights_only=False", path, type(err).__name__)
+            log.warning("hps: %s holds more than tensors (%s); loading it with weights_only=False",
+                        path, type(err).__name__)
             state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:
         raise _hub_error("hps", path, "--hps-checkpoint-path", err) from err
@@ -276,7 +328,8 @@ def _rapidocr_reader(threads):
 
     # PP-OCR models shipped in the wheel; detection resizes as PaddleOCR 2.x does (longest side at most 960)
     # instead of RapidOCR's default of upscaling the shortest side to 736, which is 2-20x slower on 512 px samples
-    engine = RapidOCR(intra_op_num_threads=threads, inter_op_num_threads=1, det_limit_type="max", det_limit_side_len=960)
+    engine = RapidOCR(intra_op_num_threads=threads, inter_op_num_threads=1, det_limit_type="max",
+                      det_limit_side_len=960)
 
     def read(frame):
         result, _ = engine(Image.fromarray(frame), use_cls=False)  # no angle classifier, as Flow-GRPO
@@ -308,14 +361,14 @@ def _paddle_reader(threads):
 OCR_BACKENDS = {"rapidocr": _rapidocr_reader, "paddle": _paddle_reader}
 
 
-def ocr(*, ocr_backend="rapidocr", ocr_workers=4, **_):
+def ocr(*, ocr_backend, ocr_workers, **_):
     """OCR reward: read each image with `ocr_backend`, score it with `ocr_score`. Video: mean over
     frames. OCR runs on the CPU in `ocr_workers` threads (the ONNX / Paddle kernels release the
     GIL), each with its own engine, so a batch is read in parallel rather than one image at a time.
     """
     if ocr_backend not in OCR_BACKENDS:
         raise ValueError(f"--ocr-backend must be one of {sorted(OCR_BACKENDS)}, got {ocr_backend!r}")
-    workers = max(1, int(ocr_workers))
+    workers = _integer(ocr_workers, 1, "--ocr-workers")
     threads = max(1, (os.cpu_count() or 1) // workers)  # share the cores instead of oversubscribing them
     readers = threading.local()
     first = OCR_BACKENDS[ocr_backend](threads)  # load once now: a missing backend fails at build time
@@ -331,7 +384,8 @@ def ocr(*, ocr_backend="rapidocr", ocr_workers=4, **_):
         video = images if images.ndim == 5 else images[:, None]  # [B, F, H, W, 3]
         texts = list(pool.map(read, video.reshape(-1, *video.shape[-3:])))
         f = video.shape[1]
-        return torch.tensor([np.mean([ocr_score(t, p) for t in texts[i * f:(i + 1) * f]]) for i, p in enumerate(prompts)],
+        return torch.tensor([np.mean([ocr_score(t, p) for t in texts[i * f:(i + 1) * f]])
+                             for i, p in enumerate(prompts)],
                             dtype=torch.float32)
 
     score.read = first  # the raw reader, for tests and debugging
@@ -365,10 +419,10 @@ def jpeg_incompressibility(**_):
     return lambda images, prompts, metadata: _jpeg_kb(images) / 500
 
 
-# ----------------------------------------------------------------------------- reward services
+# ----------------------------------------------------------------------------- reward services: configs
 
 def load_config(value, flag):
-    """A reward-service config: a YAML file, inline `base64:<base64 of YAML>`, or a dict.
+    """A reward-service config: a YAML file, inline `base64:<base64 of YAML>`, or a dict; it must hold a mapping.
 
     `prompt_path` is read relative to the config file and becomes `prompt`; an inline config has
     no directory, so it must carry `prompt` itself.
@@ -377,29 +431,45 @@ def load_config(value, flag):
         raise ValueError(f"this reward needs {flag}: a YAML file or base64:<base64-encoded YAML>")
     import yaml
 
-    folder = None
+    folder, text = None, None
     if isinstance(value, dict):
         config = dict(value)
+    elif isinstance(value, str) and value.startswith("base64:"):
+        try:
+            text = base64.b64decode(value[len("base64:"):], validate=True).decode("utf-8")
+        except ValueError as err:  # binascii.Error and UnicodeDecodeError are ValueErrors
+            raise ValueError(f"{flag}: the base64:<payload> does not decode ({err})") from None
+    elif isinstance(value, str) and os.path.isfile(value):
+        folder = os.path.dirname(os.path.abspath(value))
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
     else:
-        if value.startswith("base64:"):
-            text = base64.b64decode(value[len("base64:"):]).decode("utf-8")
-        elif os.path.isfile(value):
-            folder = os.path.dirname(os.path.abspath(value))
-            text = open(value, encoding="utf-8").read()
-        else:
-            raise ValueError(f"{flag} {value!r} is neither a file nor base64:<payload>")
-        config = yaml.safe_load(text) or {}
-    if not isinstance(config, dict):
-        raise ValueError(f"{flag} must hold a YAML mapping, got {type(config).__name__}")
+        raise ValueError(f"{flag} {value!r} is neither a YAML file nor base64:<payload>")
+    if text is not None:
+        try:
+            config = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ValueError(f"{flag}: not valid YAML ({' '.join(str(err).split())})") from None
+    if not isinstance(config, dict):  # an empty file, 0, "" or a list is a mistake, not an empty config
+        raise ValueError(f"{flag} must hold a YAML mapping such as 'model: ...', got {_show(config)}")
     if "prompt_path" in config:
         if "prompt" in config:
             raise ValueError(f"{flag}: give prompt or prompt_path, not both")
         if folder is None:
-            raise ValueError(f"{flag}: prompt_path is not allowed in an inline config; put the rubric text under prompt")
+            raise ValueError(f"{flag}: prompt_path is not allowed in an inline config; "
+                             f"put the rubric text under prompt")
         with open(os.path.join(folder, config.pop("prompt_path")), encoding="utf-8") as f:
             config["prompt"] = f.read()
     return config
 
+
+def _http_url(url, name):
+    if not isinstance(url, str) or not url.lower().startswith(("http://", "https://")):
+        raise ValueError(f"{name} must be an http:// or https:// URL, got {_show(url)}")
+    return url
+
+
+# ----------------------------------------------------------------------------- reward services: HTTP
 
 class BadReply(ValueError):
     """A service answered, but not with what the protocol expects."""
@@ -408,82 +478,202 @@ class BadReply(ValueError):
 class _HTTPStatus(OSError):
     def __init__(self, code, message):
         super().__init__(message)
-        self.code = code
+        self.status_code = code
 
 
-def _retryable(err):
-    return not (isinstance(err, _HTTPStatus) and 400 <= err.code < 500 and err.code not in (408, 429))
+_attempt = threading.local()  # the service attempt this thread runs: deadline (time.monotonic), seconds, bytes left
 
 
-def post_json(url, body, *, timeout, headers=None):
-    """POST `body` as JSON with urllib and return the decoded JSON reply."""
-    request = urllib.request.Request(url, data=json.dumps(body, default=str).encode("utf-8"), method="POST",
-                                     headers={"Content-Type": "application/json", **(headers or {})})
+@contextlib.contextmanager
+def _limits(seconds, max_bytes):
+    """Bound the socket operations of `http_client` clients in this thread by one deadline and one byte budget."""
+    _attempt.deadline, _attempt.seconds = time.monotonic() + seconds, seconds
+    _attempt.left = _attempt.max_bytes = max_bytes
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as reply:
-            raw = reply.read()
-    except urllib.error.HTTPError as err:
-        detail = err.read(300).decode("utf-8", "replace")
-        raise _HTTPStatus(err.code, f"HTTP {err.code} {err.reason}: {detail}") from None
+        yield
+    finally:
+        _attempt.deadline = None
+
+
+def _time_left(timeout):
+    """A socket operation's timeout, cut to what is left of the attempt's deadline (outside an attempt: as is)."""
+    if getattr(_attempt, "deadline", None) is None:
+        return timeout
+    left = _attempt.deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"no complete reply within the {_attempt.seconds:g} s deadline")
+    return left if timeout is None else min(timeout, left)
+
+
+class _Deadline:
+    """httpcore's network backend, and each stream it opens, with every socket wait cut at the running attempt's
+    deadline and reads stopped at its byte budget. A pooled connection keeps its stream; each attempt brings
+    its own limits. Everything else (close, get_extra_info, sleep) passes through."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+        return _Deadline(self.inner.connect_tcp(host, port, _time_left(timeout), local_address, socket_options))
+
+    def start_tls(self, ssl_context, server_hostname=None, timeout=None):
+        return _Deadline(self.inner.start_tls(ssl_context, server_hostname, _time_left(timeout)))
+
+    def write(self, buffer, timeout=None):
+        self.inner.write(buffer, _time_left(timeout))
+
+    def read(self, max_bytes, timeout=None):
+        data = self.inner.read(max_bytes, _time_left(timeout))
+        if getattr(_attempt, "deadline", None) is not None:
+            _attempt.left -= len(data)
+            if _attempt.left < 0:
+                raise BadReply(f"reply over {_attempt.max_bytes} bytes (--reward-max-bytes); stopped reading it")
+        return data
+
+
+def http_client(headers=None):
+    """An httpx.Client for reward services: pooled connections, environment proxies, uncompressed replies, and,
+    inside a service attempt, the attempt's deadline and byte cap on every socket operation. Build one per
+    service; it is safe to share between threads. `headers` (e.g. an auth header) go with every request."""
+    import httpx
+
+    def refuse_compressed(response):  # the cap counts wire bytes, and a small gzip body can decode to gigabytes
+        encoding = response.headers.get("content-encoding", "identity").strip().lower()
+        if encoding != "identity":
+            raise BadReply(f"the reply is compressed ({encoding}) though the request asked for an uncompressed one")
+
+    client = httpx.Client(headers={"Accept-Encoding": "identity", **(headers or {})}, trust_env=True,
+                          limits=httpx.Limits(max_connections=None), event_hooks={"response": [refuse_compressed]})
+    # httpx has no public hook below its timeouts: wrap the network backend of each transport's pool (httpx is pinned)
+    for transport in [client._transport, *client._mounts.values()]:
+        if transport is not None:
+            transport._pool._network_backend = _Deadline(transport._pool._network_backend)
+    return client
+
+
+_default_client = []  # the client of `post_json` calls that bring none, made on first use
+
+
+def post_json(url, body, *, timeout, headers=None, client=None):
+    """POST `body` as JSON and return the decoded JSON reply; a non-2xx status raises with its code (4xx other
+    than 408/429 are not retried). Inside a service attempt, e.g. in a custom_api `send_request` hook, the
+    attempt's deadline and --reward-max-bytes bound it; `timeout` bounds each socket operation."""
+    if client is None:
+        if not _default_client:
+            _default_client.append(http_client())  # a rare race makes two clients; either works
+        client = _default_client[0]
+    reply = client.post(url, content=json.dumps(body, default=str).encode("utf-8"), timeout=timeout,
+                        headers={"Content-Type": "application/json", **(headers or {})})
+    if not reply.is_success:
+        raise _HTTPStatus(reply.status_code, f"HTTP {reply.status_code} {reply.reason_phrase}: {reply.text[:300]}")
     try:
-        return json.loads(raw)
+        return json.loads(reply.content)
     except ValueError:
-        raise BadReply(f"reply is not JSON: {raw[:200]!r}") from None
+        raise BadReply(f"reply is not JSON: {reply.content[:200]!r}") from None
 
 
 def _number(value, what):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise BadReply(f"{what} is not a number: {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+        raise BadReply(f"{what} is not a number: {_show(value)}")
     return float(value)
 
 
-def _serve(service, units, prepare, send, *, retries, backoff, max_concurrency, on_error, redact=lambda s: s):
+# ----------------------------------------------------------------------------- reward services: the request loop
+
+def _status_code(err):
+    """The HTTP status an exception carries (ours and openai's `status_code`, httpx's `response`, urllib's `code`)."""
+    for code in (getattr(err, "status_code", None), getattr(getattr(err, "response", None), "status_code", None),
+                 getattr(err, "code", None)):
+        if isinstance(code, int) and not isinstance(code, bool):
+            return code
+    return None
+
+
+def _retryable(err):
+    code = _status_code(err)
+    return code is None or not (400 <= code < 500 and code not in (408, 429))
+
+
+def _error_text(err, seconds):
+    import httpx
+
+    if isinstance(err, (TimeoutError, httpx.TimeoutException)):  # whichever operation hit the deadline
+        return f"TimeoutError: no complete reply within the {seconds:g} s deadline of an attempt"
+    return f"{type(err).__name__}: {err}"
+
+
+def _service_loop(timeout, timeout_name, max_concurrency, concurrency_name, retries, backoff, on_error, max_bytes):
+    """A service's request-loop settings, checked when the reward is built: the keywords of `_serve`."""
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"--reward-on-error must be 'raise' or 'skip', got {on_error!r}")
+    return dict(timeout=_real(timeout, timeout_name, positive=True),
+                max_concurrency=_integer(max_concurrency, 1, concurrency_name),
+                retries=_integer(retries, 1, "--reward-retries"), backoff=_real(backoff, "--reward-backoff", minimum=0),
+                on_error=on_error, max_bytes=_integer(max_bytes, 1, "--reward-max-bytes"))
+
+
+def _serve(service, units, prepare, send, *, timeout, max_bytes, retries, backoff, max_concurrency, on_error,
+           redact=lambda s: s):
     """Score `units` (lists of sample indices) with at most `max_concurrency` requests in flight.
 
-    prepare(u) builds unit u's request once; send(u, request) returns one float per sample of
-    the unit and is retried, `backoff * 2**attempt` seconds apart, up to `retries` attempts.
+    prepare(u) builds unit u's request once; send(u, request) returns one float per sample of the
+    unit. Each attempt runs under one deadline of `timeout` seconds and a reply cap of `max_bytes`,
+    and is retried `backoff * 2**attempt` seconds later, up to `retries` attempts. With on_error
+    "raise" the first unit that fails for good raises at once, and no unit starts another attempt.
     Returns (scores [B] float32, failed [B] bool).
     """
-    if on_error not in ("raise", "skip"):
-        raise ValueError(f"reward_on_error must be 'raise' or 'skip', got {on_error!r}")
     total = sum(len(u) for u in units)
     scores, failed = torch.zeros(total), torch.zeros(total, dtype=torch.bool)
+    stop = threading.Event()
 
     def run(u):
-        request, error = prepare(u), None
-        for attempt in range(max(1, retries)):
+        request, error, attempt = prepare(u), None, 0
+        while attempt < retries and not stop.is_set():
+            attempt += 1
             try:
-                values = send(u, request)
+                with _limits(timeout, max_bytes):
+                    values = send(u, request)
                 if len(values) != len(units[u]):
                     raise BadReply(f"{len(values)} scores for {len(units[u])} samples")
-                return values, None
+                return values, None, attempt
             except Exception as err:
-                error = redact(f"{type(err).__name__}: {err}")
-                if not _retryable(err) or attempt + 1 >= retries:
+                error = redact(_error_text(err, timeout))
+                if not _retryable(err) or attempt >= retries:
                     break
-                delay = backoff * 2 ** attempt
+                delay = backoff * 2 ** (attempt - 1)
                 log.warning("%s: sample %s attempt %d/%d failed (%s); retrying in %.2fs",
-                            service, _samples(units[u]), attempt + 1, retries, error, delay)
-                time.sleep(delay)
-        return None, error
+                            service, _samples(units[u]), attempt, retries, error, delay)
+                stop.wait(delay)
+        return None, error, attempt
 
-    with ThreadPoolExecutor(max(1, int(max_concurrency)), thread_name_prefix=service) as pool:
-        results = list(pool.map(run, range(len(units))))
-    for unit, (values, error) in zip(units, results):
-        if error is None:
-            scores[unit] = torch.tensor(values, dtype=torch.float32)
-            continue
-        message = f"{service}: sample {_samples(unit)} failed after {max(1, retries)} attempt(s): {error}"
-        if on_error == "raise":
-            raise RewardServiceError(message)
-        log.warning("%s; skipped (reward 0, failed=True)", message)
-        failed[unit] = True
+    pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix=service)
+    futures = {pool.submit(run, u): u for u in range(len(units))}
+    try:
+        for future in as_completed(futures):
+            values, error, attempts = future.result()
+            unit = units[futures[future]]
+            if error is None:
+                scores[unit] = torch.tensor(values, dtype=torch.float32)
+                continue
+            message = f"{service}: sample {_samples(unit)} failed after {attempts} attempt(s): {error}"
+            if on_error == "raise":
+                stop.set()  # attempts in flight end at their deadline; no new ones start
+                raise RewardServiceError(message)
+            log.warning("%s; skipped (reward 0, failed=True)", message)
+            failed[unit] = True
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     return scores, failed
 
 
 def _samples(unit):
     return str(unit[0]) if len(unit) == 1 else f"{unit[0]}-{unit[-1]}"
 
+
+# ----------------------------------------------------------------------------- reward services: the three kinds
 
 DEFAULT_RUBRIC = """You grade an image generated from a text prompt. Rate how well the image shows \
 what the prompt asks for and how well it is made, on this scale:
@@ -499,7 +689,8 @@ class OpenAIJudge:
     """One image, one Chat Completions request: system rubric + generation prompt + PNG data URL;
     the reply's message content must be JSON `{"score": <number>}` inside [score_min, score_max]
     (a ```json fence around it is tolerated). The key comes from the environment variable
-    `api_key_env` and is kept out of repr, logs and errors.
+    `api_key_env` and is kept out of repr, logs and errors. Requests go through the official
+    `openai` client on `http_client`'s transport, with its retries off (the service loop retries).
 
     The three methods are the hooks `custom_api` calls: subclass this (or write any class with
     them) and name it under `class` in `--custom-api-rm-config`.
@@ -507,15 +698,27 @@ class OpenAIJudge:
 
     def __init__(self, *, model, api_key_env=None, base_url="https://api.openai.com/v1", prompt=None,
                  score_min=0.0, score_max=4.0, temperature=0.0, max_tokens=64):
+        import openai
+
         self._key = None
         if api_key_env:
             self._key = os.environ.get(api_key_env)
             if not self._key:
-                raise ValueError(f"the environment variable {api_key_env} (api_key_env) is not set; export the API key in it")
-        self.model, self.url = model, base_url.rstrip("/") + "/chat/completions"
+                raise ValueError(f"the environment variable {api_key_env} (api_key_env) is not set; "
+                                 f"export the API key in it")
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"model must name the judge model, got {_show(model)}")
+        self.model, self.url = model, _http_url(base_url, "base_url").rstrip("/")
         self.prompt = DEFAULT_RUBRIC if prompt is None else prompt
-        self.score_min, self.score_max = float(score_min), float(score_max)
-        self.temperature, self.max_tokens = temperature, max_tokens
+        self.score_min, self.score_max = _real(score_min, "score_min"), _real(score_max, "score_max")
+        if self.score_min >= self.score_max:
+            raise ValueError(f"score_min {score_min} must be below score_max {score_max}")
+        self.temperature = _real(temperature, "temperature", minimum=0)
+        self.max_tokens = _integer(max_tokens, 1, "max_tokens")
+        # No key (a server without auth): a placeholder keeps OPENAI_API_KEY unread and each request omits the header.
+        self._client = openai.OpenAI(api_key=self._key or "none", base_url=self.url, max_retries=0,
+                                     http_client=http_client())
+        self._headers = None if self._key else {"Authorization": openai.Omit()}
 
     def __repr__(self):
         return f"{type(self).__name__}(model={self.model!r}, url={self.url!r})"
@@ -540,8 +743,19 @@ class OpenAIJudge:
         }
 
     def send_request(self, request, timeout):
-        headers = {"Authorization": f"Bearer {self._key}"} if self._key else {}
-        return post_json(self.url, request, timeout=timeout, headers=headers)
+        """The Chat Completions reply as a dict. HTTP errors keep their status (for the retry rule); a failure
+        without one (deadline, byte cap, refused connection) is raised as what caused it."""
+        import openai
+
+        try:
+            reply = self._client.chat.completions.create(**request, timeout=timeout, extra_headers=self._headers)
+        except openai.APIStatusError as err:
+            raise _HTTPStatus(err.status_code, f"HTTP {err.status_code}: {err.response.text[:300]}") from None
+        except openai.APIConnectionError as err:  # its own message is only "Connection error." / "Request timed out."
+            raise (err.__cause__ or err) from None
+        except ValueError as err:  # a body that is not JSON
+            raise BadReply(f"reply is not JSON ({err})") from None
+        return reply.model_dump() if hasattr(reply, "model_dump") else reply  # a non-JSON body comes back as str
 
     def parse_response(self, response):
         try:
@@ -563,71 +777,107 @@ class OpenAIJudge:
         return value
 
 
-def _api_scorer(service, client, *, timeout, max_concurrency, reward_retries, reward_backoff, reward_on_error):
+HOOKS = ("build_request", "send_request", "parse_response")
+
+
+def _api_scorer(service, client, loop):
     """The request/response loop shared by `openai_api` and `custom_api`: one request per sample."""
     redact = getattr(client, "redact", lambda s: s)
+
+    def send(request):
+        value = client.parse_response(client.send_request(request, loop["timeout"]))
+        return [_number(value, "parse_response's value")]  # True or "2" are refused, not read as 1.0 or 2.0
 
     def score(images, prompts, metadata):
         images = to_uint8(images)
         metadata = metadata or [{}] * len(images)
-        scores, failed = _serve(
-            service, [[i] for i in range(len(images))],
-            prepare=lambda u: client.build_request(images[u], prompts[u], metadata[u]),
-            send=lambda u, request: [float(client.parse_response(client.send_request(request, timeout)))],
-            retries=reward_retries, backoff=reward_backoff, max_concurrency=max_concurrency,
-            on_error=reward_on_error, redact=redact)
+        scores, failed = _serve(service, [[i] for i in range(len(images))],
+                                prepare=lambda u: client.build_request(images[u], prompts[u], metadata[u]),
+                                send=lambda u, request: send(request), redact=redact, **loop)
         return {"reward": scores, "failed": failed}
 
     return score
 
 
-_LOOP_KEYS = ("timeout_s", "max_concurrency")
+def _config_loop(flag, config, timeout, *options):
+    """The loop settings of a config-driven service: its keys `timeout_s` (else --reward-timeout) and
+    `max_concurrency` (8) are popped from `config`; `options` are the retries, backoff, on_error and byte cap."""
+    timeout_name = f"{flag}: timeout_s" if "timeout_s" in config else "--reward-timeout"
+    return _service_loop(config.pop("timeout_s", timeout), timeout_name, config.pop("max_concurrency", 8),
+                         f"{flag}: max_concurrency", *options)
 
 
-def openai_api(*, openai_api_rm_config=None, reward_timeout=60.0, reward_retries=3, reward_backoff=1.0,
-               reward_on_error="raise", **_):
+def _construct(cls, config, flag, name):
+    try:
+        return cls(**config)
+    except (TypeError, ValueError) as err:  # a missing, unknown or bad key
+        raise ValueError(f"{flag}: {name}({', '.join(sorted(config))}) failed: {err}") from None
+
+
+def openai_api(*, openai_api_rm_config, reward_timeout, reward_retries, reward_backoff, reward_on_error,
+               reward_max_bytes, **_):
     """A vision-language judge behind an OpenAI-compatible Chat Completions endpoint (`OpenAIJudge`).
 
     Config keys: model, api_key_env, base_url, prompt | prompt_path, score_min (0), score_max (4),
-    temperature (0), max_tokens (64), timeout_s (reward_timeout), max_concurrency (8).
+    temperature (0), max_tokens (64), timeout_s (--reward-timeout), max_concurrency (8, per process).
     """
-    config = load_config(openai_api_rm_config, "--openai-api-rm-config")
-    known = ("model", "api_key_env", "base_url", "prompt", "score_min", "score_max", "temperature", "max_tokens") + _LOOP_KEYS
+    flag = "--openai-api-rm-config"
+    config = load_config(openai_api_rm_config, flag)
+    known = ("model", "api_key_env", "base_url", "prompt", "score_min", "score_max", "temperature", "max_tokens",
+             "timeout_s", "max_concurrency")
     unknown = sorted(set(config) - set(known))
     if unknown or "model" not in config:
-        raise ValueError(f"--openai-api-rm-config: unknown keys {unknown} or no model; keys are {sorted(known) + ['prompt_path']}")
-    loop = {k: config.pop(k) for k in _LOOP_KEYS if k in config}
-    return _api_scorer("openai_api", OpenAIJudge(**config), timeout=float(loop.get("timeout_s", reward_timeout)),
-                       max_concurrency=int(loop.get("max_concurrency", 8)), reward_retries=reward_retries,
-                       reward_backoff=reward_backoff, reward_on_error=reward_on_error)
+        raise ValueError(f"{flag}: unknown keys {unknown} or no model; keys are {sorted(known) + ['prompt_path']}")
+    loop = _config_loop(flag, config, reward_timeout, reward_retries, reward_backoff, reward_on_error, reward_max_bytes)
+    return _api_scorer("openai_api", _construct(OpenAIJudge, config, flag, "OpenAIJudge"), loop)
 
 
-def custom_api(*, custom_api_rm_config=None, reward_timeout=60.0, reward_retries=3, reward_backoff=1.0,
-               reward_on_error="raise", **_):
+def custom_api(*, custom_api_rm_config, reward_timeout, reward_retries, reward_backoff, reward_on_error,
+               reward_max_bytes, **_):
     """Your request/response hooks in the `openai_api` loop. Runs user code.
 
     Config: `class` (dotted path to a class with build_request(image uint8 [H, W, 3], prompt,
     metadata) -> request, send_request(request, timeout) -> response, parse_response(response) ->
-    float; default `rewards.OpenAIJudge`), timeout_s, max_concurrency; every other key is passed
+    number; default `rewards.OpenAIJudge`), timeout_s, max_concurrency; every other key is passed
     to the class as a keyword. A `redact(text)` method, if present, filters its error messages.
+    `send_request` gets the deadline and the byte cap of the attempt when it posts with
+    `rewards.post_json` (or a `rewards.http_client()`); other HTTP code only gets `timeout`.
     """
-    config = load_config(custom_api_rm_config, "--custom-api-rm-config")
-    cls = import_object(config.pop("class", "rewards.OpenAIJudge"), "--custom-api-rm-config class")
-    loop = {k: config.pop(k) for k in _LOOP_KEYS if k in config}
-    return _api_scorer("custom_api", cls(**config), timeout=float(loop.get("timeout_s", reward_timeout)),
-                       max_concurrency=int(loop.get("max_concurrency", 8)), reward_retries=reward_retries,
-                       reward_backoff=reward_backoff, reward_on_error=reward_on_error)
+    flag = "--custom-api-rm-config"
+    config = load_config(custom_api_rm_config, flag)
+    path = config.pop("class", "rewards.OpenAIJudge")
+    cls = import_object(path, f"{flag} class")
+    loop = _config_loop(flag, config, reward_timeout, reward_retries, reward_backoff, reward_on_error, reward_max_bytes)
+    client = _construct(cls, config, flag, path)
+    missing = [hook for hook in HOOKS if not callable(getattr(client, hook, None))]
+    if missing:
+        raise ValueError(f"{flag}: class {path} has no {', '.join(missing)}; it needs build_request, send_request "
+                         f"and parse_response (see rewards.OpenAIJudge)")
+    return _api_scorer("custom_api", client, loop)
 
 
-def remote(*, rm_url=None, remote_batch_size=0, remote_max_concurrency=8, reward_timeout=60.0, reward_retries=3,
-           reward_backoff=1.0, reward_on_error="raise", **_):
+def remote(*, rm_url, rm_auth_env, remote_batch_size, remote_max_concurrency, reward_timeout, reward_retries,
+           reward_backoff, reward_on_error, reward_max_bytes, **_):
     """A reward server you run: the protocol in the module docstring. The batch goes in one POST,
-    or in chunks of `remote_batch_size` samples with at most `remote_max_concurrency` in flight."""
+    or in chunks of `remote_batch_size` samples with at most `remote_max_concurrency` in flight.
+    With `rm_auth_env`, that environment variable's value is the Authorization header."""
     if not rm_url:
         raise ValueError("reward 'remote' needs --rm-url http://host:port/path")
+    _http_url(rm_url, "--rm-url")
+    batch_size = _integer(remote_batch_size, 0, "--remote-batch-size")
+    loop = _service_loop(reward_timeout, "--reward-timeout", remote_max_concurrency, "--remote-max-concurrency",
+                         reward_retries, reward_backoff, reward_on_error, reward_max_bytes)
+    headers, redact = {}, (lambda s: s)
+    if rm_auth_env:
+        token = os.environ.get(rm_auth_env)
+        if not token:
+            raise ValueError(f"--rm-auth-env {rm_auth_env}: that environment variable is unset or empty; "
+                             f"export the Authorization header value in it, e.g. {rm_auth_env}='Bearer <token>'")
+        headers, redact = {"Authorization": token}, (lambda s: s.replace(token, "***"))
+    client = http_client(headers)  # the header lives in the client only: not in args, logs or errors
 
-    def send(samples, body):
-        reply = post_json(rm_url, body, timeout=reward_timeout)
+    def send(body):
+        reply = post_json(rm_url, body, timeout=loop["timeout"], client=client)
         if not isinstance(reply, dict) or not isinstance(reply.get("scores"), list):
             raise BadReply(f'expected {{"scores": [...]}}, got {str(reply)[:200]}')
         return [_number(s, "score") for s in reply["scores"]]
@@ -635,16 +885,16 @@ def remote(*, rm_url=None, remote_batch_size=0, remote_max_concurrency=8, reward
     def score(images, prompts, metadata):
         images = to_uint8(images)
         metadata = metadata or [{}] * len(images)
-        size = remote_batch_size or len(images)
+        size = batch_size or len(images)
         units = [list(range(i, min(i + size, len(images)))) for i in range(0, len(images), size)]
 
         def prepare(u):
-            pngs = [_png_base64(images[i]) if images.ndim == 4 else [_png_base64(f) for f in images[i]] for i in units[u]]
-            return {"prompts": [prompts[i] for i in units[u]], "metadata": [metadata[i] for i in units[u]], "images": pngs}
+            pngs = [_png_base64(images[i]) if images.ndim == 4 else [_png_base64(f) for f in images[i]]
+                    for i in units[u]]
+            return {"prompts": [prompts[i] for i in units[u]], "metadata": [metadata[i] for i in units[u]],
+                    "images": pngs}
 
-        scores, failed = _serve("remote", units, prepare, lambda u, body: send(units[u], body),
-                                retries=reward_retries, backoff=reward_backoff,
-                                max_concurrency=remote_max_concurrency, on_error=reward_on_error)
+        scores, failed = _serve("remote", units, prepare, lambda u, body: send(body), redact=redact, **loop)
         return {"reward": scores, "failed": failed}
 
     return score
@@ -672,19 +922,28 @@ def import_object(path, flag):
                          f"give module.name importable from the working directory, or path/to/file.py:name") from err
 
 
-def custom(*, custom_rm_path=None, custom_rm_args="", **_):
+def custom(*, custom_rm_path, custom_rm_args, **_):
     """Your function: `--custom-rm-path module.function` (or file.py:function). Runs user code.
 
     Called as fn(images uint8 tensor [B, H, W, 3] (or [B, F, H, W, 3]), prompts, metadata,
     custom_rm_args) where `custom_rm_args` is the opaque `--custom-rm-args` string. Return B
     scores (list, array or tensor), or a dict of named [B] scores: its "reward" entry (or its only
     entry) is this component's score, an optional bool "failed" entry marks samples to skip, and
-    every other entry is reported next to the components under its own name.
+    every other entry is reported next to the components under its own name (NaN where it does
+    not apply). Anything else (None, strings, the wrong length) is a one-line error naming the flag.
     """
     if not custom_rm_path:
         raise ValueError("reward 'custom' needs --custom-rm-path module.function")
     fn = import_object(custom_rm_path, "--custom-rm-path")
-    return lambda images, prompts, metadata: fn(torch.from_numpy(to_uint8(images)), prompts, metadata, custom_rm_args)
+    if not callable(fn):
+        raise ValueError(f"--custom-rm-path {custom_rm_path!r} names a {type(fn).__name__}, not a function")
+
+    def score(images, prompts, metadata):
+        out = fn(torch.from_numpy(to_uint8(images)), prompts, metadata, custom_rm_args)
+        main, failed, extras = _as_scores(out, len(prompts), f"--custom-rm-path {custom_rm_path}")
+        return {"reward": main, "failed": failed, **extras}
+
+    return score
 
 
 # ----------------------------------------------------------------------------- mixtures and dispatch
@@ -712,21 +971,32 @@ def parse_spec(spec):
     return out
 
 
-def _as_scores(out, n, name):
-    """A scorer's output -> (score [n] float32, failed [n] bool, extras {key: [n] float32})."""
-    def vector(x, what):
-        x = torch.as_tensor(np.asarray(x.detach().cpu() if isinstance(x, torch.Tensor) else x, dtype=np.float64))
-        if x.numel() != n:
-            raise ValueError(f"reward {name!r} returned {x.numel()} {what} for {n} samples")
-        return x.reshape(n).float()
+def _as_scores(out, n, who):
+    """A scorer's output -> (score [n] float32, failed [n] bool, extras {key: [n] float32}). Any other shape
+    or type (None, strings, a wrong length) is a one-line ValueError naming `who` and what came back."""
+    def vector(x, what, kinds="iuf"):
+        a = x.detach().cpu() if isinstance(x, torch.Tensor) else x
+        if isinstance(a, torch.Tensor):
+            a = (a.float() if a.is_floating_point() else a).numpy()  # numpy has no bfloat16
+        try:
+            a = np.asarray(a)
+        except (ValueError, TypeError):  # ragged nesting
+            a = np.asarray(None)
+        if a.dtype.kind not in kinds:  # strings, None and objects are refused, not parsed: "2" is no score
+            kind = "booleans" if "b" in kinds else "numbers"
+            raise ValueError(f"{who} returned {what} {_show(x)}; give {n} {kind}, one per sample "
+                             f"(list, array or tensor)")
+        if a.size != n:
+            raise ValueError(f"{who} returned {a.size} {what} for {n} samples: {_show(x)}")
+        return torch.from_numpy(a.reshape(n).astype(bool if "b" in kinds else np.float32))
 
     extras, failed = {}, torch.zeros(n, dtype=torch.bool)
     if isinstance(out, dict):
         out = dict(out)
         if "failed" in out:
-            failed = torch.as_tensor(np.asarray(out.pop("failed"), dtype=bool)).reshape(n)
+            failed = vector(out.pop("failed"), "'failed' values", kinds="biu")
         if "reward" not in out and len(out) != 1:
-            raise ValueError(f"reward {name!r} returned a dict without a 'reward' entry (keys {sorted(out)}); "
+            raise ValueError(f"{who} returned a dict without a 'reward' entry (keys {sorted(out)}); "
                              f"add 'reward': the score to weight and train on")
         main = out.pop("reward") if "reward" in out else out.popitem()[1]
         extras = {k: vector(v, f"{k!r} values") for k, v in out.items()}
@@ -737,13 +1007,18 @@ def _as_scores(out, n, name):
 def build_reward(spec, *, device="cpu", **options):
     """reward_fn(images, prompts, metadata) -> {component: [B], ..., "reward": [B], "failed": [B] bool}.
 
-    `spec` is a name or "name=weight,...". `options` are train.py's argparse dests (see OPTIONS);
-    unset ones keep the factories' defaults. The spec's scorers (and their models) are built now;
-    those only named by a sample's `metadata.rm_type` are built the first time one appears.
+    `spec` is a name or "name=weight,...". `options` are dests of `add_arguments`' flags; the ones
+    not given take the flags' defaults, and a key no flag declares is refused with the closest name.
+    The spec's scorers (and their models) are built now; those only named by a sample's
+    `metadata.rm_type` are built the first time one appears.
     """
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise ValueError(f"unknown reward options {unknown}; known: {', '.join(OPTIONS)}")
+    known = option_defaults()
+    for key in options:
+        if key not in known:
+            closest = difflib.get_close_matches(key, known, n=1, cutoff=0)[0]
+            raise ValueError(f"unknown reward option {key!r}; did you mean {closest!r}? "
+                             f"(the options are the dests of rewards.add_arguments)")
+    options = {**known, **options}
     default = parse_spec(spec)
     scorers = {}
 
@@ -760,7 +1035,8 @@ def build_reward(spec, *, device="cpu", **options):
         batch = len(images)
         metadata = [m or {} for m in (metadata if metadata is not None else [None] * batch)]
         if not len(prompts) == len(metadata) == batch:
-            raise ValueError(f"{batch} images, {len(prompts)} prompts and {len(metadata)} metadata dicts; they must match")
+            raise ValueError(f"{batch} images, {len(prompts)} prompts and {len(metadata)} metadata dicts; "
+                             f"they must match")
         specs = []
         for i, m in enumerate(metadata):
             try:
@@ -776,10 +1052,12 @@ def build_reward(spec, *, device="cpu", **options):
         for name, idx in users.items():
             component = torch.full((batch,), float("nan"))  # NaN where the component does not apply
             if idx:
-                part, part_failed, extras = _as_scores(
-                    scorer(name)(images[idx], [prompts[i] for i in idx], [metadata[i] for i in idx]), len(idx), name)
-                for key, values in [(name, part)] + list(extras.items()):
-                    bad = ~torch.isfinite(values) & ~part_failed
+                result = scorer(name)(images[idx], [prompts[i] for i in idx], [metadata[i] for i in idx])
+                part, part_failed, extras = _as_scores(result, len(idx), f"reward {name!r}")
+                # The score must be finite; an extra entry may be NaN ("does not apply to this sample"), not inf.
+                checks = [(name, part, ~torch.isfinite(part))] + [(k, v, torch.isinf(v)) for k, v in extras.items()]
+                for key, values, bad in checks:
+                    bad &= ~part_failed
                     if bad.any():
                         j = int(bad.nonzero()[0])
                         raise NonFiniteReward(f"reward {name!r} ({key}) gave {values[j].item()} for sample {idx[j]}")
@@ -788,7 +1066,8 @@ def build_reward(spec, *, device="cpu", **options):
                 failed[idx] |= part_failed
                 for key, values in extras.items():
                     if key in users or key in out or key in ("reward", "failed"):
-                        raise ValueError(f"reward {name!r} returned an entry {key!r} that clashes with a component name")
+                        raise ValueError(f"reward {name!r} returned an entry {key!r} that clashes with a "
+                                         f"component name")
                     out[key] = torch.full((batch,), float("nan"))
                     out[key][idx] = values
             out[name] = component
@@ -803,6 +1082,68 @@ def build_reward(spec, *, device="cpu", **options):
     return reward_fn
 
 
+# ----------------------------------------------------------------------------- options (the argparse group "reward")
+
+def add_arguments(parser):
+    """Add the group "reward" to an argparse parser: every option `build_reward` takes, with its one default.
+
+    Each help string ends with the default, so `--help` shows it under any formatter. A reward
+    module with flags of its own adds them with one line at the end (`geneval.add_arguments(parser)`).
+    """
+    group = parser.add_argument_group("reward", "options of the scorers named by --reward "
+                                                "(keywords of rewards.build_reward)")
+
+    def flag(name, help, **kw):
+        group.add_argument(name, help=help + " (default: %(default)s)", **kw)
+
+    # PickScore and HPS
+    flag("--pickscore-processor-path", "hub id or local folder of the PickScore processor",
+         default="laion/CLIP-ViT-H-14-laion2B-s32B-b79K")
+    flag("--pickscore-model-path", "hub id or local folder of the PickScore CLIP model",
+         default="yuvalkirstain/PickScore_v1")
+    flag("--pickscore-batch-size", "images per PickScore forward, per GPU", type=int, default=8)
+    flag("--pickscore-num-frames", "video: evenly spaced frames scored per sample (None or 0: every frame)", type=int,
+         default=None)
+    flag("--hps-version", "HPSv2 checkpoint version", choices=sorted(HPS_FILES), default="v2.1")
+    flag("--hps-checkpoint-path", "HPS checkpoint file (None: the --hps-version file of the hub repo xswu/HPSv2)",
+         default=None)
+    flag("--hps-model-name", "open_clip architecture of the HPS checkpoint", default="ViT-H-14")
+    flag("--hps-batch-size", "images per HPS forward, per GPU", type=int, default=8)
+    # OCR
+    flag("--ocr-backend", "OCR engine", choices=sorted(OCR_BACKENDS), default="rapidocr")
+    flag("--ocr-workers", "OCR threads, per GPU, each with its own engine on the CPU", type=int, default=2)
+    # reward services
+    flag("--openai-api-rm-config", "YAML file or base64:<yaml> configuring the openai_api judge", default=None)
+    flag("--custom-api-rm-config", "YAML file or base64:<yaml> configuring custom_api (class: pkg.mod.Class "
+         "and its keywords)", default=None)
+    flag("--rm-url", "URL of your reward server (the 'remote' reward)", default=None)
+    flag("--rm-auth-env", "name of an environment variable whose value is sent to --rm-url as the Authorization "
+         "header, e.g. 'Bearer <token>'; read at start, never logged or saved", metavar="NAME", default=None)
+    flag("--remote-batch-size", "samples per POST to --rm-url, per GPU (0: the whole rollout batch)", type=int,
+         default=0)
+    flag("--remote-max-concurrency", "POSTs in flight to --rm-url, per GPU", type=int, default=8)
+    flag("--reward-retries", "attempts per request to a reward service (1: no retry)", type=int, default=3)
+    flag("--reward-timeout", "deadline of one attempt in seconds: connect, send and the whole reply (a config's "
+         "timeout_s wins)", type=float, default=60.0)
+    flag("--reward-backoff", "seconds before the first retry; doubles each time", type=float, default=1.0)
+    flag("--reward-on-error", "after the retries: stop the run, or drop the affected groups from the update",
+         choices=["raise", "skip"], default="raise")
+    flag("--reward-max-bytes", "largest reply of a reward service in bytes (headers and body as received)", type=int,
+         default=16 * 2**20)
+    # user code
+    flag("--custom-rm-path", "module.function or file.py:function scoring a batch (the 'custom' reward); "
+         "RUNS THAT CODE", default=None)
+    flag("--custom-rm-args", "opaque string passed to --custom-rm-path", default=None)
+    geneval.add_arguments(parser)  # the GenEval reward's own group
+
+
+def option_defaults():
+    """{dest: default} of every reward option: `add_arguments` on an empty parser, parsing no arguments."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    return vars(parser.parse_args([]))
+
+
 REWARDS = {
     "pickscore": pickscore,
     "hps": hps,
@@ -813,4 +1154,5 @@ REWARDS = {
     "custom_api": custom_api,
     "remote": remote,
     "custom": custom,
+    "geneval": geneval.reward,
 }

@@ -65,7 +65,7 @@ from distributed import RANK, WORLD, is_main, print0
 # Hub settings are Flow-GRPO's SD3.5-M setup (arXiv:2505.05470, Sec. 5.1 and its config/grpo.py).
 PRESETS = {
     "tiny": dict(resolution=64, num_steps=10, guidance_scale=1.0, eta=0.7, group_size=8, prompts_per_step=4,
-                 sample_batch_size=16, train_batch_size=16, minibatches=1, lora_rank=0, lora_alpha=0, lr=3e-3,
+                 sample_batch_size=16, train_batch_size=16, minibatches=1, lora_rank=0, lr=3e-3,
                  clip_range=0.2, kl_beta=0.0, steps=60, mixed_precision="no", prompts="prompts/tiny.txt",
                  reward="jpeg_compressibility", global_std=False, log_images_every=20),
     "hub": dict(resolution=512, num_steps=10, guidance_scale=4.5, eta=0.7, group_size=24, prompts_per_step=48,
@@ -92,12 +92,36 @@ class RecipeParser(argparse.ArgumentParser):
             self.error(f"recipe line {line.strip()!r}: {e}")
 
 
+def bounded(cast, low=None, high=None, *, low_open=False, high_open=False):
+    """An argparse type: int or finite float within [low, high] (either end open or absent), with a one-line error."""
+    what = "an integer" if cast is int else "a number"
+    interval = ("(" if low_open else "[") + ("-inf" if low is None else str(low)) + ", " + \
+               ("inf" if high is None else str(high)) + (")" if high_open or high is None else "]")
+
+    def parse(text):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(value) or (low is not None and (value < low or (low_open and value == low))) or \
+                (high is not None and (value > high or (high_open and value == high))):
+            raise argparse.ArgumentTypeError(f"must be {what} in {interval}, got {text}")
+        return value
+    return parse
+
+
+POSITIVE_INT, NONNEG_INT = bounded(int, 1), bounded(int, 0)
+POSITIVE, NONNEG = bounded(float, 0, low_open=True), bounded(float, 0)
+FRACTION = bounded(float, 0, 1, low_open=True)  # (0, 1]
+SEED = bounded(int, 0, 2**32 - 1)  # numpy's seed range
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows, for a flag whose default depends on --model, the value each preset gives it."""
 
     def _get_help_string(self, action):
         if action.default is None and action.dest in PRESETS["hub"]:
-            values = {"tiny": PRESETS["tiny"][action.dest], "sd3": preset("sd3")[action.dest],
+            values = {"tiny": PRESETS["tiny"].get(action.dest, "unset"), "sd3": preset("sd3")[action.dest],
                       "flux": preset("flux")[action.dest]}
             return action.help + " (default by --model: " + ", ".join(f"{k} {v}" for k, v in values.items()) + ")"
         if action.default is None and "default" in (action.help or ""):  # the help says what unset means
@@ -111,9 +135,10 @@ def parse_args(argv=None):
     p.add_argument("--model", default="tiny", choices=list(models.MODELS), help="model family (tiny runs on a CPU)")
     p.add_argument("--model-path", default=None,
                    help="hub id or local folder of the pipeline (default: the family's hub id)")
-    p.add_argument("--resolution", type=int, default=None, help="image side in pixels")
-    p.add_argument("--lora-rank", type=int, default=None, help="LoRA rank; 0 trains the full transformer")
-    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (scale = alpha / rank)")
+    p.add_argument("--resolution", type=POSITIVE_INT, default=None, help="image side in pixels")
+    p.add_argument("--lora-rank", type=NONNEG_INT, default=None, help="LoRA rank; 0 trains the full transformer")
+    p.add_argument("--lora-alpha", type=NONNEG, default=None,
+                   help="LoRA alpha (scale = alpha / rank; default: the preset's, else the rank)")
     p.add_argument("--mixed-precision", default=None, choices=["no", "bf16", "fp16"],
                    help="autocast dtype of model forwards; the SDE step and log-probs are always float32")
     p.add_argument("--gradient-checkpointing", action="store_true",
@@ -126,112 +151,105 @@ def parse_args(argv=None):
     p.add_argument("--prompts", default=None, help="training prompts: .txt (one per line) or .jsonl")
     p.add_argument("--eval-prompts", default=None, help="held-out prompts for --eval-every (default: none)")
     p.add_argument("--input-key", default="input", help="JSONL key of the prompt")
-    p.add_argument("--metadata-key", default="metadata", help="JSONL key of the per-sample metadata (rm_type, ...)")
+    p.add_argument("--metadata-key", default="metadata",
+                   help="JSONL key of the per-sample metadata (rm_type, ...); '' takes the whole row (GenEval's files)")
     p.add_argument("--no-shuffle", action="store_true",
                    help="keep file order instead of a seeded permutation per epoch")
     # sampling
-    p.add_argument("--num-steps", type=int, default=None, help="denoising steps of a training rollout")
-    p.add_argument("--shift", type=float, default=3.0, help="time shift of the sigma schedule (SD3: 3)")
-    p.add_argument("--guidance-scale", type=float, default=None, help="CFG scale (FLUX: distilled guidance value)")
+    p.add_argument("--num-steps", type=bounded(int, 2), default=None, help="denoising steps of a training rollout")
+    p.add_argument("--shift", type=POSITIVE, default=3.0, help="time shift of the sigma schedule (SD3: 3)")
+    p.add_argument("--guidance-scale", type=POSITIVE, default=None, help="CFG scale (FLUX: distilled guidance value)")
     p.add_argument("--negative-prompt", default="", help="negative prompt for CFG")
     p.add_argument("--train-cfg", action=argparse.BooleanOptionalAction, default=None,
                    help="use CFG in the training forward too (default: when sampling uses CFG)")
     p.add_argument("--sde", default="flow", choices=["flow", "dance", "cps"],
                    help="stochastic step: Flow-GRPO, DanceGRPO or coefficient-preserving")
-    p.add_argument("--eta", type=float, default=None, help="noise level of the SDE step")
+    p.add_argument("--eta", type=POSITIVE, default=None, help="noise level of the SDE step")
     p.add_argument("--sde-window", default="all", choices=["all", "fast", "mix"],
                    help="which steps are stochastic and trained: all, Flow-GRPO-Fast random window, "
                         "MixGRPO sliding window")
-    p.add_argument("--window-size", type=int, default=2, help="steps in the fast/mix window")
-    p.add_argument("--window-range", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+    p.add_argument("--window-size", type=POSITIVE_INT, default=2, help="steps in the fast/mix window")
+    p.add_argument("--window-range", type=NONNEG_INT, nargs=2, default=None, metavar=("LO", "HI"),
                    help="--sde-window fast: the window lies in steps LO .. HI - 1 (Flow-GRPO's sde_window_range; "
                         "its start is drawn from LO .. HI - --window-size); default 0 and --num-steps - 1")
-    p.add_argument("--window-stride", type=int, default=1, help="steps the mix window slides each time")
-    p.add_argument("--iters-per-window", type=int, default=25, help="training steps before the mix window slides")
+    p.add_argument("--window-stride", type=POSITIVE_INT, default=1, help="steps the mix window slides each time")
+    p.add_argument("--iters-per-window", type=POSITIVE_INT, default=25, help="training steps before the mix window slides")
     p.add_argument("--roll-back", action=argparse.BooleanOptionalAction, default=False,
                    help="mix window returns to step 0 after reaching the end")
     p.add_argument("--flash", action=argparse.BooleanOptionalAction, default=False,
                    help="MixGRPO-Flash: second-order solver on a compressed schedule after the window")
-    p.add_argument("--flash-ratio", type=float, default=0.4,
+    p.add_argument("--flash-ratio", type=FRACTION, default=0.4,
                    help="--flash: the steps after the window are compressed to about this fraction "
                         "(MixGRPO's dpm_post_compress_ratio; sde.flash_grid)")
-    p.add_argument("--timestep-fraction", type=float, default=1.0, help="fraction of steps trained with --sde-window all")
-    p.add_argument("--group-size", type=int, default=None, help="images per prompt (a group; may span GPUs)")
-    p.add_argument("--prompts-per-step", type=int, default=None, help="prompts per training step, global")
-    p.add_argument("--sample-batch-size", type=int, default=None, help="images per rollout forward, per GPU")
+    p.add_argument("--timestep-fraction", type=FRACTION, default=1.0, help="fraction of steps trained with --sde-window all")
+    p.add_argument("--group-size", type=POSITIVE_INT, default=None, help="images per prompt (a group; may span GPUs)")
+    p.add_argument("--prompts-per-step", type=POSITIVE_INT, default=None, help="prompts per training step, global")
+    p.add_argument("--sample-batch-size", type=POSITIVE_INT, default=None, help="images per rollout forward, per GPU")
     p.add_argument("--same-noise-per-group", action=argparse.BooleanOptionalAction, default=False,
                    help="every image of a prompt's group starts from the same noise x_T (MixGRPO's --init_same_noise; "
                         "Flow-GRPO's same_latent); the SDE noise still differs")
     # reward
     p.add_argument("--reward", default=None, help='reward spec: a name or weighted mix, e.g. "ocr=0.8,pickscore=0.2"; choices: ' + ", ".join(rewards.REWARDS))
     p.add_argument("--reward-key", default="reward", help="which reward entry trains (a component name or the weighted total 'reward')")
-    p.add_argument("--pickscore-processor-path", default="laion/CLIP-ViT-H-14-laion2B-s32B-b79K", help="PickScore processor")
-    p.add_argument("--pickscore-model-path", default="yuvalkirstain/PickScore_v1", help="PickScore CLIP model")
-    p.add_argument("--pickscore-batch-size", type=int, default=8, help="images per PickScore forward")
-    p.add_argument("--pickscore-num-frames", type=int, default=None, help="video: evenly spaced frames scored (default every frame)")
-    p.add_argument("--hps-version", default="v2.1", choices=["v2.0", "v2.1"], help="HPSv2 checkpoint version")
-    p.add_argument("--hps-checkpoint-path", default=None, help="HPS checkpoint file (default: the xswu/HPSv2 hub file)")
-    p.add_argument("--hps-model-name", default="ViT-H-14", help="open_clip architecture of the HPS checkpoint")
-    p.add_argument("--hps-batch-size", type=int, default=8, help="images per HPS forward")
-    p.add_argument("--ocr-backend", default="rapidocr", choices=["rapidocr", "paddle"], help="OCR engine")
-    p.add_argument("--ocr-workers", type=int, default=2, help="OCR worker pool size, per GPU")
-    p.add_argument("--openai-api-rm-config", default=None, help="YAML file or base64:<yaml> for the openai_api judge")
-    p.add_argument("--custom-api-rm-config", default=None, help="YAML file or base64:<yaml> for custom_api")
-    p.add_argument("--rm-url", default=None, help="URL of a remote reward server (the 'remote' reward)")
-    p.add_argument("--remote-batch-size", type=int, default=0, help="samples per POST to --rm-url (0: the whole rollout batch)")
-    p.add_argument("--remote-max-concurrency", type=int, default=8, help="POSTs in flight to --rm-url")
-    p.add_argument("--custom-rm-path", default=None, help="module.function scoring a batch; RUNS THAT USER CODE")
-    p.add_argument("--custom-rm-args", default=None, help="opaque string passed to --custom-rm-path")
-    p.add_argument("--reward-retries", type=int, default=3, help="attempts per request to a reward service")
-    p.add_argument("--reward-timeout", type=float, default=60.0, help="seconds per reward service request")
-    p.add_argument("--reward-backoff", type=float, default=1.0, help="seconds before the first retry; doubles each time")
-    p.add_argument("--reward-on-error", default="raise", choices=["raise", "skip"], help="after the retries: stop the run, or drop the affected groups from the update")
+    rewards.add_arguments(p)  # the reward options, declared and defaulted in rewards.py
     # loss
     p.add_argument("--loss", default="grpo", choices=["grpo", "guard", "flowdppo"],
                    help="GRPO (PPO clip), GRPO-Guard (RatioNorm), FlowDPPO (KL-ADV mask)")
-    p.add_argument("--clip-range", type=float, default=None,
+    p.add_argument("--clip-range", type=POSITIVE, default=None,
                    help="PPO clip range of the ratio (log-probs are means over latent dims, hence ~1e-4 on hub models)")
-    p.add_argument("--adv-clip", type=float, default=5.0, help="advantages clipped to +-this")
-    p.add_argument("--kl-beta", type=float, default=None,
+    p.add_argument("--adv-clip", type=POSITIVE, default=5.0, help="advantages clipped to +-this")
+    p.add_argument("--kl-beta", type=NONNEG, default=None,
                    help="weight of the KL to the frozen base model (0: no reference forward)")
     p.add_argument("--kl-form", default="flow-grpo", choices=["flow-grpo", "exact"],
                    help="the KL penalty's scale: flow-grpo = the exact Gaussian KL x |dt| per step, as Flow-GRPO's "
                         "code computes it; the default because every published --kl-beta (0.04 OCR/GenEval, 0.01 "
                         "PickScore) was tuned on it; exact = the KL itself, about 1/|dt| (~10x at 10 steps) larger "
                         "for the same beta (--sde cps: both are its exact form, as in Flow-GRPO)")
-    p.add_argument("--kl-mask-threshold", type=float, default=1e-5,
+    p.add_argument("--kl-mask-threshold", type=POSITIVE, default=1e-5,
                    help="FlowDPPO: KL above which a term pushing the ratio further is masked")
     p.add_argument("--global-std", action=argparse.BooleanOptionalAction, default=None,
                    help="normalise advantages by the batch-wide reward std instead of each group's")
     # optim
-    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate")
-    p.add_argument("--weight-decay", type=float, default=1e-4, help="AdamW weight decay")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
-    p.add_argument("--train-batch-size", type=int, default=None, help="samples per training forward, per GPU")
-    p.add_argument("--minibatches", type=int, default=None, help="optimizer steps per pass over the batch")
-    p.add_argument("--updates-per-batch", type=int, default=1, help="passes over each sampled batch")
-    p.add_argument("--ema-decay", type=float, default=0.0, help="EMA of trained weights (0: off)")
-    p.add_argument("--ema-every", type=int, default=1, help="optimizer steps between EMA updates")
+    p.add_argument("--lr", type=POSITIVE, default=None, help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=NONNEG, default=1e-4, help="AdamW weight decay")
+    p.add_argument("--max-grad-norm", type=POSITIVE, default=1.0, help="gradient clipping norm")
+    p.add_argument("--train-batch-size", type=POSITIVE_INT, default=None, help="samples per training forward, per GPU")
+    p.add_argument("--minibatches", type=POSITIVE_INT, default=None, help="optimizer steps per pass over the batch")
+    p.add_argument("--updates-per-batch", type=POSITIVE_INT, default=1, help="passes over each sampled batch")
+    p.add_argument("--ema-decay", type=bounded(float, 0, 1, high_open=True), default=0.0,
+                   help="EMA of trained weights (0: off)")
+    p.add_argument("--ema-every", type=POSITIVE_INT, default=1, help="optimizer steps between EMA updates")
     # logging and checkpoints
-    p.add_argument("--steps", type=int, default=None, help="training steps (each: one sampled batch)")
-    p.add_argument("--seed", type=int, default=0, help="seed; rank r samples with seed-derived noise per step")
+    p.add_argument("--steps", type=POSITIVE_INT, default=None, help="training steps (each: one sampled batch)")
+    p.add_argument("--seed", type=SEED, default=0, help="seed; rank r samples with seed-derived noise per step")
     p.add_argument("--out", default="runs/default", help="run folder: args.json, metrics.jsonl, samples/, checkpoints/")
-    p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
-    p.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints kept in --out/checkpoints")
+    p.add_argument("--save-every", type=NONNEG_INT, default=0, help="steps between checkpoints (0: only at the end)")
+    p.add_argument("--keep-checkpoints", type=POSITIVE_INT, default=3, help="checkpoints kept in --out/checkpoints")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start a fresh run in an --out that already holds one, deleting its run files first")
     p.add_argument("--resume", default=None,
-                   help="checkpoint folder, run folder, or 'auto' (newest complete checkpoint in --out, if any; "
-                        "default: a fresh run)")
-    p.add_argument("--eval-every", type=int, default=0, help="steps between ODE evaluations on --eval-prompts (0: off)")
-    p.add_argument("--eval-steps", type=int, default=40, help="ODE steps of an evaluation")
-    p.add_argument("--log-images-every", type=int, default=None, help="steps between saved sample grids (0: never)")
-    p.add_argument("--max-bad-steps", type=int, default=5,
+                   help="checkpoint folder, run folder, or 'auto' (the newest checkpoint in --out that verifies, if "
+                        "any; default: a fresh run)")
+    p.add_argument("--eval-every", type=NONNEG_INT, default=0,
+                   help="steps between ODE evaluations on --eval-prompts (0: off)")
+    p.add_argument("--eval-steps", type=POSITIVE_INT, default=40, help="ODE steps of an evaluation")
+    p.add_argument("--log-images-every", type=NONNEG_INT, default=None,
+                   help="steps between saved sample grids (0: never)")
+    p.add_argument("--max-bad-steps", type=POSITIVE_INT, default=5,
                    help="stop after this many consecutive skipped (non-finite) steps")
     p.add_argument("--wandb", action="store_true", help="also log to Weights & Biases")
-    args = p.parse_args(argv)
+    try:
+        args = p.parse_args(argv)
+    except UnicodeDecodeError as e:
+        p.error(f"a recipe file is not UTF-8 text ({e.reason} at byte {e.start}); re-save it as UTF-8")
+    except RecursionError:
+        p.error("a recipe file includes itself (an @file line that leads back to it)")
 
     for key, value in preset(args.model).items():  # fill what the command line left unset
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.lora_alpha is None:  # a rank given without alpha: scale alpha / rank = 1
+        args.lora_alpha = float(args.lora_rank)
     if args.train_cfg is None:
         args.train_cfg = args.guidance_scale > 1 and "flux" not in args.model
     return p, args
@@ -280,8 +298,10 @@ def main(argv=None):
            f"({per_rank} per GPU, {num_sample_batches} rollout batches of {args.sample_batch_size}) | "
            f"{args.updates_per_batch * args.minibatches} optimizer steps/step")
 
+    resume_from = checkpoints.prepare(args)  # refuses a used --out without --resume / --overwrite; verifies checkpoints
     prompt_keys = dict(input_key=args.input_key, metadata_key=args.metadata_key)
     prompts, metadata = setup_or_exit(data.load_prompts, args.prompts, **prompt_keys)
+    check_rm_types(args.prompts, prompts, metadata)
     eval_prompts, eval_meta = ([], [])
     if args.eval_prompts:
         eval_prompts, eval_meta = setup_or_exit(data.load_prompts, args.eval_prompts, **prompt_keys)
@@ -289,7 +309,7 @@ def main(argv=None):
         print0(f"warning: {missing} of {len(prompts)} prompts in {args.prompts} have no quoted target; "
                "the OCR reward scores them 0")
     reward_fn = setup_or_exit(rewards.build_reward, args.reward, device=device,
-                              **{name: getattr(args, name) for name in rewards.OPTIONS})  # the reward group's flags
+                              **{name: getattr(args, name) for name in rewards.option_defaults()})  # reward flags
 
     # The policy: the pipeline, its trainable weights (LoRA adapter or all), the wrapper the training forward calls.
     pipe, model, trainable, optimizer, ema = build_policy(args, device, amp_dtype)
@@ -299,13 +319,16 @@ def main(argv=None):
     transformer = pipe.transformer
 
     start_step, bad_in_a_row = 0, 0
-    resume_from = checkpoints.resolve_resume(args.resume, args.out)
     if resume_from:
         state, saved_ema = checkpoints.load(resume_from, args, trainable, optimizer,
                                             fsdp_model=transformer if args.fsdp else None)
         start_step, bad_in_a_row = state["step"], state.get("bad_in_a_row", 0)
         ema = saved_ema if ema is not None and saved_ema is not None else ema
         print0(f"resumed from {resume_from} at step {start_step}")
+        if start_step >= args.steps:
+            print0(f"the run is already at step {start_step} of --steps {args.steps}: nothing to train; "
+                   "raise --steps to continue it")
+            return distributed.finish()
         checkpoints.trim_metrics(args.out, start_step)  # a killed run's rows after the checkpoint are redone
     checkpoints.start_run(args)
     wandb_run = None
@@ -348,6 +371,7 @@ def main(argv=None):
                    f"checkpoint saved, continue with --resume auto --out {args.out}")
         return stopping
 
+    trained_here = 0  # steps of this process that updated the weights
     while step < args.steps:
         t0 = time.time()
         info = {"step": step + 1}
@@ -388,7 +412,16 @@ def main(argv=None):
 
         # ===================================================================== REWARDS
         t_sampled = time.time()
-        scores, failed, bad = collect_rewards(futures, my_prompts, args, step, device, reward_pool)  # [per_rank] each
+        scores, failed, bad = collect_rewards(futures, my_prompts, args, step, device, reward_pool, stop)
+        if scores is None:  # a signal arrived while waiting: keep the last complete step, redo this one on resume
+            if not os.path.isfile(os.path.join(args.out, "checkpoints", str(step), "state.json")):
+                checkpoints.write(args, step, pipe, trainable, optimizer, ema, device, dict(bad_in_a_row=bad_in_a_row))
+            print0(f"stopped by {stop['signal'] or 'a signal on another rank'} while waiting for rewards in step "
+                   f"{step + 1}; checkpoint {step} saved, continue with --resume auto --out {args.out}")
+            reward_pool.shutdown(wait=False, cancel_futures=True)
+            distributed.finish()
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(0)  # a reward request may still be blocked on the network: do not wait for its thread
         # Groups with a sample whose reward service gave up (--reward-on-error skip) are dropped whole (departure 4).
         all_groups = torch.arange(args.prompts_per_step, device=device).repeat_interleave(args.group_size)  # [samples]
         bad_groups = torch.zeros(args.prompts_per_step, dtype=torch.bool, device=device)  # [prompts_per_step]
@@ -396,7 +429,7 @@ def main(argv=None):
             bad_groups[all_groups[distributed.all_gather_cat(failed.to(device))]] = True
             if bad_groups.all():  # not one reward: an update would only replay Adam's momentum and weight decay
                 info["dropped_groups"] = int(bad_groups.sum())
-                bad = f"every group lost its reward: {args.reward} failed after --reward-retries {args.reward_retries}"
+                bad = f"every group lost its reward ({args.reward} gave up on every sample)"
         if bad is not None:  # skip the update, not the bookkeeping: the step is logged, counted, checkpointed
             bad_in_a_row += 1
             info.update(skipped=1, skip_reason=bad, bad_in_a_row=bad_in_a_row, seconds=time.time() - t0)
@@ -537,6 +570,7 @@ def main(argv=None):
             info.update(skipped=1, skip_reason="non-finite gradient", skipped_updates=skipped_updates)
         else:
             bad_in_a_row = 0
+        trained_here += optim_steps > 0
         info.update({k: float(np.mean(v)) for k, v in stats.items() if k not in ("first_ratio_dev", "first_clip_dev")})
         info.update(first_ratio_dev=first_ratio_dev, first_clip_dev=first_clip_dev)
         info.update(bad_in_a_row=bad_in_a_row, trained_steps=n_trained, seconds=time.time() - t0,
@@ -570,11 +604,17 @@ def main(argv=None):
     bar.close()
     reward_pool.shutdown()
     distributed.finish()
+    if step == args.steps > start_step and trained_here == 0:  # every step skipped: say so, not exit 0 silently
+        raise SystemExit(f"error: none of the {step - start_step} steps of this run updated the weights (last skip: "
+                         f"{info.get('skip_reason')}); checkpoint {step} holds the weights it started from")
 
 
 # ----------------------------------------------------------------------------- plumbing of the phases above
 def check_args(p, args, world_size):
     """Refuse flag combinations that cannot work, before any model is loaded."""
+    if args.group_size < 2:  # every loss here is group-relative
+        p.error(f"--group-size {args.group_size}: each sample would be its own group mean, so every advantage is 0 and "
+                "nothing trains; use --group-size 2 or more")
     samples = args.prompts_per_step * args.group_size  # global samples per step
     if samples % world_size:
         p.error(f"--prompts-per-step x --group-size = {samples} is not divisible by the {world_size} processes")
@@ -601,8 +641,6 @@ def check_args(p, args, world_size):
     if args.kl_beta > 0 and args.lora_rank == 0:
         p.error("--kl-beta > 0 needs a LoRA adapter (the reference is the base model with it disabled): "
                 "set --lora-rank > 0 or --kl-beta 0")
-    if not 0 < args.flash_ratio <= 1:
-        p.error(f"--flash-ratio must be in (0, 1], got {args.flash_ratio}")
     if args.eta <= 0:
         p.error("--eta must be > 0 for training: with no noise the step is an ODE and has no log-prob")
     try:
@@ -611,8 +649,14 @@ def check_args(p, args, world_size):
         p.error(str(e))
     if args.reward_key != "reward" and args.reward_key not in components and "custom" not in components:
         p.error(f"--reward-key {args.reward_key!r} is not a component of --reward {args.reward!r}")
-    if args.clip_range <= 0 or args.updates_per_batch < 1 or args.steps < 1:
-        p.error("--clip-range, --updates-per-batch and --steps must be positive")
+    if args.lora_rank > 0 and args.lora_alpha <= 0:
+        p.error("--lora-alpha must be > 0 with a LoRA adapter (its scale is alpha / rank)")
+    multiple = models.RESOLUTION_MULTIPLE.get(args.model)
+    if multiple and args.resolution % multiple:
+        p.error(f"--resolution {args.resolution} must be a multiple of {multiple} for --model {args.model} "
+                "(VAE down-sampling x transformer patch)")
+    if args.overwrite and args.resume:
+        p.error("--overwrite starts the run over and --resume continues it: give one of them")
     # Raises a one-line ValueError naming the window flag when the window does not fit the schedule.
     try:
         sde.sde_steps(args.num_steps, **window_kwargs(args, 0))
@@ -659,24 +703,34 @@ def build_policy(args, device, amp_dtype):
     return pipe, model, trainable, optimizer, ema
 
 
-def collect_rewards(futures, my_prompts, args, step, device, reward_pool):
+def collect_rewards(futures, my_prompts, args, step, device, reward_pool, stop):
     """Wait for this rank's reward batches -> (scores {name: [per_rank]}, failed [per_rank] bool, skip reason or None).
 
     A NaN / inf reward skips the step on every rank; a reward service that failed after its retries
-    (--reward-on-error raise) stops every rank with one line naming the service, the step and the prompts."""
+    (--reward-on-error raise) stops every rank with one line naming the service, the step and the prompts.
+    A SIGTERM / SIGINT during the wait returns (None, None, None) on every rank at once."""
     bad = fatal = None
-    scores, failed = {}, None
+    scores, failed, interrupted = {}, None, False
     try:
         results = []
         for b, future in enumerate(futures):
             try:
-                results.append(future.result())
+                while not interrupted:
+                    try:
+                        results.append(future.result(timeout=0.2))
+                        break
+                    except TimeoutError:
+                        interrupted = stop["signal"] is not None
+                if interrupted:
+                    break
             except rewards.RewardServiceError as e:  # its "sample i" counts within rollout batch b
                 batch_prompts = my_prompts[b * args.sample_batch_size:(b + 1) * args.sample_batch_size]
                 names = list(dict.fromkeys(batch_prompts))
                 names = ", ".join(repr(q) for q in names[:3]) + (", ..." if len(names) > 3 else "")
                 raise rewards.RewardServiceError(f"step {step + 1}, rank {RANK}, rollout batch {b} "
                                                  f"(prompts {names}): {e}") from None
+        if interrupted:
+            raise InterruptedError
         failed = torch.cat([r.get("failed", torch.zeros(len(r["reward"]), dtype=torch.bool)) for r in results]).bool()
         names = sorted({k for r in results for k in r} - {"failed"})  # rm_type overrides may leave a component out
         scores = {k: torch.cat([r[k].float() if k in r else torch.full((len(r["reward"]),), float("nan"))
@@ -686,14 +740,30 @@ def collect_rewards(futures, my_prompts, args, step, device, reward_pool):
     except rewards.NonFiniteReward as e:
         bad = str(e)
     except rewards.RewardServiceError as e:  # after the retries, with --reward-on-error raise
-        fatal = " ".join(str(e).split())  # one line, even when the service sent a multi-line error page
-    if distributed.any_rank(fatal is not None, device):  # every rank stops, not only the one whose service failed
+        fatal = (" ".join(str(e).split()) + "; retry later, raise --reward-retries / --reward-timeout, or use "
+                 "--reward-on-error skip")  # one line, even when the service sent a multi-line error page
+    except (ValueError, TypeError) as e:  # a scorer returned something unusable (wrong length, strings): no retry helps
+        fatal = " ".join(str(e).split())
+    except InterruptedError:
+        pass
+    if distributed.any_rank(interrupted, device):  # every rank stops waiting, saves and exits together
+        return None, None, None
+    if distributed.any_rank(fatal is not None, device):  # every rank stops, not only the one whose reward failed
         reward_pool.shutdown(wait=False, cancel_futures=True)  # later batches' requests are not sent
-        raise SystemExit(f"error: {fatal or 'a reward service failed on another rank'}; "
-                         "retry later, raise --reward-retries / --reward-timeout, or use --reward-on-error skip")
+        raise SystemExit(f"error: {fatal or 'the reward failed on another rank'}")
     if distributed.any_rank(bad is not None, device):
         bad = bad or "non-finite reward on another rank"
     return scores, failed, bad
+
+
+def check_rm_types(path, prompts, metadata):
+    """Every row's metadata.rm_type must name known rewards: a typo fails now, not at the step that draws it."""
+    for i, meta in enumerate(metadata):
+        if meta.get("rm_type"):
+            try:
+                rewards.parse_spec(meta["rm_type"])
+            except ValueError as e:
+                raise SystemExit(f"error: {path}, prompt {i + 1} ({prompts[i][:40]!r}): metadata rm_type: {e}")
 
 
 def warn_divergence(info, args):

@@ -4,14 +4,15 @@
         reward = build_reward("remote", rm_url=server.url)
 
 `respond(body, headers)` returns (status, reply, delay_s): reply is a dict (sent as JSON), str or
-bytes; the handler sleeps `delay_s` before answering. The server counts requests and the most
-requests in flight at once.
+bytes; the handler sleeps `delay_s` before answering. A `Raw` reply is written as it is, piece by
+piece (status line and headers included), for servers that trickle or never stop. The server counts
+requests, the most requests in flight at once, and the bytes of Raw replies it managed to send.
 """
 
+import itertools
 import json
 import threading
 import time
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import rewards
@@ -23,6 +24,7 @@ class JsonServer:
         self.lock = threading.Lock()
         self.in_flight = self.max_in_flight = 0
         self.bodies, self.headers = [], []
+        self.raw_bytes_sent = 0
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -39,6 +41,13 @@ class JsonServer:
                 try:
                     status, reply, delay = server.respond(body, dict(self.headers))
                     time.sleep(delay)
+                    if isinstance(reply, Raw):
+                        for piece in reply.pieces():
+                            self.wfile.write(piece)
+                            self.wfile.flush()
+                            with server.lock:
+                                server.raw_bytes_sent += len(piece)
+                        return
                     data = reply if isinstance(reply, bytes) else (reply if isinstance(reply, str) else json.dumps(reply)).encode()
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")
@@ -64,6 +73,24 @@ class JsonServer:
         self.httpd.server_close()
 
 
+class Raw:
+    """A reply written verbatim: `head` (status line and headers) at once, then `chunk` every `interval_s`
+    seconds, `count` times (None: until the client leaves). With `trickle_head` the head itself goes out one
+    byte per interval."""
+
+    def __init__(self, chunk=b" ", *, interval_s=0.0, count=None, head=None, trickle_head=False):
+        self.head = head or b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
+        self.chunk, self.interval, self.count, self.trickle_head = chunk, interval_s, count, trickle_head
+
+    def pieces(self):
+        head = [self.head[i:i + 1] for i in range(len(self.head))] if self.trickle_head else [self.head]
+        body = itertools.repeat(self.chunk) if self.count is None else itertools.repeat(self.chunk, self.count)
+        for i, piece in enumerate(itertools.chain(head, body)):
+            if i and self.interval:
+                time.sleep(self.interval)
+            yield piece
+
+
 def chat_reply(content):
     """The Chat Completions reply shape with `content` as the assistant message."""
     return {"id": "cmpl-test", "object": "chat.completion",
@@ -81,13 +108,17 @@ class PlainScoreApi:
         return {"text": prompt, "mean": float(image.mean()), "tag": metadata.get("tag")}
 
     def send_request(self, request, timeout):
-        body = json.dumps(request).encode()
-        with urllib.request.urlopen(urllib.request.Request(self.url, data=body, method="POST",
-                                                           headers={"Content-Type": "application/json"}), timeout=timeout) as r:
-            return json.loads(r.read())
+        return rewards.post_json(self.url, request, timeout=timeout)  # under the attempt's deadline and byte cap
 
     def parse_response(self, response):
         return response["value"] * self.scale
+
+
+class BoolScoreApi(PlainScoreApi):
+    """custom_api hooks whose parse_response returns what the reply's "value" holds, e.g. True or "2"."""
+
+    def parse_response(self, response):
+        return response["value"]
 
 
 class ShoutingJudge(rewards.OpenAIJudge):

@@ -281,3 +281,21 @@ def test_bf16_runs_with_float32_lora():
     v.float().square().mean().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in params)
     assert models.decode(pipe, x).shape == (2, 64, 64, 3)
+
+
+def test_truncation_warning_once():
+    """diffusers logs the whole cut-off text at every encode; a 20 kB prompt must not log 20 kB per step."""
+    import logging
+    pipe = models.load_pipeline("tiny")
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger(type(pipe).__module__)  # diffusers' loggers do not propagate to the root
+    logger.addHandler(handler)
+    try:
+        for _ in range(3):
+            models.encode_prompts(pipe, ["a red cube " * 2000])
+    finally:
+        logger.removeHandler(handler)
+    truncations = [m for m in seen if "truncated" in m]
+    assert len(truncations) == 1 and len(truncations[0]) < 400

@@ -1,7 +1,7 @@
 """The real training command line against a flaky `remote` reward server: HTTP 500s, replies slower than
---reward-timeout, retries that recover and ones that do not. Skip mode drops exactly the failed groups
-and trains on the rest with the served scores; raise mode stops with one line naming the service,
-the step and the prompt.
+--reward-timeout, replies trickled a byte at a time, retries that recover and ones that do not. Skip mode
+drops exactly the failed groups and trains on the rest with the served scores; raise mode stops with
+one line naming the service, the step and the prompt.
 
 With SMALL (2 prompts x 4, --sample-batch-size 4) each rollout batch is one group and one POST, and
 the trainer scores its batches one at a time, in order: the c-th distinct request is step c // 2,
@@ -19,17 +19,18 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from reward_server import JsonServer
+from reward_server import JsonServer, Raw
 from test_train import SMALL, metrics, run
 
 FAST = SMALL + ["--log-images-every", "0"]
-TIMEOUT = 1.0  # --reward-timeout; a "slow" reply comes after 3x that
+TIMEOUT = 1.0  # --reward-timeout; a "slow" reply comes after 3x that, a "trickle" takes 20x that a byte at a time
 CRASH = "upstream model crashed\nworker 3 restarting"  # a multi-line error page must still give a one-line error
 
 
 class FlakyService:
     """The remote protocol, scoring each image by its mean pixel / 255. `plan[c]` lists what attempt
-    0, 1, ... of the c-th distinct request gets: "ok", "500" or "slow" (answers after the timeout)."""
+    0, 1, ... of the c-th distinct request gets: "ok", "500", "slow" (answers after the timeout) or "trickle"
+    (a byte every 50 ms for 20 s: no socket read ever waits a full timeout, only the attempt's deadline ends it)."""
 
     def __init__(self, plan):
         self.plan, self.lock = plan, threading.Lock()
@@ -45,6 +46,8 @@ class FlakyService:
             self.attempts.append((call, attempt, action, scores, body["prompts"]))
         if action == "500":
             return 500, CRASH, 0.0
+        if action == "trickle":
+            return 200, Raw(b" ", interval_s=0.05, count=int(20 * TIMEOUT / 0.05)), 0.0
         return 200, {"scores": scores}, 3 * TIMEOUT if action == "slow" else 0.0
 
     def served(self, call):
@@ -64,7 +67,7 @@ def train_remote(tmp_path, server, steps, on_error):
 def test_skip_drops_failed_groups_and_trains_on_served_scores(tmp_path):
     service = FlakyService([
         ["500", "ok"],    # step 1, group 0: recovers on the retry
-        ["slow", "slow"],  # step 1, group 1: times out twice -> dropped
+        ["slow", "trickle"],  # step 1, group 1: times out, then hits the deadline while trickling -> dropped
         ["500", "500"],   # step 2, group 0: dropped
         ["ok"],           # step 2, group 1
         ["500", "500"],   # step 3: every group fails -> nothing to learn, the step is skipped
@@ -80,6 +83,8 @@ def test_skip_drops_failed_groups_and_trains_on_served_scores(tmp_path):
 
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
+    # Group 1 of step 1 waits 1 s (slow), 1 s (--reward-backoff), 1 s (deadline of the trickle): not the 20 s trickle.
+    assert rows[0]["seconds_reward_wait"] < 10 * TIMEOUT, rows[0]
     for row, kept in zip(rows[:2], (service.served(0), service.served(3))):
         assert not row.get("skipped") and row["dropped_groups"] == 1, row
         # The dropped group's zeros are out of the statistics: only the served scores remain.

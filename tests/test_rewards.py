@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import time
 
 import numpy as np
 import pytest
@@ -20,6 +21,11 @@ from rewards import NonFiniteReward, RewardServiceError, build_reward, ocr_score
 
 FAST = dict(reward_backoff=0.001)  # retries without waiting
 KEY = "sk-test-7f3a9c1e5b2d"
+
+
+def make(name, **options):
+    """One factory of REWARDS with the flags' defaults for the options not given."""
+    return rewards.REWARDS[name](device="cpu", **{**rewards.option_defaults(), **options})
 
 
 def random_images(n, size=32, seed=0, frames=None):
@@ -81,9 +87,9 @@ def test_paddle_backend_missing_is_one_clear_error():
     except ImportError:
         pass
     with pytest.raises(RuntimeError, match="pip install .*paddleocr"):
-        rewards.ocr(ocr_backend="paddle")
+        make("ocr", ocr_backend="paddle")
     with pytest.raises(ValueError, match="rapidocr"):
-        rewards.ocr(ocr_backend="tesseract")
+        make("ocr", ocr_backend="tesseract")
 
 
 # ----------------------------------------------------------------------------- JPEG
@@ -102,7 +108,7 @@ def test_jpeg_rewards_match_pil_sizes():
     assert out["reward"].tolist() == pytest.approx([-0.5 * s / 500 for s in sizes])
     assert out["jpeg_compressibility"][1] > out["jpeg_compressibility"][0]
     video = np.stack([images, images[::-1]], axis=1)  # [2, 2, H, W, 3]: each clip has one noisy, one flat frame
-    assert rewards.jpeg_incompressibility()(video, None, None).tolist() == pytest.approx([np.mean(sizes) / 500] * 2)
+    assert make("jpeg_incompressibility")(video, None, None).tolist() == pytest.approx([np.mean(sizes) / 500] * 2)
 
 
 # ----------------------------------------------------------------------------- PickScore
@@ -129,8 +135,8 @@ def test_pickscore_formula_batching_and_frames(tiny_pickscore):
             cos = (t @ v[k]) / (t.norm() * v[k].norm())
             expected.append(math.exp(model.logit_scale.item()) * cos.item() / 26)
 
-    batched = rewards.pickscore(pickscore_processor_path=tiny_pickscore, pickscore_model_path=tiny_pickscore, pickscore_batch_size=8)
-    single = rewards.pickscore(pickscore_processor_path=tiny_pickscore, pickscore_model_path=tiny_pickscore, pickscore_batch_size=1)
+    paths = dict(pickscore_processor_path=tiny_pickscore, pickscore_model_path=tiny_pickscore)
+    batched, single = make("pickscore", **paths, pickscore_batch_size=8), make("pickscore", **paths, pickscore_batch_size=1)
     got = batched(images, prompts, [{}] * 3)
     assert got.dtype == torch.float32 and got.shape == (3,)
     assert got.tolist() == pytest.approx(expected, abs=1e-5)
@@ -139,16 +145,16 @@ def test_pickscore_formula_batching_and_frames(tiny_pickscore):
 
     video = random_images(2, size=40, frames=5, seed=1)  # [2, 5, H, W, 3]
     per_frame = batched(video.reshape(10, 40, 40, 3), [p for p in prompts[:2] for _ in range(5)], None).view(2, 5)
-    three = rewards.pickscore(pickscore_processor_path=tiny_pickscore, pickscore_model_path=tiny_pickscore, pickscore_num_frames=3)
+    three = make("pickscore", **paths, pickscore_num_frames=3)
     assert three(video, prompts[:2], None).tolist() == pytest.approx(per_frame[:, [0, 2, 4]].mean(1).tolist(), abs=1e-5)
     assert batched(video, prompts[:2], None).tolist() == pytest.approx(per_frame.mean(1).tolist(), abs=1e-5)
 
 
 def test_pickscore_missing_model_names_the_flag(tiny_pickscore, tmp_path):
     with pytest.raises(RuntimeError, match="--pickscore-model-path"):
-        rewards.pickscore(pickscore_processor_path=tiny_pickscore, pickscore_model_path=str(tmp_path / "nowhere"))
+        make("pickscore", pickscore_processor_path=tiny_pickscore, pickscore_model_path=str(tmp_path / "nowhere"))
     with pytest.raises(RuntimeError, match="--pickscore-processor-path"):
-        rewards.pickscore(pickscore_processor_path=str(tmp_path / "nowhere"), pickscore_model_path=tiny_pickscore)
+        make("pickscore", pickscore_processor_path=str(tmp_path / "nowhere"), pickscore_model_path=tiny_pickscore)
 
 
 # ----------------------------------------------------------------------------- HPS
@@ -172,8 +178,8 @@ def test_hps_formula_and_batching(tiny_hps):
         logits = (i / i.norm(dim=-1, keepdim=True)) @ (t / t.norm(dim=-1, keepdim=True)).T
     expected = torch.diagonal(logits)
 
-    got = rewards.hps(hps_checkpoint_path=path, hps_model_name=name, hps_batch_size=8)(images, prompts, None)
-    one = rewards.hps(hps_checkpoint_path=path, hps_model_name=name, hps_batch_size=1)(images, prompts, None)
+    got = make("hps", hps_checkpoint_path=path, hps_model_name=name, hps_batch_size=8)(images, prompts, None)
+    one = make("hps", hps_checkpoint_path=path, hps_model_name=name, hps_batch_size=1)(images, prompts, None)
     assert got.tolist() == pytest.approx(expected.tolist(), abs=1e-5)
     assert one.tolist() == pytest.approx(expected.tolist(), abs=1e-5)
     assert float(got.std()) > 1e-4
@@ -181,16 +187,18 @@ def test_hps_formula_and_batching(tiny_hps):
 
 def test_hps_errors(tiny_hps, tmp_path):
     name, path = tiny_hps
-    scorer = rewards.hps(hps_checkpoint_path=path, hps_model_name=name)
+    scorer = make("hps", hps_checkpoint_path=path, hps_model_name=name)
     with pytest.raises(ValueError, match="images only"):
         scorer(random_images(1, frames=2), ["x"], None)
     with pytest.raises(RuntimeError, match="--hps-checkpoint-path"):
-        rewards.hps(hps_checkpoint_path=str(tmp_path / "missing.pt"), hps_model_name=name)
+        make("hps", hps_checkpoint_path=str(tmp_path / "missing.pt"), hps_model_name=name)
     with pytest.raises(ValueError, match="v2.1"):
-        rewards.hps(hps_version="v3", hps_checkpoint_path=path, hps_model_name=name)
+        make("hps", hps_version="v3", hps_checkpoint_path=path, hps_model_name=name)
+    with pytest.raises(ValueError, match="--hps-batch-size must be an integer >= 1, got int 0"):
+        make("hps", hps_checkpoint_path=path, hps_model_name=name, hps_batch_size=0)
     if os.environ.get("HF_HUB_OFFLINE") == "1":  # the default hub file cannot be fetched: the error names the flag
         with pytest.raises(RuntimeError, match="HPS_v2.1_compressed.pt.*--hps-checkpoint-path"):
-            rewards.hps(hps_model_name=name)
+            make("hps", hps_model_name=name)
 
 
 # ----------------------------------------------------------------------------- OpenAI-compatible API
@@ -260,7 +268,7 @@ def test_openai_api_timeout_concurrency_and_inline_config(tmp_path, monkeypatch)
         inline = "base64:" + base64.b64encode(json.dumps(
             {"model": "m", "api_key_env": "REWARD_TEST_KEY", "base_url": server.url, "timeout_s": 0.2}).encode()).decode()
         reward = build_reward("openai_api", openai_api_rm_config=inline, reward_retries=2, **FAST)
-        with pytest.raises(RewardServiceError, match="openai_api: sample 0 .*(timed out|TimeoutError)"):
+        with pytest.raises(RewardServiceError, match="openai_api: sample 0 .*TimeoutError: no complete reply within the 0.2 s"):
             reward(random_images(1), ["slow"], None)
     with judge_server(delay=0.2) as server:
         config = api_config(tmp_path, server.url, max_concurrency=3)
@@ -280,7 +288,8 @@ def test_api_key_never_in_logs_or_errors(tmp_path, monkeypatch, caplog):
         with pytest.raises(RewardServiceError) as err:
             reward(random_images(2), PROMPTS[:2], None)
     assert "HTTP 401" in str(err.value) and "***" in str(err.value)
-    assert len(server.bodies) == 2  # a 401 is not retried
+    assert "after 1 attempt(s)" in str(err.value)  # the attempts made, not --reward-retries
+    assert len(server.bodies) <= 2  # a 401 is not retried (the other sample may not be sent: raise mode stops)
     with judge_server(status=503) as server:  # retried, logged at each attempt
         reward = build_reward("openai_api", openai_api_rm_config=api_config(tmp_path, server.url), reward_on_error="skip", **FAST)
         out = reward(random_images(2), PROMPTS[:2], None)
@@ -383,7 +392,7 @@ def test_remote_protocol(tmp_path):
         got = build_reward("remote", rm_url=server.url)(video, ["v0", "v1"], None)["reward"]
         assert got.tolist() == pytest.approx([float(video[i].mean()) for i in range(2)], rel=1e-6)
 
-        for prompt, match in [("short", "1 scores for 2 samples"), ("html", "not JSON"), ("slow", "timed out")]:
+        for prompt, match in [("short", "1 scores for 2 samples"), ("html", "not JSON"), ("slow", "0.2 s deadline")]:
             reward = build_reward("remote", rm_url=server.url, reward_timeout=0.2, reward_retries=2, **FAST)
             with pytest.raises(RewardServiceError, match=f"remote: sample 0-1 .*{match}"):
                 reward(images[:2], [prompt, "x"], None)
@@ -453,7 +462,7 @@ def test_rm_type_override_splits_and_reassembles():
     reward = build_reward("custom", custom_rm_path="test_rewards.brightness")
     out = reward(images, prompts, metadata)
     bright = (images.reshape(5, -1).mean(1) / 255).tolist()  # plain floats: approx compares numbers, not tensors
-    jpeg = rewards.jpeg_incompressibility()(images, prompts, metadata).tolist()
+    jpeg = make("jpeg_incompressibility")(images, prompts, metadata).tolist()
     assert CALLS == [(3, ["p0", "p2", "p3"])]  # one batched call, original order
     nan = float("nan")
     assert out["custom"].tolist() == pytest.approx([bright[0], nan, bright[2], bright[3], nan], rel=1e-5, nan_ok=True)
@@ -468,7 +477,7 @@ def test_unknown_names_and_options():
         build_reward("ocr=0.5,pickscores=0.5")
     with pytest.raises(ValueError, match="not a number"):
         build_reward("ocr=high")
-    with pytest.raises(ValueError, match="unknown reward options"):
+    with pytest.raises(ValueError, match="unknown reward option 'ocr_worker'; did you mean 'ocr_workers'"):
         build_reward("jpeg_compressibility", ocr_worker=3)
     reward = build_reward("jpeg_compressibility")
     with pytest.raises(ValueError, match="sample 1, metadata rm_type: unknown reward 'clip'"):
@@ -481,3 +490,224 @@ def test_nan_guard_names_reward_and_sample():
     with pytest.raises(NonFiniteReward, match="reward 'custom' .*nan for sample 2"):
         reward(random_images(3), ["a", "a", "b"], metadata)
     assert issubclass(NonFiniteReward, ValueError)
+
+
+# ----------------------------------------------------------------------------- options: one declaration
+
+def test_options_are_declared_once_with_real_defaults():
+    import argparse
+    import inspect
+
+    parser = argparse.ArgumentParser()
+    rewards.add_arguments(parser)
+    defaults = rewards.option_defaults()
+    assert defaults == vars(parser.parse_args([])) and defaults["ocr_workers"] == 2 and defaults["reward_retries"] == 3
+    for name, factory in rewards.REWARDS.items():  # each factory's options: declared flags, no defaults of their own
+        own = [p for p in inspect.signature(factory).parameters.values() if p.kind is p.KEYWORD_ONLY]
+        assert all(p.default is p.empty for p in own), name
+        assert {p.name for p in own} <= set(defaults) | {"device"}, name
+    text = " ".join(parser.format_help().split("reward:", 1)[1].split())  # the group's help, after the usage line
+    for flag, default in [("--ocr-workers", "2"), ("--reward-timeout", "60.0"), ("--reward-max-bytes", str(16 * 2**20)),
+                          ("--pickscore-model-path", "yuvalkirstain/PickScore_v1"), ("--rm-auth-env", "None")]:
+        described = text[text.index(flag + " "):]  # --help under any formatter shows each flag's actual default
+        assert described[described.index("(default: "):].startswith(f"(default: {default})"), flag
+    given = vars(parser.parse_args(["--ocr-workers", "3", "--rm-auth-env", "TOKEN"]))
+    assert given["ocr_workers"] == 3 and given["rm_auth_env"] == "TOKEN"
+
+
+def test_eval_and_bench_take_the_reward_flags(monkeypatch, tmp_path):
+    import bench
+    import eval as evaluation
+
+    seen = {}
+
+    def fake_build_reward(spec, *, device, **options):
+        seen.update(options, spec=spec)
+        raise SystemExit("stop")
+
+    monkeypatch.setattr(rewards, "build_reward", fake_build_reward)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat\n")
+    with pytest.raises(SystemExit, match="stop"):
+        evaluation.main(["--prompts", str(prompts), "--reward", "pickscore", "--pickscore-model-path", "/models/ps"])
+    assert seen["spec"] == "pickscore" and seen["pickscore_model_path"] == "/models/ps"
+    assert set(seen) == set(rewards.option_defaults()) | {"spec"}
+    args = bench.parse_args(["--reward", "ocr", "--ocr-workers", "4", "--", "--group-size", "4"])
+    assert args.ocr_workers == 4 and args.train_args == ["--group-size", "4", "--ocr-workers", "4"]  # on to train.py
+
+
+def test_build_time_checks_name_the_flag():
+    for options, match in [(dict(reward_retries=0), "--reward-retries must be an integer >= 1"),
+                           (dict(reward_timeout=0.0), "--reward-timeout must be a finite number > 0"),
+                           (dict(remote_max_concurrency=0), "--remote-max-concurrency must be an integer >= 1"),
+                           (dict(rm_url="127.0.0.1:8000"), "--rm-url must be an http:// or https:// URL")]:
+        with pytest.raises(ValueError, match=match):
+            build_reward("remote", **{"rm_url": "http://127.0.0.1:9", **options})
+    with pytest.raises(ValueError, match="--ocr-workers must be an integer >= 1, got int 0"):
+        build_reward("ocr", ocr_workers=0)
+
+
+# ----------------------------------------------------------------------------- deadlines, sizes, secrets
+
+@pytest.mark.parametrize("service", ["remote", "openai_api"])
+@pytest.mark.parametrize("trickle", ["body", "head"])
+def test_deadline_holds_against_a_trickling_server(service, trickle):
+    """One byte every 50 ms keeps a per-read timeout happy forever; the attempt's deadline still ends it."""
+    from reward_server import Raw
+
+    if trickle == "body":
+        reply = Raw(b" ", interval_s=0.05, count=80)
+    else:  # the status line and headers, one byte at a time
+        reply = Raw(b"", interval_s=0.05, count=0, trickle_head=True)
+    with JsonServer(lambda body, headers: (200, reply, 0.0)) as server:
+        options = {"rm_url": server.url} if service == "remote" else {
+            "openai_api_rm_config": {"model": "m", "base_url": server.url + "/v1"}}
+        reward = build_reward(service, reward_timeout=0.5, reward_retries=1, **options)
+        start = time.monotonic()
+        with pytest.raises(RewardServiceError, match=f"{service}: sample 0 failed after 1 attempt.*0.5 s deadline"):
+            reward(random_images(1), ["a"], None)
+        elapsed = time.monotonic() - start
+    assert 0.45 < elapsed < 1.5, elapsed  # the deadline plus slack for a loaded machine, not 80 x 50 ms
+
+
+def test_reply_size_is_capped_without_reading_the_rest():
+    import gzip
+    import tracemalloc
+
+    from reward_server import Raw
+
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 600000000\r\n\r\n"
+    endless = Raw(b"7" * 65536, count=1024, head=head)  # 64 MiB of a declared 600 MB, sent as fast as it is read
+    with JsonServer(lambda body, headers: (200, endless, 0.0)) as server:
+        reward = build_reward("remote", rm_url=server.url, reward_max_bytes=2**20, reward_retries=1)
+        tracemalloc.start()
+        try:
+            with pytest.raises(RewardServiceError, match=r"reply over 1048576 bytes \(--reward-max-bytes\)"):
+                reward(random_images(1), ["a"], None)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peak < 8 * 2**20, peak  # about the cap, not the 64 MiB on offer
+    assert server.raw_bytes_sent < 32 * 2**20  # the client stopped reading (what is left sits in socket buffers)
+
+    bomb = gzip.compress(json.dumps({"scores": [0.5]}).encode())  # the cap counts wire bytes: no decoding allowed
+    head = b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n" % len(bomb)
+    with JsonServer(lambda body, headers: (200, Raw(bomb, count=1, head=head), 0.0)) as server:
+        with pytest.raises(RewardServiceError, match="compressed"):
+            build_reward("remote", rm_url=server.url, reward_retries=1)(random_images(1), ["a"], None)
+    assert server.headers[0]["Accept-Encoding"] == "identity"
+
+
+def test_remote_auth_header_comes_from_the_environment_and_stays_secret(monkeypatch, caplog):
+    token = "Bearer rm-secret-4d1f"
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(ValueError, match="--rm-auth-env RM_TEST_TOKEN: that environment variable is unset"):
+        build_reward("remote", rm_url="http://127.0.0.1:9", rm_auth_env="RM_TEST_TOKEN")
+    monkeypatch.setenv("RM_TEST_TOKEN", token)
+    status = [200]
+
+    def respond(body, headers):  # echoes the header it got in its error body, as careless servers do
+        return (200, {"scores": [1.0] * len(body["prompts"])}, 0.0) if status[0] == 200 else (
+            status[0], f"bad credentials {headers.get('Authorization')}", 0.0)
+
+    with JsonServer(respond) as server:
+        reward = build_reward("remote", rm_url=server.url, rm_auth_env="RM_TEST_TOKEN", **FAST)
+        assert reward(random_images(2), ["a", "b"], None)["reward"].tolist() == [1.0, 1.0]
+        status[0] = 500  # retried and logged at each attempt
+        with pytest.raises(RewardServiceError) as err:
+            reward(random_images(2), ["a", "b"], None)
+    assert all(h["Authorization"] == token for h in server.headers)
+    assert "failed after 3 attempt(s): _HTTPStatus: HTTP 500" in str(err.value)
+    assert "bad credentials ***" in str(err.value)
+    assert "retrying" in caplog.text
+    for text in (str(err.value), caplog.text, repr(reward)):
+        assert "rm-secret-4d1f" not in text
+
+
+# ----------------------------------------------------------------------------- configs and hooks checked at build
+
+@pytest.mark.parametrize("reward, flag", [("openai_api", "--openai-api-rm-config"),
+                                          ("custom_api", "--custom-api-rm-config")])
+def test_service_configs_are_checked_when_built(tmp_path, reward, flag):
+    key = reward + "_rm_config"
+    base = {"model": "m", "base_url": "http://127.0.0.1:9"}
+    for text in ("[]", "0", '""', "- model: m"):  # YAML that is not a mapping
+        path = tmp_path / "c.yaml"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"{flag} must hold a YAML mapping"):
+            build_reward(reward, **{key: str(path)})
+    for value in (0, -1, True, 1.5):
+        match = f"{flag}: max_concurrency must be an integer >= 1, got {type(value).__name__}"
+        with pytest.raises(ValueError, match=match):
+            build_reward(reward, **{key: {**base, "max_concurrency": value}})
+    with pytest.raises(ValueError, match=f"{flag}: timeout_s must be a finite number > 0"):
+        build_reward(reward, **{key: {**base, "timeout_s": "10"}})
+    with pytest.raises(ValueError, match="score_min 5 must be below score_max 4"):
+        build_reward(reward, **{key: {**base, "score_min": 5}})
+
+
+def test_custom_api_class_and_values_are_checked():
+    with pytest.raises(ValueError, match="class builtins.dict has no build_request, send_request, parse_response"):
+        build_reward("custom_api", custom_api_rm_config={"class": "builtins.dict", "url": "http://127.0.0.1:9"})
+    match = r"--custom-api-rm-config: reward_server.PlainScoreApi\(scale\) failed: .*'url'"  # a missing keyword
+    with pytest.raises(ValueError, match=match):
+        build_reward("custom_api", custom_api_rm_config={"class": "reward_server.PlainScoreApi", "scale": 2})
+    for value, shown in [(True, "bool True"), ("2", "str '2'"), (None, "NoneType None")]:
+        with JsonServer(lambda body, headers: (200, {"value": value}, 0.0)) as server:
+            config = {"class": "reward_server.BoolScoreApi", "url": server.url}
+            reward = build_reward("custom_api", custom_api_rm_config=config, reward_retries=1)
+            with pytest.raises(RewardServiceError, match=f"parse_response's value is not a number: {shown}"):
+                reward(random_images(1), ["a"], None)
+
+
+def returns(value):
+    def fn(images, prompts, metadata, args):
+        return value(prompts) if callable(value) else value
+    return fn
+
+
+BAD_RETURNS = {
+    "none": returns(None),
+    "strings": returns(lambda p: ["1"] * len(p)),  # numbers in strings are refused, not parsed
+    "short": returns(lambda p: [1.0]),
+    "ragged": returns(lambda p: [[1.0], [1.0, 2.0]]),
+    "bool_failed": returns(lambda p: {"reward": [1.0] * len(p), "failed": ["yes"] * len(p)}),
+}
+EXTRAS = returns(lambda p: {"reward": [1.0, 2.0], "acc_red": [float("nan"), 1.0]})
+INF_EXTRA = returns(lambda p: {"reward": [1.0, 2.0], "acc_red": [float("inf"), 1.0]})
+
+
+@pytest.mark.parametrize("name, match", [("none", "returned scores NoneType None; give 2 numbers"),
+                                         ("strings", r"returned scores list \['1', '1'\]; give 2 numbers"),
+                                         ("short", r"returned 1 scores for 2 samples: list \[1.0\]"),
+                                         ("ragged", "returned scores list"),
+                                         ("bool_failed", "returned 'failed' values list .*; give 2 booleans")])
+def test_custom_returns_that_are_not_scores_are_one_line_errors(monkeypatch, name, match):
+    monkeypatch.setattr(rewards, "_TEST_FN", BAD_RETURNS[name], raising=False)
+    reward = build_reward("custom", custom_rm_path="rewards._TEST_FN")
+    with pytest.raises(ValueError, match=f"--custom-rm-path rewards._TEST_FN {match}") as err:
+        reward(random_images(2), ["a", "b"], None)
+    assert "\n" not in str(err.value)
+
+
+def test_extra_entries_may_be_nan_but_not_inf(monkeypatch):
+    monkeypatch.setattr(rewards, "_TEST_FN", EXTRAS, raising=False)
+    out = build_reward("custom", custom_rm_path="rewards._TEST_FN")(random_images(2), ["a", "b"], None)
+    assert math.isnan(out["acc_red"][0]) and out["acc_red"][1] == 1.0  # "does not apply to this sample"
+    assert out["reward"].tolist() == [1.0, 2.0]
+    monkeypatch.setattr(rewards, "_TEST_FN", INF_EXTRA, raising=False)
+    with pytest.raises(NonFiniteReward, match=r"reward 'custom' \(acc_red\) gave inf for sample 0"):
+        build_reward("custom", custom_rm_path="rewards._TEST_FN")(random_images(2), ["a", "b"], None)
+
+
+def test_raise_mode_stops_sending_after_the_first_failure(tmp_path, monkeypatch):
+    monkeypatch.setenv("REWARD_TEST_KEY", KEY)
+
+    def respond(body, headers):
+        return 401, "{}", 0.0
+
+    with JsonServer(respond) as server:
+        config = api_config(tmp_path, server.url, max_concurrency=1)
+        with pytest.raises(RewardServiceError, match="sample 0 failed after 1 attempt"):
+            build_reward("openai_api", openai_api_rm_config=config)(random_images(6), PROMPTS, None)
+    assert len(server.bodies) <= 2  # sample 0 fails, at most the one request already started follows
