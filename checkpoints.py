@@ -6,7 +6,8 @@ A run folder (`--out`) holds
     metrics.jsonl         one JSON object per step (append_metrics); trimmed back to the checkpoint on resume
     samples/              sample grids
     checkpoints/<step>/   trainable.safetensors (weights by parameter name), optimizer.pt, rng.pt, state.json,
-                          ema.safetensors (EMA on), lora/ (LoRA runs: loads with diffusers' load_lora_weights)
+                          ema.safetensors (EMA on), lora/ (LoRA runs: loads with diffusers' load_lora_weights;
+                          it holds the EMA weights when the run keeps an EMA, the live ones otherwise)
 
 A checkpoint is written under checkpoints/.tmp-<step>, flushed, and renamed: its folder appears complete or not
 at all. manifest.json (the size and SHA-256 of every file) is written after the files and state.json (the
@@ -18,7 +19,9 @@ checkpoint that verifies. Everything is safetensors or loadable with torch.load(
     write(args, step, pipe, trainable, optimizer, ema, device, extra)   every rank calls it; rank 0 writes
     load(path, args, trainable, optimizer, fsdp_model=None) -> (state, ema)
     verify(path) -> None, or why the checkpoint cannot be trusted
+    ema_weights(params, ema)   context: the trained parameters hold their EMA inside, their live values after
 """
+import contextlib
 import datetime
 import glob
 import hashlib
@@ -244,8 +247,9 @@ def save(args, step, pipe, weights, optim_state, ema, extra):
         os.makedirs(tmp)
         save_file({n: p.detach().float().cpu().contiguous() for n, p in weights.items()},
                   os.path.join(tmp, "trainable.safetensors"))
-        if args.lora_rank > 0:
-            models.save_lora(pipe, os.path.join(tmp, "lora"))  # loads with pipe.load_lora_weights(<step>/lora)
+        if args.lora_rank > 0:  # loads with pipe.load_lora_weights(<step>/lora); the EMA when there is one
+            with ema_weights(weights, ema):
+                models.save_lora(pipe, os.path.join(tmp, "lora"))
         if ema is not None:
             save_file({n: t.cpu().contiguous() for n, t in ema.items()}, os.path.join(tmp, "ema.safetensors"))
         torch.save(optim_state, os.path.join(tmp, "optimizer.pt"))
@@ -272,6 +276,26 @@ def save(args, step, pipe, weights, optim_state, ema, extra):
     for old in checkpoint_dirs(args.out)[:-args.keep_checkpoints]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+@contextlib.contextmanager
+def ema_weights(params, ema):
+    """Inside, the trained parameters hold their EMA, what is evaluated and exported (Flow-GRPO swaps its EMA in to
+    evaluate and save: ema.py copy_ema_to / copy_temp_to); on exit they hold their live values again, to train on.
+    params: {name: parameter (FSDP: its shard)}; ema: {name: tensor} of the same layout, or None (nothing changes)."""
+    if ema is None:
+        yield
+        return
+    live = {name: param.detach().clone() for name, param in params.items()}
+    try:
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(ema[name])
+        yield
+    finally:
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(live[name])
 
 
 def _write_json(path, obj):

@@ -8,7 +8,8 @@
 
 Every prompt gets the same initial noise in every column (seeded by --seed and the prompt's index), so
 the columns of the grid and of the table differ only by the weights. The base model is always the
-first column. `--ema` evaluates a checkpoint's EMA weights when it has them.
+first column. A checkpoint with EMA weights is scored by its EMA, as train.py's --eval-every and as Flow-GRPO
+evaluates; `--no-ema` scores its live weights instead.
 """
 import argparse
 import contextlib
@@ -160,7 +161,8 @@ def main(argv=None):
     p.add_argument("--model", default="tiny", choices=list(models.MODELS))
     p.add_argument("--model-path", default=None, help="hub id or local folder of the base pipeline")
     p.add_argument("--checkpoints", nargs="*", default=[], help="train.py checkpoint folders (<run>/checkpoints/<step>)")
-    p.add_argument("--ema", action="store_true", help="use the checkpoints' EMA weights where saved")
+    p.add_argument("--ema", action=argparse.BooleanOptionalAction, default=True,
+                   help="score a checkpoint's EMA weights where it has them (as train.py evaluates and exports)")
     p.add_argument("--prompts", default="prompts/tiny.txt", help="held-out prompts (.txt or .jsonl)")
     p.add_argument("--input-key", default="input", help="JSONL key of the prompt (GenEval files: prompt)")
     p.add_argument("--metadata-key", default="metadata", help="JSONL key of the metadata; '' takes the whole row")
@@ -206,7 +208,7 @@ def main(argv=None):
 
     kw = dict(resolution=args.resolution, num_steps=args.eval_steps, guidance_scale=args.guidance_scale,
               seed=args.seed, batch_size=args.batch_size, device=device)
-    names, columns, tables = ["base"], [], []
+    names, columns, tables, weights = ["base"], [], [], {}
     with models.reference(pipe) if rank else contextlib.nullcontext():
         columns.append(sample_images(pipe, prompts, **kw))
     tables.append(score(reward_fn, columns[0], prompts, metadata))
@@ -215,6 +217,7 @@ def main(argv=None):
             pipe.transformer.load_state_dict(base)
         load_weights(pipe, ckpt, use_ema=args.ema)
         names.append(ckpt.rstrip("/"))
+        weights[names[-1]] = "ema" if args.ema and os.path.isfile(os.path.join(ckpt, "ema.safetensors")) else "live"
         columns.append(sample_images(pipe, prompts, **kw))
         tables.append(score(reward_fn, columns[-1], prompts, metadata))
 
@@ -224,7 +227,7 @@ def main(argv=None):
     for name, table in zip(names, tables):
         print(f"{name[-40:]:<40}" + "".join(f"{table.get(k, float('nan')):>24.5f}" for k in keys))
     summary = {"prompts": args.prompts, "num_prompts": len(prompts), "eval_steps": args.eval_steps,
-               "results": {name: table for name, table in zip(names, tables)}}
+               "results": {name: table for name, table in zip(names, tables)}, "weights": weights}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     save_grid(os.path.join(args.out, "grid.png"), columns, names, prompts, tables)

@@ -217,8 +217,15 @@ def parse_args(argv=None):
     p.add_argument("--minibatches", type=POSITIVE_INT, default=None, help="optimizer steps per pass over the batch")
     p.add_argument("--updates-per-batch", type=POSITIVE_INT, default=1, help="passes over each sampled batch")
     p.add_argument("--ema-decay", type=bounded(float, 0, 1, high_open=True), default=0.0,
-                   help="EMA of trained weights (0: off)")
-    p.add_argument("--ema-every", type=POSITIVE_INT, default=1, help="optimizer steps between EMA updates")
+                   help="EMA of the trained weights (0: off), warmed up as flow_grpo/ema.py: the decay after n "
+                        "optimizer steps is min((1 + n) / (10 + n), this). Evaluation (--eval-every) and the "
+                        "exported lora/ use the EMA; trainable.safetensors keeps the live weights to resume from")
+    p.add_argument("--ema-every", type=POSITIVE_INT, default=1,
+                   help="update the EMA after optimizer steps n with (n + 1) %% this == 0, as flow_grpo/ema.py")
+    p.add_argument("--ema-repeat", type=POSITIVE_INT, default=1,
+                   help="apply the decay this many times per update: Flow-GRPO steps its EMA after every micro-batch, "
+                        "so each due update repeats once per accumulated micro-batch (2 in its 32-GPU configs, 4 in "
+                        "GRPO-Guard's 16-GPU ones)")
     # logging and checkpoints
     p.add_argument("--steps", type=POSITIVE_INT, default=None, help="training steps (each: one sampled batch)")
     p.add_argument("--seed", type=SEED, default=0, help="seed; rank r samples with seed-derived noise per step")
@@ -318,11 +325,12 @@ def main(argv=None):
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     transformer = pipe.transformer
 
-    start_step, bad_in_a_row = 0, 0
+    start_step, bad_in_a_row, optimizer_steps = 0, 0, 0  # optimizer_steps: all of the run's, for the EMA
     if resume_from:
         state, saved_ema = checkpoints.load(resume_from, args, trainable, optimizer,
                                             fsdp_model=transformer if args.fsdp else None)
         start_step, bad_in_a_row = state["step"], state.get("bad_in_a_row", 0)
+        optimizer_steps = state.get("optimizer_steps", 0)
         ema = saved_ema if ema is not None and saved_ema is not None else ema
         print0(f"resumed from {resume_from} at step {start_step}")
         if start_step >= args.steps:
@@ -359,13 +367,16 @@ def main(argv=None):
         if wandb_run:
             wandb_run.log(info, step=info["step"])
 
+    def run_state():  # what a checkpoint's state.json carries besides the step
+        return dict(bad_in_a_row=bad_in_a_row, optimizer_steps=optimizer_steps)
+
     def check_and_checkpoint(info):  # stop on too many bad steps; save when due or preempted; True = end the run
         if bad_in_a_row >= args.max_bad_steps:
             raise SystemExit(f"error: {bad_in_a_row} consecutive steps were skipped (last: {info.get('skip_reason')}); "
                              "fix the reward, or lower --lr for non-finite gradients (see --max-bad-steps)")
         stopping = distributed.any_rank(stop["signal"] is not None, device)
         if (args.save_every and step % args.save_every == 0) or step == args.steps or stopping:
-            checkpoints.write(args, step, pipe, trainable, optimizer, ema, device, dict(bad_in_a_row=bad_in_a_row))
+            checkpoints.write(args, step, pipe, trainable, optimizer, ema, device, run_state())
         if stopping:
             print0(f"stopped by {stop['signal'] or 'a signal on another rank'} after step {step}; "
                    f"checkpoint saved, continue with --resume auto --out {args.out}")
@@ -415,7 +426,7 @@ def main(argv=None):
         scores, failed, bad = collect_rewards(futures, my_prompts, args, step, device, reward_pool, stop)
         if scores is None:  # a signal arrived while waiting: keep the last complete step, redo this one on resume
             if not os.path.isfile(os.path.join(args.out, "checkpoints", str(step), "state.json")):
-                checkpoints.write(args, step, pipe, trainable, optimizer, ema, device, dict(bad_in_a_row=bad_in_a_row))
+                checkpoints.write(args, step, pipe, trainable, optimizer, ema, device, run_state())
             print0(f"stopped by {stop['signal'] or 'a signal on another rank'} while waiting for rewards in step "
                    f"{step + 1}; checkpoint {step} saved, continue with --resume auto --out {args.out}")
             reward_pool.shutdown(wait=False, cancel_futures=True)
@@ -537,11 +548,13 @@ def main(argv=None):
                 scaler.update()
                 optimizer.zero_grad(set_to_none=True)
                 optim_steps += 1
+                optimizer_steps += 1
                 stats.setdefault("grad_norm", []).append(grad_norm.item())
-                if ema is not None and optim_steps % args.ema_every == 0:
+                if ema is not None and (optimizer_steps + 1) % args.ema_every == 0:  # flow_grpo/ema.py's schedule
+                    decay = min((1 + optimizer_steps) / (10 + optimizer_steps), args.ema_decay) ** args.ema_repeat
                     with torch.no_grad():
                         for name, param in trainable:
-                            ema[name].lerp_(param.detach().float(), 1 - args.ema_decay)
+                            ema[name].lerp_(param.detach().float(), 1 - decay)
 
         # The ratio check (departure 2): exact forwards must reproduce the rollout's log-probs.
         first_ratio_dev = max(stats.get("first_ratio_dev", [0.0]))
@@ -589,12 +602,14 @@ def main(argv=None):
                                             my_prompts, train_reward.tolist())
             warn_divergence(info, args)
         # Held-out ODE samples, fixed noise. Under FSDP every forward is collective: all ranks sample, rank 0 scores.
+        # With --ema-decay the EMA weights are evaluated, as Flow-GRPO does.
         if args.eval_every and step % args.eval_every == 0 and (is_main or args.fsdp):
             pipe.transformer.eval()
-            eval_images = evaluation.sample_images(pipe, eval_prompts, resolution=args.resolution,
-                                                   num_steps=args.eval_steps, guidance_scale=sample_guidance,
-                                                   seed=args.seed, device=device, batch_size=args.sample_batch_size,
-                                                   negative_prompt=args.negative_prompt)
+            with checkpoints.ema_weights(dict(trainable), ema):
+                eval_images = evaluation.sample_images(pipe, eval_prompts, resolution=args.resolution,
+                                                       num_steps=args.eval_steps, guidance_scale=sample_guidance,
+                                                       seed=args.seed, device=device, batch_size=args.sample_batch_size,
+                                                       negative_prompt=args.negative_prompt)
             if is_main:
                 eval_scores = evaluation.score(reward_fn, eval_images, eval_prompts, eval_meta)
                 evaluation.append_scores(os.path.join(args.out, "eval.jsonl"), step, eval_scores)

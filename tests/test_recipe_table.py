@@ -14,7 +14,9 @@ How the authors' knobs map onto train.py's flags:
   epoch -> --minibatches 2; num_inner_epochs -> --updates-per-batch; noise_level -> --eta; train.cfg ->
   --train-cfg; train.beta -> --kl-beta (Flow-GRPO's form, --kl-form flow-grpo); sample.global_std -> --global-std;
   train.ema with EMAModuleWrapper(decay=0.9, update_step_interval=8) in train_sd3.py -> --ema-decay 0.9
-  --ema-every 8; sample.same_latent / MixGRPO --init_same_noise -> --same-noise-per-group; rationorm -> --loss guard;
+  --ema-every 8, and since train_sd3.py steps it after every micro-batch, each due update is applied once per
+  accumulated micro-batch: gradient_accumulation_steps = 2 on general_ocr_sd3's 32 GPUs, 4 on GRPO-Guard's 16
+  -> --ema-repeat 2 / 4; sample.same_latent / MixGRPO --init_same_noise -> --same-noise-per-group; rationorm -> --loss guard;
   sde_window_size / sde_window_range -> --window-size / --window-range (sde_type "cps" -> --sde cps).
   MixGRPO: --num_generations -> --group-size; 32 GPUs x --train_batch_size 1 -> --prompts-per-step 32;
   12 images per GPU / --gradient_accumulation_steps 3 = 4 optimizer steps -> --minibatches 4 of per-GPU micro-batches
@@ -39,11 +41,11 @@ FLOW_GRPO_OCR = dict(
     timestep_fraction=0.99, sde_window="all", group_size=24, prompts_per_step=48, sample_batch_size=9,
     train_batch_size=9, minibatches=2, updates_per_batch=1, loss="grpo", clip_range=1e-4, adv_clip=5.0, kl_beta=0.04,
     kl_form="flow-grpo", global_std=True, same_noise_per_group=False, lora_rank=32, lora_alpha=64.0, lr=3e-4,
-    weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="fp16", ema_decay=0.9, ema_every=8, eval_every=60,
+    weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="fp16", ema_decay=0.9, ema_every=8, ema_repeat=2, eval_every=60,
     save_every=60, reward="ocr")
 # flow_grpo config/grpo_guard.py general_ocr_sd3_rationorm (scripts/train_sd3_GRPO_Guard.py).
 GUARD_OCR = dict(FLOW_GRPO_OCR, loss="guard", clip_range=2e-6, lr=1e-4, kl_beta=0.0, global_std=False, eval_every=30,
-                 save_every=30)
+                 save_every=30, ema_repeat=4)  # 16 GPUs: 8 rollout batches, gradient accumulation 4
 GUARD_OCR.pop("kl_form")  # no KL term
 # MixGRPO scripts/finetune/finetune_flux_grpo_MixGRPO.sh (fastvideo/train_grpo_flux.py, utils/sampling_utils.py).
 MIXGRPO = dict(

@@ -169,3 +169,64 @@ def test_fast_window_is_drawn_per_rollout_batch(tmp_path, monkeypatch):
     windows.clear()
     train.main([*flags, "--out", str(tmp_path / "again")])
     assert windows == first
+
+
+def test_ema_follows_flow_grpos_schedule_across_a_resume(tmp_path, monkeypatch):
+    """flow_grpo/ema.py: after optimizer step n (the count so far), when (n + 1) % every == 0, decay
+    d = min((1 + n) / (10 + n), decay), applied --ema-repeat times. The count survives a resume."""
+    from safetensors.torch import load_file
+    monkeypatch.chdir(ROOT)
+    flags = [*SMALL, "--prompts-per-step", "2", "--train-batch-size", "4", "--lr", "1e-2", "--ema-decay", "0.9",
+             "--ema-every", "2", "--ema-repeat", "2", "--save-every", "1", "--keep-checkpoints", "5"]
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    train.main([*flags, "--steps", "4", "--out", full])
+    base = {k: v.detach() for k, v in models.load_pipeline("tiny").transformer.named_parameters()}
+    expected = dict(base)
+    for n in range(1, 5):  # one optimizer step per training step: the live weights after step n are checkpoint n
+        if (n + 1) % 2 == 0:
+            d = min((1 + n) / (10 + n), 0.9) ** 2
+            live = weights(full, n)
+            expected = {k: d * expected[k] + (1 - d) * live[k] for k in expected}
+    ema = load_file(os.path.join(full, "checkpoints", "4", "ema.safetensors"))
+    assert all(torch.allclose(ema[k], expected[k], rtol=0, atol=1e-6) for k in ema)
+    assert any(not torch.equal(ema[k], weights(full, 4)[k]) for k in ema)
+    train.main([*flags, "--steps", "2", "--out", part])
+    train.main([*flags, "--steps", "4", "--out", part, "--resume", "auto"])
+    resumed = load_file(os.path.join(part, "checkpoints", "4", "ema.safetensors"))
+    assert all(torch.allclose(resumed[k], ema[k], rtol=0, atol=1e-6) for k in ema)
+
+
+def test_ema_is_what_is_evaluated_and_exported(tmp_path, monkeypatch):
+    """With an EMA, train.py's --eval-every, eval.py on a checkpoint and its lora/ export all use the EMA weights;
+    trainable.safetensors keeps the live ones (to resume from), and eval.py --no-ema scores those."""
+    import eval as evaluation
+    monkeypatch.chdir(ROOT)
+    out = str(tmp_path / "run")
+    common = ["--resolution", "32", "--eval-steps", "4", "--seed", "0", "--reward", "jpeg_compressibility"]
+    train.main([*SMALL, *common, "--prompts-per-step", "2", "--train-batch-size", "4", "--lora-rank", "4",
+                "--lora-alpha", "4", "--lr", "0.05", "--ema-decay", "0.5", "--steps", "2", "--eval-every", "2",
+                "--eval-prompts", "prompts/tiny.txt", "--out", out])
+    ckpt = os.path.join(out, "checkpoints", "2")
+    with open(os.path.join(out, "eval.jsonl")) as f:
+        during = json.loads(f.readlines()[-1])
+    n = len(open("prompts/tiny.txt").read().splitlines())
+    scored = {}
+    for flag in ("--ema", "--no-ema"):
+        summary = evaluation.main([*common, "--checkpoints", ckpt, "--max-prompts", str(n), "--batch-size", "4",
+                                   "--guidance-scale", "1", "--prompts", "prompts/tiny.txt", flag,
+                                   "--out", str(tmp_path / flag)])
+        scored[flag] = summary["results"][ckpt]["jpeg_compressibility"]
+        assert summary["weights"][ckpt] == ("ema" if flag == "--ema" else "live")
+    key = next(k for k in during if "jpeg" in k)
+    assert during[key] == pytest.approx(scored["--ema"], rel=1e-5) and scored["--ema"] != scored["--no-ema"]
+    # lora/ (what diffusers loads) is the EMA adapter.
+    pipe = models.load_pipeline("tiny")
+    x = models.initial_noise(pipe, 2, 32, generator=torch.Generator().manual_seed(0))
+    embeds = models.encode_prompts(pipe, ["a red cube", "a blue ball"])
+    pipe.load_lora_weights(os.path.join(ckpt, "lora"))
+    exported = models.velocity(pipe, x, 0.5, embeds)
+    for use_ema, same in ((True, True), (False, False)):
+        ours = models.load_pipeline("tiny")
+        models.add_lora(ours, 4, 4)
+        evaluation.load_weights(ours, ckpt, use_ema=use_ema)
+        assert torch.allclose(models.velocity(ours, x, 0.5, embeds), exported, atol=1e-5) == same
