@@ -25,7 +25,9 @@ Where this departs from the papers, and why
    them (ratio == 1). This catches rollout/train mismatches (CFG on one side only, dtype, a stale adapter)
    that otherwise train silently off-policy.
 3. The last denoising step (sigma ~0.01 -> 0) is always an ODE step and never trained: its transition
-   std is ~0 and its log-prob would dominate the ratio (Flow-GRPO trains it with timestep_fraction 0.99).
+   std is ~0 and its log-prob would dominate the ratio. Flow-GRPO's timestep_fraction 0.99 leaves it out
+   too (int(10 x 0.99) = 9 of 10 steps); only a Flow-GRPO-Fast window could reach it, which its default
+   sde_window_range (0, T) allows and --window-range refuses.
 4. Groups whose reward service failed (`--reward-on-error skip`) are dropped from the advantages as
    whole groups (a partial group would shift the group mean of the others): advantage 0, below.
    Samples with advantage 0 (those, and saturated groups, whose rewards are all equal) leave the update,
@@ -37,6 +39,14 @@ Where this departs from the papers, and why
    weights a sample by 1 / (the count on its GPU) and so depends on where the samples landed.
 5. Rewards are computed in a background thread while the next sample batch is generated; the result is
    identical to scoring afterwards, only earlier.
+6. The EMA repeats its decay --ema-repeat times per update, fixed in the recipe. Flow-GRPO steps its EMA
+   after every micro-batch, so the repeat count is its gradient accumulation, which changes with the GPU
+   count (2 on general_ocr_sd3's 32 GPUs, 8 on 8 GPUs); stating it keeps a recipe's EMA the published
+   one on any number of GPUs.
+7. MixGRPO: the window slides to its last full position and stays there (or rolls back); MixGRPO's
+   shrinks to nothing first (from its iteration 500 at 25 steps; its published runs stop at 300). Under
+   --flash the solver after the window starts at first order; MixGRPO's carries the window's x0
+   predictions into its second-order history.
 """
 import argparse
 import contextlib
