@@ -448,7 +448,7 @@ def _klein_noise(pipe, batch, height, width, num_frames, generator):
     side = math.isqrt(tokens)
     x = randn_tensor((batch, channels, side, side), generator=generator, device=pipe._execution_device,
                      dtype=torch.float32)  # Flux2KleinPipeline.prepare_latents draws patchified latents
-    return pipe._pack_latents(x)  # [B, h w, C]
+    return pipe._pack_latents(x).contiguous()  # [B, h w, C]; contiguous like every stored state, so bits match
 
 
 def _klein_cfg(pipe, guidance_scale):
@@ -495,11 +495,21 @@ def _klein_decode(pipe, latents):
     return torch.cat(images)
 
 
-def _klein_sigmas(pipe, num_steps, height, width, shift):
-    from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+def klein_mu(image_tokens, num_steps):
+    """FLUX.2's empirical shift (compute_empirical_mu, pipeline_flux2_klein.py): above 4300 image tokens
+    mu = 1.6927e-4 L + 0.45667; below, linear in the step count N between its fits at N = 10
+    (8.738e-5 L + 1.89833) and N = 200 (the large-L line)."""
+    mu_200 = 0.00016927 * image_tokens + 0.45666666
+    if image_tokens > 4300:
+        return mu_200
+    mu_10 = 8.73809524e-05 * image_tokens + 1.89833333
+    slope = (mu_200 - mu_10) / 190.0
+    return slope * num_steps + mu_200 - 200.0 * slope
 
+
+def _klein_sigmas(pipe, num_steps, height, width, shift):
     base = np.linspace(1.0, 1 / num_steps, num_steps)  # Flux2KleinPipeline.__call__
-    mu = compute_empirical_mu(image_seq_len=_image_tokens(pipe, height, width), num_steps=num_steps)
+    mu = klein_mu(_image_tokens(pipe, height, width), num_steps)
     return _models().flow_match_sigmas(pipe.scheduler.config, base, mu=mu, shift=shift)
 
 
