@@ -80,6 +80,27 @@ def save_grid(path, columns, names, prompts, tables):
     grid.save(path)
 
 
+def save_sample_grid(path, images, prompts, values, n=8):
+    """A row of up to n training samples, each captioned 'prompt | reward' (train.py's samples/)."""
+    from PIL import Image, ImageDraw
+    images = images[:n].numpy()
+    h, w = images.shape[1:3]
+    cap = 28
+    grid = Image.new("RGB", (w * len(images), h + cap), "white")
+    draw = ImageDraw.Draw(grid)
+    for i, img in enumerate(images):
+        grid.paste(Image.fromarray(img), (i * w, 0))
+        draw.text((i * w + 2, h + 2), f"{prompts[i][:max(4, w // 7)]}", fill="black")
+        draw.text((i * w + 2, h + 14), f"| {values[i]:.4f}", fill="black")
+    grid.save(path)
+
+
+def append_scores(path, step, scores):
+    """One line of eval.jsonl: the step and the mean of every reward entry."""
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": step, **scores}) + "\n")
+
+
 def plot_run(run_dir, out=None):
     """Reward and loss curves of a run's metrics.jsonl -> PNG."""
     import matplotlib

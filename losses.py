@@ -49,6 +49,21 @@ def _ratio_stats(ratio, log_ratio):
             "approx_kl": 0.5 * (log_ratio.detach().float() ** 2).mean().item()}
 
 
+def _clipped_surrogate(log_ratio, adv, clip_range):
+    """PPO's clipped surrogate per sample (arXiv:1707.06347, Eq. 7, negated to a loss):
+
+        max(-A r, -A clip(r, 1 - eps, 1 + eps)),  r = exp(log_ratio)
+
+    A term whose ratio has left [1 - eps, 1 + eps] in the advantage's direction is the clipped,
+    constant branch and carries no gradient. Returns ([B], info with the ratio statistics and clipfrac)."""
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range)
+    info = _ratio_stats(ratio, log_ratio)
+    info["clipfrac"] = ((ratio.detach() - 1).abs() > clip_range).float().mean().item()
+    return torch.maximum(unclipped, clipped), info
+
+
 def group_advantages(rewards, group_ids, *, global_std=False, eps=1e-4, clip=5.0):
     """A_i = (r_i - mean of i's group) / (std + eps), clipped to +-clip.
 
@@ -86,13 +101,8 @@ def grpo_loss(log_prob, old_log_prob, adv, *, clip_range, adv_clip=None):
     _check(log_prob, old_log_prob, adv)
     adv = adv.float() if adv_clip is None else adv.float().clamp(-adv_clip, adv_clip)
     log_ratio = log_prob.float() - old_log_prob.float()
-    ratio = torch.exp(log_ratio)
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range)
-    loss = torch.maximum(unclipped, clipped).mean()
-    info = _ratio_stats(ratio, log_ratio)
-    info["clipfrac"] = ((ratio.detach() - 1).abs() > clip_range).float().mean().item()
-    return loss, info
+    per_sample, info = _clipped_surrogate(log_ratio, adv, clip_range)
+    return per_sample.mean(), info
 
 
 def kl_penalty(mean, ref_mean, std):
@@ -122,12 +132,8 @@ def guard_loss(log_prob, old_log_prob, mean, old_mean, std, dt, adv, *, clip_ran
         raise ValueError("guard_loss needs a positive transition std (an ODE step or --eta 0 has none)")
     mse = ((mean.float() - old_mean.float()) ** 2).mean(_dims(mean))  # [B], per sample
     log_ratio = (log_prob.float() - old_log_prob.float()) * c + mse / (2 * c)
-    ratio = torch.exp(log_ratio)
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range)
-    per_sample = torch.maximum(unclipped, clipped) / -_per_sample(dt, log_prob)
-    info = _ratio_stats(ratio, log_ratio)
-    info["clipfrac"] = ((ratio.detach() - 1).abs() > clip_range).float().mean().item()
+    per_sample, info = _clipped_surrogate(log_ratio, adv, clip_range)
+    per_sample = per_sample / -_per_sample(dt, log_prob)  # the gradient reweight
     info["mean_shift"] = mse.detach().mean().item()
     return per_sample.mean(), info
 

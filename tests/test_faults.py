@@ -15,6 +15,32 @@ from test_train import ROOT, SMALL, metrics, run, train
 
 FAST = SMALL + ["--log-images-every", "0"]
 
+# Faults injected from outside the training code: `python -c` patches a library call, then runs train.main.
+SLOW_SAVE = textwrap.dedent('''
+    import sys, time, torch, train
+    delay = float(sys.argv.pop(1))
+    real_save = torch.save
+    def save(obj, f, *a, **k):
+        real_save(obj, f, *a, **k)
+        if str(f).endswith("rng.pt"):  # the checkpoint's files are written, its state.json not yet
+            time.sleep(delay)
+    torch.save = save
+    train.main(sys.argv[1:])
+''')
+NAN_LOSS_AT_STEP = textwrap.dedent('''
+    import sys, data, losses, train
+    nan_step, current = int(sys.argv.pop(1)), {}
+    real_ids, real_loss = data.step_prompt_ids, losses.grpo_loss
+    def step_prompt_ids(num_prompts, step, **k):  # called once at the start of every step
+        current["step"] = step + 1
+        return real_ids(num_prompts, step, **k)
+    def grpo_loss(*a, **k):
+        loss, info = real_loss(*a, **k)
+        return (loss * float("nan") if current["step"] == nan_step else loss), info
+    data.step_prompt_ids, losses.grpo_loss = step_prompt_ids, grpo_loss
+    train.main(sys.argv[1:])
+''')
+
 
 def start(cmd, env=None):
     full_env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(env or {}))
@@ -71,8 +97,12 @@ def test_kill_9_mid_step_resumes_from_last_checkpoint(tmp_path, reference_run):
 
 def test_kill_9_mid_checkpoint_write_keeps_previous_checkpoint(tmp_path, reference_run):
     out = str(tmp_path / "run")
-    cmd = [sys.executable, "train.py", *FAST, "--steps", "5", "--save-every", "2", "--out", out]
-    proc = start(cmd, env={"FLOWRL_TEST_SAVE_DELAY": "30"})  # every save stalls before it is marked complete
+    flags = [*FAST, "--steps", "5", "--save-every", "2", "--out", out]
+    cmd = [sys.executable, "train.py", *flags]
+
+    def slow_saves(delay, *more):  # every save stalls for `delay` s before it is marked complete
+        return start([sys.executable, "-c", SLOW_SAVE, str(delay), *flags, *more])
+    proc = slow_saves(30)
     ckpts = os.path.join(out, "checkpoints")
     wait_for(lambda: os.path.isdir(os.path.join(ckpts, ".tmp-2")) and
              os.path.isfile(os.path.join(ckpts, ".tmp-2", "optimizer.pt")), proc)
@@ -80,11 +110,11 @@ def test_kill_9_mid_checkpoint_write_keeps_previous_checkpoint(tmp_path, referen
     proc.wait()
     assert not os.path.isdir(os.path.join(ckpts, "2"))
     # Now a clean save of 2, then a kill while writing 4: 2 must stay intact and be the one resumed.
-    proc = start([*cmd, "--resume", "auto"], env={"FLOWRL_TEST_SAVE_DELAY": "0"})
+    proc = slow_saves(0, "--resume", "auto")
     wait_for(lambda: os.path.isfile(os.path.join(ckpts, "2", "state.json")), proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    proc = start([*cmd, "--resume", "auto"], env={"FLOWRL_TEST_SAVE_DELAY": "30"})
+    proc = slow_saves(30, "--resume", "auto")
     wait_for(lambda: os.path.isfile(os.path.join(ckpts, ".tmp-4", "optimizer.pt")), proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -153,7 +183,8 @@ def test_nan_reward_skips_step_then_stops(tmp_path, mode):
 
 def test_nan_gradient_skips_update_without_touching_weights(tmp_path):
     from safetensors.torch import load_file
-    _, out = train(tmp_path, "--steps", "3", "--save-every", "1", *FAST[len(SMALL):], env={"FLOWRL_TEST_NAN_STEP": "2"})
+    out = str(tmp_path / "run")
+    run([sys.executable, "-c", NAN_LOSS_AT_STEP, "2", *FAST, "--steps", "3", "--save-every", "1", "--out", out], tmp_path)
     rows = metrics(out)
     assert rows[1]["skipped"] == 1 and rows[1]["skipped_updates"] == 1 and not rows[2].get("skipped")
     w1, w2, w3 = (load_file(os.path.join(out, "checkpoints", str(s), "trainable.safetensors")) for s in (1, 2, 3))

@@ -1,0 +1,147 @@
+"""Ranks, collectives and FSDP2 sharding: the multi-process plumbing of train.py, free of any algorithm.
+
+    RANK, WORLD, LOCAL_RANK, is_main     from torchrun's environment (0, 1, 0, True without torchrun)
+    init() -> device                     process group (NCCL on GPUs, gloo on CPUs) and this rank's device
+    print0(...)                          print on rank 0 only
+    all_gather_cat(t)                    [n, ...] on every rank -> [WORLD * n, ...] in rank order
+    any_rank(flag, device)               True everywhere when True anywhere (lockstep skips and stops)
+    barrier(), finish()
+    shard_transformer(transformer, device)                        FSDP2, one unit per transformer block
+    check_replicas(trainable, fsdp, device) -> [checksum per rank]
+    fsdp_full_state(model, optimizer, trainable, ema)             shards -> rank 0's full tensors
+    fsdp_load(model, optimizer, trainable, weights, optim_state)  rank 0's full tensors -> shards
+
+Every function here is called on every rank (the collectives need all of them); the script also runs
+without torchrun, where each of them reduces to the single-process case.
+"""
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+RANK, WORLD, LOCAL_RANK = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+is_main = RANK == 0
+
+
+def init():
+    """Join the process group (under torchrun) and return this rank's device."""
+    if WORLD > 1:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    device = torch.device(f"cuda:{LOCAL_RANK}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    return device
+
+
+def finish():
+    if WORLD > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def print0(*args, **kwargs):
+    if is_main:
+        print(*args, **kwargs, flush=True)
+
+
+def barrier():
+    if WORLD > 1:
+        dist.barrier()
+
+
+def all_gather_cat(t):
+    """Concatenate a per-rank tensor [n, ...] over ranks in rank order -> [WORLD * n, ...]."""
+    if WORLD == 1:
+        return t
+    out = [torch.empty_like(t) for _ in range(WORLD)]
+    dist.all_gather(out, t.contiguous())
+    return torch.cat(out)
+
+
+def any_rank(flag, device):
+    """True on every rank when flag is True on any rank (keeps ranks in lockstep on skips and stops)."""
+    if WORLD == 1:
+        return bool(flag)
+    t = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def shard_transformer(transformer, device):
+    """FSDP2, in place: each transformer block is one all-gather unit; the root holds embeddings and output layers.
+
+    Every forward all-gathers, so every rank must call the transformer the same number of times.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh(device.type, (WORLD,))
+    for blocks in ("transformer_blocks", "single_transformer_blocks"):  # SD3: joint blocks; FLUX: double + single
+        for block in getattr(transformer, blocks, []):
+            fully_shard(block, mesh=mesh)
+    # The root reshards after each forward too: by default, after a no_grad forward (rollout, eval) it keeps its
+    # gathered weights registered in place of its shards until the next backward. This way, outside a forward,
+    # named_parameters() are always the shards the optimizer holds. Costs one extra gather of the small root.
+    fully_shard(transformer, mesh=mesh, reshard_after_forward=True)
+
+
+def check_replicas(trainable, fsdp, device):
+    """Checksums of the trained weights, one per rank; raises when DDP replicas disagree (a desync caught early).
+
+    Under FSDP the shards are disjoint: their checksums are summed into the full model's, the same on every rank."""
+    local = [q.detach().to_local() if fsdp else q.detach() for _, q in trainable]
+    checksum = torch.stack([t.double().sum() + t.double().abs().sum() for t in local]).sum()
+    if fsdp:
+        dist.all_reduce(checksum)
+    sums = all_gather_cat(checksum.reshape(1).to(device)).tolist()
+    if max(sums) != min(sums):
+        raise SystemExit(f"error: the {WORLD} replicas hold different weights (checksums {sums}); not saving")
+    return sums
+
+
+def fsdp_full_state(model, optimizer, trainable, ema):
+    """Gather the shards into the checkpoint format of an unsharded run. Collective: every rank calls it; rank 0
+    receives (weights by parameter name, optimizer.state_dict() keyed by position, ema), the others empties."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on rank 0's CPU only
+    names = [n for n, _ in trainable]
+    full = get_model_state_dict(model, options=options)
+    weights = {n: full[n] for n in names} if is_main else {}  # parameters only, no buffers: as without FSDP
+    osd = get_optimizer_state_dict(model, optimizer, options=options)  # keyed by parameter name
+    position = {n: i for i, n in enumerate(names)}  # the optimizer was built over trainable, in this order
+    optim_state = {}
+    if is_main:
+        optim_state = {"state": {position[n]: s for n, s in osd["state"].items()},
+                       "param_groups": [dict(g, params=[position[n] for n in g["params"]])
+                                        for g in osd["param_groups"]]}
+    ema_full = None
+    if ema is not None:
+        ema_full = {}
+        for n, t in ema.items():  # one tensor at a time: at most one full tensor on the device
+            t = t.full_tensor()
+            if is_main:
+                ema_full[n] = t.cpu()
+    return weights, optim_state, ema_full
+
+
+def fsdp_load(model, optimizer, trainable, weights, optim_state):
+    """Scatter full tensors into the shards: rank 0 passes what it read from the checkpoint (weights by name,
+    optimizer.state_dict() keyed by position), the other ranks pass empty dicts."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+    names = [n for n, _ in trainable]
+    if is_main:  # keyed by position -> by name
+        optim_state = {"state": {names[i]: s for i, s in optim_state["state"].items()},
+                       "param_groups": [dict(g, params=[names[i] for i in g["params"]])
+                                        for g in optim_state["param_groups"]]}
+    # strict=False: the file holds parameters only; the buffers (fixed positional tables) stay as built.
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    set_model_state_dict(model, weights, options=options)
+    set_optimizer_state_dict(model, optimizer, optim_state, options=options)
+
+
+def shard_like(tensors, trainable):
+    """Full tensors by name (read by every rank) -> this rank's shards of the matching FSDP parameters."""
+    from torch.distributed.tensor import distribute_tensor
+    return {n: distribute_tensor(tensors[n].to(q.device), q.device_mesh, q.placements, src_data_rank=None)
+            for n, q in trainable}
