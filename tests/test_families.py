@@ -9,8 +9,12 @@ written by models.save_lora loads with the pipeline's load_lora_weights and give
 velocity. Also the schedules of sd3 and FLUX.1 (models.sigmas) against their pipelines.
 """
 
-import numpy as np
+import json
+import math
+import os
+
 import huggingface_hub.constants
+import numpy as np
 import pytest
 import torch
 
@@ -18,6 +22,9 @@ import families
 import models
 import rewards
 import sde
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROMPTS = ['a sign that says "hello"', "a red cube on a blue sphere"]
 TINY = ["tiny-wan", "tiny-qwen-image", "tiny-flux2-klein", "tiny-z-image"]
@@ -300,6 +307,28 @@ def test_prompt_length_defaults_and_override(pipes):
     z = pipes["tiny-z-image"]
     short = models.encode_prompts(z, ["word " * 80], max_sequence_length=24)
     assert short["prompt_mask"].sum() == 24  # the chat-templated prompt is cut at 24 tokens
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_train_runs_two_steps(name, tmp_path, monkeypatch):
+    """`python train.py --model tiny-<family> --steps 2`, shrunk: on-policy ratio 1, finite losses, samples saved
+    (an animated GIF per prompt for video)."""
+    from PIL import Image
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "run"
+    train.main(["--model", name, "--steps", "2", "--num-steps", "4", "--prompts-per-step", "2", "--group-size", "4",
+                "--sample-batch-size", "4", "--train-batch-size", "4", "--log-images-every", "2", "--out", str(out)])
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2] and not any(r.get("skipped") for r in rows)
+    assert rows[0]["first_ratio_dev"] < 1e-5 and all(math.isfinite(r["loss"]) for r in rows)
+    saved = sorted(os.listdir(out / "samples"))
+    if name == "tiny-wan":
+        assert saved == ["000002_0.gif"]  # the first 4 samples are one prompt's group
+        gif = Image.open(out / "samples" / saved[0])
+        assert gif.is_animated and gif.n_frames == 5 and gif.size == (4 * 64, 64 + 28)
+    else:
+        assert saved == ["000002.png"]
 
 
 @pytest.mark.parametrize("name", ["wan", "qwen-image", "flux2-klein", "z-image"])
