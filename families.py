@@ -618,6 +618,82 @@ def _z_sigmas(pipe, num_steps, height, width, shift):
     return m.flow_match_sigmas(pipe.scheduler.config, base, mu=mu, shift=shift)
 
 
+# ----------------------------------------------------------------------------- published configs
+# Transcribed from the hub repos' config.json files (and diffusers' convert_wan_to_diffusers.py /
+# convert_flux2_to_diffusers.py, which write them); {} means the diffusers class defaults, which are the
+# published model. For parameter counts and memory estimates on the meta device (no download):
+# scripts/family_memory.py and tests/test_families.py.
+
+_T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+               feed_forward_proj="gated-gelu")
+_UMT5_XXL = dict(_T5_XXL, vocab_size=256384)  # google/umt5-xxl, Wan's text encoder
+_QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+_QWEN3_8B = dict(_QWEN3_4B, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False)
+_QWEN25_VL_7B = dict(
+    text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4),
+    vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584),
+    vocab_size=152064)
+_CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+               projection_dim=768)
+_CLIP_G = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
+               projection_dim=1280, hidden_act="gelu")
+_WAN_T2V = dict(patch_size=(1, 2, 2), attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096,
+                freq_dim=256, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6)
+_KLEIN = dict(patch_size=1, in_channels=128, attention_head_dim=128, timestep_guidance_channels=256, mlp_ratio=3.0,
+              axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6, guidance_embeds=False)
+_KL_16 = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,  # FLUX.1's VAE (Z-Image)
+              up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+              latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
+              use_post_quant_conv=False)
+
+# name -> component -> (class, config); transformers classes for text encoders, diffusers classes otherwise
+PUBLISHED = {
+    "wan-1.3b": dict(transformer=("WanTransformer3DModel", dict(_WAN_T2V, num_attention_heads=12, ffn_dim=8960,
+                                                                num_layers=30)),
+                     text_encoder=("UMT5EncoderModel", _UMT5_XXL), vae=("AutoencoderKLWan", {})),
+    "wan-14b": dict(transformer=("WanTransformer3DModel", dict(_WAN_T2V, num_attention_heads=40, ffn_dim=13824,
+                                                               num_layers=40)),
+                    text_encoder=("UMT5EncoderModel", _UMT5_XXL), vae=("AutoencoderKLWan", {})),
+    "qwen-image": dict(transformer=("QwenImageTransformer2DModel", {}),
+                       text_encoder=("Qwen2_5_VLForConditionalGeneration", _QWEN25_VL_7B),
+                       vae=("AutoencoderKLQwenImage", {})),
+    "flux2-klein-4b": dict(transformer=("Flux2Transformer2DModel", dict(_KLEIN, num_layers=5, num_single_layers=20,
+                                                                        num_attention_heads=24, joint_attention_dim=7680)),
+                           text_encoder=("Qwen3ForCausalLM", _QWEN3_4B), vae=("AutoencoderKLFlux2", {})),
+    "flux2-klein-9b": dict(transformer=("Flux2Transformer2DModel", dict(_KLEIN, num_layers=8, num_single_layers=24,
+                                                                        num_attention_heads=32, joint_attention_dim=12288)),
+                           text_encoder=("Qwen3ForCausalLM", _QWEN3_8B), vae=("AutoencoderKLFlux2", {})),
+    "z-image": dict(transformer=("ZImageTransformer2DModel", {}), text_encoder=("Qwen3Model", _QWEN3_4B),
+                    vae=("AutoencoderKL", _KL_16)),
+    "sd3.5-large": dict(transformer=("SD3Transformer2DModel", dict(
+                            sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64,
+                            num_attention_heads=38, joint_attention_dim=4096, caption_projection_dim=2432,
+                            pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=192, qk_norm="rms_norm")),
+                        text_encoder=("CLIPTextModelWithProjection", _CLIP_L),
+                        text_encoder_2=("CLIPTextModelWithProjection", _CLIP_G),
+                        text_encoder_3=("T5EncoderModel", _T5_XXL), vae=("AutoencoderKL", None)),  # models.SD35_VAE
+}
+
+
+def build_published(name, component, device="meta"):
+    """One component of a PUBLISHED model with random (or, on "meta", no) weights."""
+    import diffusers
+    import transformers
+
+    cls_name, config = PUBLISHED[name][component]
+    if hasattr(diffusers, cls_name):
+        cls = getattr(diffusers, cls_name)
+        config = _models().SD35_VAE if config is None else config  # SD3.5's VAE, defined with the medium model
+        with torch.device(device):
+            return cls(**config)
+    cls = getattr(transformers, cls_name)
+    config_cls = cls.config_class
+    with torch.device(device):
+        return cls(config_cls(**config))
+
+
 # ----------------------------------------------------------------------------- registry
 
 FAMILIES = {

@@ -309,6 +309,32 @@ def test_prompt_length_defaults_and_override(pipes):
     assert short["prompt_mask"].sum() == 24  # the chat-templated prompt is cut at 24 tokens
 
 
+def test_published_configs_have_the_published_sizes():
+    """The transcribed hub configs build (meta device, no weights) to the sizes their model cards state."""
+    stated = {"wan-1.3b": (1.3e9, 1.5e9), "wan-14b": (13.5e9, 14.5e9), "qwen-image": (19.5e9, 21e9),
+              "flux2-klein-4b": (3.5e9, 4.5e9), "flux2-klein-9b": (8.5e9, 9.5e9), "z-image": (5.8e9, 6.4e9),
+              "sd3.5-large": (8.0e9, 8.2e9)}  # 1.3B, 14B, 20B, 4B, 9B, 6B, 8.1B
+    for name, (lo, hi) in stated.items():
+        transformer = families.build_published(name, "transformer")
+        assert lo < sum(p.numel() for p in transformer.parameters()) < hi, name
+    umt5 = families.build_published("wan-1.3b", "text_encoder")  # umt5-xxl's encoder: 5.7 B
+    assert 5.6e9 < sum(p.numel() for p in umt5.parameters()) < 5.8e9
+
+
+def test_sd35_large_runs_through_sd3():
+    """SD3.5-Large is the sd3 family by --model-path: the same adapter, schedule and LoRA targets."""
+    pipe = models.load_pipeline("sd3-random", device="meta")
+    pipe.register_modules(transformer=families.build_published("sd3.5-large", "transformer").eval())
+    assert models.family(pipe) == "sd3"
+    torch.testing.assert_close(models.sigmas(pipe, 10, 1024), sde.sd3_sigmas(10, shift=3.0))
+    embeds = models.encode_prompts(pipe, PROMPTS, guidance_scale=3.5)
+    x = models.initial_noise(pipe, 2, 1024)
+    assert models.velocity(pipe, x, 0.5, embeds, guidance_scale=3.5).shape == x.shape == (2, 16, 128, 128)
+    linears = {n for n, m in pipe.transformer.named_modules() if isinstance(m, torch.nn.Linear)}
+    for target in models.LORA_TARGETS["sd3"]:  # every block has them (SD3.5-Large has no second attention)
+        assert sum(n.endswith("." + target) for n in linears) >= 37
+
+
 @pytest.mark.parametrize("name", TINY)
 def test_train_runs_two_steps(name, tmp_path, monkeypatch):
     """`python train.py --model tiny-<family> --steps 2`, shrunk: on-policy ratio 1, finite losses, samples saved
