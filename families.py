@@ -120,7 +120,8 @@ def _qwen_tokenizer(max_length):
     template = (
         "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
         "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-        "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+        "{%- if enable_thinking is defined and enable_thinking is false %}"
+        "{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
         "{%- endif %}"
     )
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], model_max_length=max_length, padding_side="right")
@@ -132,9 +133,10 @@ def _qwen_tokenizer(max_length):
 def _qwen3_encoder(cls, vocab_size, hidden, layers):
     from transformers import Qwen3Config
 
-    config = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=hidden // 2, max_position_embeddings=512,
-                         pad_token_id=256, bos_token_id=256, eos_token_id=258)  # <|endoftext|>, <|im_end|>
+    config = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2, head_dim=hidden // 2,
+                         max_position_embeddings=512, pad_token_id=256, bos_token_id=256,
+                         eos_token_id=258)  # <|endoftext|>, <|im_end|>
     return cls(config).eval()
 
 
@@ -239,7 +241,7 @@ def _wan_decode(pipe, latents):
     std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
     videos = []
     for chunk in latents.split(1):  # one video at a time: the 3D decoder's activations are large
-        z = chunk.to(vae.device, torch.float32) * std.to(vae.device) + mean.to(vae.device)  # the pipeline's de-normalisation
+        z = chunk.to(vae.device, torch.float32) * std.to(vae.device) + mean.to(vae.device)  # the pipeline's
         video = vae.decode(z.to(vae.dtype), return_dict=False)[0]  # [1, 3, F, H, W] in [-1, 1]
         videos.append(_to_uint8(video).permute(0, 2, 3, 4, 1).cpu())  # [1, F, H, W, 3]
     return torch.cat(videos)
@@ -247,8 +249,9 @@ def _wan_decode(pipe, latents):
 
 def _wan_sigmas(pipe, num_steps, height, width, shift):
     config = pipe.scheduler.config
-    if type(pipe.scheduler).__name__ != "UniPCMultistepScheduler" or not config.use_flow_sigmas or config.use_dynamic_shifting:
-        raise ValueError(f"wan: expected the UniPC flow-sigma scheduler with a static flow_shift, got {type(pipe.scheduler).__name__}")
+    kind = type(pipe.scheduler).__name__
+    if kind != "UniPCMultistepScheduler" or not config.use_flow_sigmas or config.use_dynamic_shifting:
+        raise ValueError(f"wan: expected the UniPC flow-sigma scheduler with a static flow_shift, got {kind}")
     base = np.linspace(1, 1 / config.num_train_timesteps, num_steps + 1)[:-1]  # float64, as UniPC computes it
     s = sde.time_shift(base, config.flow_shift if shift is None else shift)
     if config.shift_terminal:
@@ -277,7 +280,8 @@ def qwen_image(model_path=None, dtype=torch.float32, device="cpu"):
     """
     from diffusers import QwenImagePipeline
 
-    return _models()._from_pretrained(QwenImagePipeline, "qwen-image", model_path or QWEN_IMAGE_ID, QWEN_IMAGE_ID, dtype)
+    path = model_path or QWEN_IMAGE_ID
+    return _models()._from_pretrained(QwenImagePipeline, "qwen-image", path, QWEN_IMAGE_ID, dtype)
 
 
 def tiny_qwen_image(model_path=None, dtype=torch.float32, device="cpu"):
@@ -371,7 +375,7 @@ def _qwen_decode(pipe, latents):
     std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
     images = []
     for chunk in latents.split(8):
-        z = pipe._unpack_latents(chunk.to(vae.device, torch.float32), side, side, pipe.vae_scale_factor)  # [b, C, 1, h, w]
+        z = pipe._unpack_latents(chunk.to(vae.device, torch.float32), side, side, pipe.vae_scale_factor)  # [b,C,1,h,w]
         z = z * std.to(z.device) + mean.to(z.device)
         image = vae.decode(z.to(vae.dtype), return_dict=False)[0][:, :, 0]  # [b, 3, H, W]
         images.append(_to_uint8(image).permute(0, 2, 3, 1).cpu())
@@ -430,7 +434,8 @@ def tiny_flux2_klein(model_path=None, dtype=torch.float32, device="cpu"):
         vae = AutoencoderKLFlux2(
             in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
             up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(8, 16, 16), layers_per_block=1,
-            latent_channels=4, norm_num_groups=4, sample_size=64, use_quant_conv=False, use_post_quant_conv=False).eval()
+            latent_channels=4, norm_num_groups=4, sample_size=64, use_quant_conv=False,
+            use_post_quant_conv=False).eval()
         vae.bn.running_mean.normal_(0, 0.5)  # non-trivial statistics, so that decode's de-normalisation is tested
         vae.bn.running_var.uniform_(0.5, 2.0)
     scheduler = FlowMatchEulerDiscreteScheduler(
@@ -461,7 +466,9 @@ def _klein_encode(pipe, prompts, negative_prompt, guidance_scale, tokens):
         return {"prompt_embeds": embeds}
 
     out = encode(prompts)
-    return _with_negative(out, encode, negative_prompt, len(prompts), masked=False) if _klein_cfg(pipe, guidance_scale) else out
+    if not _klein_cfg(pipe, guidance_scale):
+        return out
+    return _with_negative(out, encode, negative_prompt, len(prompts), masked=False)
 
 
 def _klein_velocity(pipe, model, x, sigma, embeds, guidance_scale):
@@ -659,11 +666,13 @@ PUBLISHED = {
     "qwen-image": dict(transformer=("QwenImageTransformer2DModel", {}),
                        text_encoder=("Qwen2_5_VLForConditionalGeneration", _QWEN25_VL_7B),
                        vae=("AutoencoderKLQwenImage", {})),
-    "flux2-klein-4b": dict(transformer=("Flux2Transformer2DModel", dict(_KLEIN, num_layers=5, num_single_layers=20,
-                                                                        num_attention_heads=24, joint_attention_dim=7680)),
+    "flux2-klein-4b": dict(transformer=("Flux2Transformer2DModel", dict(
+                               _KLEIN, num_layers=5, num_single_layers=20, num_attention_heads=24,
+                               joint_attention_dim=7680)),
                            text_encoder=("Qwen3ForCausalLM", _QWEN3_4B), vae=("AutoencoderKLFlux2", {})),
-    "flux2-klein-9b": dict(transformer=("Flux2Transformer2DModel", dict(_KLEIN, num_layers=8, num_single_layers=24,
-                                                                        num_attention_heads=32, joint_attention_dim=12288)),
+    "flux2-klein-9b": dict(transformer=("Flux2Transformer2DModel", dict(
+                               _KLEIN, num_layers=8, num_single_layers=24, num_attention_heads=32,
+                               joint_attention_dim=12288)),
                            text_encoder=("Qwen3ForCausalLM", _QWEN3_8B), vae=("AutoencoderKLFlux2", {})),
     "z-image": dict(transformer=("ZImageTransformer2DModel", {}), text_encoder=("Qwen3Model", _QWEN3_4B),
                     vae=("AutoencoderKL", _KL_16)),

@@ -194,7 +194,8 @@ def _small_vae(latent_channels, scaling_factor, shift_factor):
 
 def _check_no_path(name, model_path):
     if model_path is not None:
-        raise ValueError(f"model {name!r} is built in code and takes no --model-path; drop the flag or pick a hub model (sd3, flux, wan, ...)")
+        raise ValueError(f"model {name!r} is built in code and takes no --model-path; "
+                         "drop the flag or pick a hub model (sd3, flux, wan, ...)")
 
 
 def _from_pretrained(cls, name, path, default_id, dtype):
@@ -325,7 +326,8 @@ def family(pipe):
         return "sd3"
     if kind.startswith("Flux") and not kind.startswith("Flux2"):
         return "flux"
-    supported = ", ".join(["StableDiffusion3Pipeline", "FluxPipeline"] + [f["pipeline"] for f in families.FAMILIES.values()])
+    supported = ["StableDiffusion3Pipeline", "FluxPipeline"] + [f["pipeline"] for f in families.FAMILIES.values()]
+    supported = ", ".join(supported)
     raise ValueError(f"unsupported pipeline {kind}; models.py handles {supported}")
 
 
@@ -533,7 +535,8 @@ def flow_match_sigmas(config, base, *, mu=None, shift=None):
         one_minus = 1 - t
         t = 1 - one_minus / (one_minus[-1] / (1 - config["shift_terminal"]))
     if any(config.get(k) for k in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas")):
-        raise ValueError("karras / exponential / beta / inverted sigmas are not supported; use the model's own scheduler config")
+        raise ValueError("karras / exponential / beta / inverted sigmas are not supported; "
+                         "use the model's own scheduler config")
     return torch.cat([torch.from_numpy(np.asarray(t, dtype=np.float32)), torch.zeros(1)])
 
 
@@ -578,7 +581,8 @@ def add_lora(pipe, rank, alpha, *, target_modules=None):
     from peft import LoraConfig
 
     kind = family(pipe)
-    targets = list(target_modules or (LORA_TARGETS[kind] if kind in LORA_TARGETS else families.FAMILIES[kind]["lora_targets"]))
+    default = LORA_TARGETS[kind] if kind in LORA_TARGETS else families.FAMILIES[kind]["lora_targets"]
+    targets = list(target_modules or default)
     transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets))
     params = [p for p in transformer.parameters() if p.requires_grad]
     assert params, f"no LoRA layer matched target modules {targets}"

@@ -25,9 +25,11 @@ import models  # noqa: E402
 # name -> (setting, family for LoRA targets, LoRA rank, tokens L per sample, width h, blocks, MLP ratio,
 #          samples per training forward (x2 under CFG), gradient checkpointing, VAE bytes per parameter)
 SETTINGS = {
-    "wan-1.3b": ("wan_ocr_grpo: 240x416, 33 frames, batch 8, CFG", "wan", 32, 9 * 15 * 26, 1536, 30, 8960 / 1536, 16, True, 4),
+    "wan-1.3b": ("wan_ocr_grpo: 240x416, 33 frames, batch 8, CFG", "wan", 32, 9 * 15 * 26, 1536, 30, 8960 / 1536,
+                 16, True, 4),
     "wan-14b": ("same recipe, 14B by --model-path", "wan", 32, 9 * 15 * 26, 5120, 40, 13824 / 5120, 16, True, 4),
-    "qwen-image": ("qwen_image_pickscore_grpo: 512 px, batch 4, CFG", "qwen-image", 64, 1024 + 64, 3072, 60, 4, 8, True, 2),
+    "qwen-image": ("qwen_image_pickscore_grpo: 512 px, batch 4, CFG", "qwen-image", 64, 1024 + 64, 3072, 60, 4, 8,
+                   True, 2),
     "flux2-klein-4b": ("UniRL klein: 512 px, 512 text tokens, batch 1, no CFG", "flux2-klein", 16, 1024 + 512, 3072,
                        25, 3, 1, False, 2),
     "flux2-klein-9b": ("same, 9B", "flux2-klein", 16, 1024 + 512, 4096, 32, 3, 1, False, 2),
@@ -45,7 +47,8 @@ def lora_parameters(transformer, targets, rank):
 
 def estimate(name):
     setting, kind, rank, tokens, width, blocks, mlp, batch, checkpointing, vae_bytes = SETTINGS[name]
-    counts = {c: sum(p.numel() for p in families.build_published(name, c).parameters()) for c in families.PUBLISHED[name]}
+    counts = {c: sum(p.numel() for p in families.build_published(name, c).parameters())
+              for c in families.PUBLISHED[name]}
     text = sum(v for k, v in counts.items() if k.startswith("text_encoder"))
     targets = models.LORA_TARGETS.get(kind) or families.FAMILIES[kind]["lora_targets"]
     lora = lora_parameters(families.build_published(name, "transformer"), targets, rank)
@@ -65,7 +68,8 @@ def main():
         e = estimate(name)
         total = e["weights"] + e["adam"] + e["activations"]
         print(f"| {name} | {e['setting']} | {e['transformer'] / 1e9:.2f} B | {e['text'] / 1e9:.2f} B | "
-              f"{e['vae'] / 1e6:.0f} M | {e['lora'] / 1e6:.0f} M | {e['weights'] / gb:.1f} GB | {e['adam'] / gb:.1f} GB | "
+              f"{e['vae'] / 1e6:.0f} M | {e['lora'] / 1e6:.0f} M | {e['weights'] / gb:.1f} GB | "
+              f"{e['adam'] / gb:.1f} GB | "
               f"{e['activations'] / gb:.1f} GB | {total / gb:.0f} GB |")
 
 
