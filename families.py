@@ -1,7 +1,8 @@
 """Adapters for the newer families behind models.py: Wan 2.1, Qwen-Image, FLUX.2 [klein], Z-Image.
 
-models.py dispatches here by family (models.family(pipe) is a key of FAMILIES); nothing else in the
-repository imports this module. Every adapter maps its family onto the repository's convention
+models.py dispatches here by family (models.family(pipe) is a key of FAMILIES, a literal dict of
+plain functions); train.py, sde.py and losses.py never see it. Every adapter maps its family onto
+the repository's convention
 
     x_s = (1 - s) x0 + s eps,    v ~ eps - x0,    Euler step  x + (s' - s) v,    s = 1 is noise,
 
@@ -27,10 +28,10 @@ guidance differently (Z-Image: its w = g - 1) converts at the boundary; a family
 
 The tiny twins' Qwen tokenizers are byte-level BPE without merges (one token per UTF-8 byte) with
 the Qwen special tokens and a Qwen3-style chat template, built offline: the same pipeline code paths
-(chat template, masks, the system-prompt drop of Qwen-Image) at a toy vocabulary.
+(chat template, masks, the system-prompt drop of Qwen-Image) at a toy vocabulary. PUBLISHED holds the
+real models' configs for parameter counts and memory estimates on the meta device.
 """
 
-import functools
 import math
 
 import numpy as np
@@ -108,7 +109,6 @@ def _image_tokens(pipe, height, width):
     return (height // (2 * f)) * (width // (2 * f))
 
 
-@functools.lru_cache(maxsize=4)
 def _qwen_tokenizer(max_length):
     """Byte-level BPE with no merges (one token per UTF-8 byte, GPT-2's byte alphabet) plus the Qwen
     special tokens and a Qwen3 chat template (a `<think>` block closed when enable_thinking is off,
@@ -382,6 +382,13 @@ def _qwen_decode(pipe, latents):
     return torch.cat(images)
 
 
+def _qwen_unused(transformer):
+    """The last block's text-stream output layers: every block updates the text tokens, but the last
+    one's update is discarded (only image tokens leave the model), so these get no gradient."""
+    last = f"transformer_blocks.{len(transformer.transformer_blocks) - 1}"
+    return [f"{last}.attn.to_add_out", f"{last}.txt_mlp.net.0.proj", f"{last}.txt_mlp.net.2"]
+
+
 def _qwen_sigmas(pipe, num_steps, height, width, shift):
     m = _models()
     base = np.linspace(1.0, 1 / num_steps, num_steps)  # QwenImagePipeline.__call__
@@ -604,7 +611,7 @@ def _z_velocity(pipe, model, x, sigma, embeds, guidance_scale):
     if guidance_scale > 1:
         x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])
     captions = [e[m].to(dtype) for e, m in zip(text, mask)]  # each prompt's own tokens, as the pipeline passes them
-    out = model(x=list(x.to(dtype).unsqueeze(2).unbind(0)), t=(1 - sigma).to(dtype), cap_feats=captions,
+    out = model(x=list(x.to(dtype).unsqueeze(2).unbind(0)), t=1 - sigma, cap_feats=captions,  # float32 t, as there
                 return_dict=False)[0]
     pred = torch.stack([o.float() for o in out]).squeeze(2)  # predicts x0 - eps
     if guidance_scale > 1:
@@ -708,13 +715,13 @@ def build_published(name, component, device="meta"):
 FAMILIES = {
     "wan": dict(
         pipeline="WanPipeline", video=True, tokens=512, shape=_wan_shape, noise=_wan_noise, encode=_wan_encode,
-        velocity=_wan_velocity, decode=_wan_decode, sigmas=_wan_sigmas,
+        velocity=_wan_velocity, decode=_wan_decode, sigmas=_wan_sigmas, unused=lambda transformer: [],
         # Flow-GRPO's train_wan2_1.py list, which on the T2V blocks matches these (attn1 self-, attn2 cross-attention)
         lora_targets=["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
                       "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0"]),
     "qwen-image": dict(
         pipeline="QwenImagePipeline", video=False, tokens=512, shape=_packed_shape, noise=_qwen_noise,
-        encode=_qwen_encode, velocity=_qwen_velocity, decode=_qwen_decode, sigmas=_qwen_sigmas,
+        encode=_qwen_encode, velocity=_qwen_velocity, decode=_qwen_decode, sigmas=_qwen_sigmas, unused=_qwen_unused,
         # Flow-GRPO's train_qwenimage.py: attention of both streams and both MLPs
         lora_targets=["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                       "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
@@ -722,6 +729,7 @@ FAMILIES = {
     "flux2-klein": dict(
         pipeline="Flux2KleinPipeline", video=False, tokens=512, shape=_packed_shape, noise=_klein_noise,
         encode=_klein_encode, velocity=_klein_velocity, decode=_klein_decode, sigmas=_klein_sigmas,
+        unused=lambda transformer: [],
         # UniRL's flux2_klein recipes: every linear of the double-stream blocks, and the fused QKV + MLP
         # projection of the single-stream blocks (their attn.to_out shares a name with the double
         # blocks' to_out list, which peft cannot wrap)
@@ -731,7 +739,7 @@ FAMILIES = {
                       "attn.to_qkv_mlp_proj"]),
     "z-image": dict(
         pipeline="ZImagePipeline", video=False, tokens=512, shape=_z_shape, noise=_z_noise, encode=_z_encode,
-        velocity=_z_velocity, decode=_z_decode, sigmas=_z_sigmas,
+        velocity=_z_velocity, decode=_z_decode, sigmas=_z_sigmas, unused=lambda transformer: [],
         # Flow-Factory's z_image adapter: attention and SwiGLU MLP of every layer
         lora_targets=["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0",
                       "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]),

@@ -575,15 +575,21 @@ def add_lora(pipe, rank, alpha, *, target_modules=None):
     transformer = pipe.transformer
     for module in _modules(pipe):
         module.requires_grad_(False)
+    kind = family(pipe)
+    # Layers whose output the model discards (Qwen-Image's last text stream) get no gradient at all,
+    # which DDP refuses: they are left out of training.
+    unused = families.FAMILIES[kind]["unused"](transformer) if kind in families.FAMILIES else []
     if rank == 0:
         transformer.requires_grad_(True)
-        return list(transformer.parameters())
+        for name in unused:
+            transformer.get_submodule(name).requires_grad_(False)
+        return [p for p in transformer.parameters() if p.requires_grad]
     from peft import LoraConfig
 
-    kind = family(pipe)
     default = LORA_TARGETS[kind] if kind in LORA_TARGETS else families.FAMILIES[kind]["lora_targets"]
     targets = list(target_modules or default)
-    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets))
+    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets,
+                                       exclude_modules=unused or None))
     params = [p for p in transformer.parameters() if p.requires_grad]
     assert params, f"no LoRA layer matched target modules {targets}"
     for p in params:

@@ -310,6 +310,7 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
+    setup_or_exit(models.latent_shape, pipe, args.resolution, num_frames=args.num_frames)  # one line if they don't fit
     sigmas = setup_or_exit(models.sigmas, pipe, args.num_steps, args.resolution, shift=args.shift)  # [T+1], 1 -> 0
     sigma_max = sigmas[1].item()  # stands in for s = 1 in 1 - s (sde.py (3)), as in the rollout
     sample_guidance = args.guidance_scale

@@ -277,12 +277,24 @@ def test_lora_roundtrips_through_the_pipelines_loader(name, tmp_path):
             p.normal_(0, 0.2, generator=torch.Generator().manual_seed(i))
     tuned = v(pipe)
     assert (tuned - base).abs().max() > 1e-2
+    models.velocity(pipe, x, 0.5, embeds).square().mean().backward()
+    assert all(p.grad is not None for p in params)  # what DDP needs: no trained layer without a gradient
     with models.reference(pipe):
         torch.testing.assert_close(v(pipe), base, atol=0, rtol=0)
     models.save_lora(pipe, tmp_path)
     fresh = models.load_pipeline(name)
     fresh.load_lora_weights(tmp_path)
     torch.testing.assert_close(v(fresh), tuned, atol=1e-5, rtol=1e-5)
+
+
+def test_full_finetune_leaves_out_layers_without_gradient():
+    pipe = models.load_pipeline("tiny-qwen-image")
+    params = models.add_lora(pipe, rank=0, alpha=0)
+    frozen = {n for n, p in pipe.transformer.named_parameters() if not p.requires_grad}
+    assert frozen and all(n.startswith("transformer_blocks.1.") for n in frozen)  # the last block's text output
+    embeds = models.encode_prompts(pipe, PROMPTS)
+    models.velocity(pipe, noise(pipe, "tiny-qwen-image"), 0.5, embeds).square().mean().backward()
+    assert all(p.grad is not None for p in params)
 
 
 def test_video_shapes_frames_and_rewards(pipes):
