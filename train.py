@@ -75,71 +75,14 @@ FLUX_HUB = dict(guidance_scale=3.5, num_steps=16)  # FLUX.1-dev: distilled guida
 GUIDANCE_EMBEDDED = ("flux", "tiny-flux")  # FLUX.1-dev takes its guidance scale through an embedding, not CFG
 
 
-def resolution_arg(text):
-    """--resolution: a side in pixels, or HEIGHTxWIDTH (for models with unpacked latents: sd3, wan, z-image)."""
-    try:
-        sides = [int(v) for v in text.lower().split("x")]
-    except ValueError:
-        sides = []
-    if len(sides) not in (1, 2) or min(sides) <= 0:
-        raise argparse.ArgumentTypeError(f"--resolution takes a side or HEIGHTxWIDTH in pixels, e.g. 512 or 240x416, "
-                                         f"got {text!r}")
-    return sides[0] if len(sides) == 1 else tuple(sides)
-
-
 def preset(model):
     """The defaults --model fills in: its own preset, else the hub preset (with FLUX's guidance and steps)."""
     return PRESETS.get(model, dict(PRESETS["hub"], **(FLUX_HUB if model == "flux" else {})))
 
 
-class RecipeParser(argparse.ArgumentParser):
-    """argparse with @recipe files: shell-quoted flags, several per line, '#' starts a comment."""
-
-    def convert_arg_line_to_args(self, line):
-        try:
-            return shlex.split(line, comments=True)
-        except ValueError as e:  # unbalanced quotes
-            self.error(f"recipe line {line.strip()!r}: {e}")
-
-
-def bounded(cast, low=None, high=None, *, low_open=False, high_open=False):
-    """An argparse type: int or finite float within [low, high] (either end open or absent), with a one-line error."""
-    what = "an integer" if cast is int else "a number"
-    interval = ("(" if low_open else "[") + ("-inf" if low is None else str(low)) + ", " + \
-               ("inf" if high is None else str(high)) + (")" if high_open or high is None else "]")
-
-    def parse(text):
-        try:
-            value = cast(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not math.isfinite(value) or (low is not None and (value < low or (low_open and value == low))) or \
-                (high is not None and (value > high or (high_open and value == high))):
-            raise argparse.ArgumentTypeError(f"must be {what} in {interval}, got {text}")
-        return value
-    return parse
-
-
-POSITIVE_INT, NONNEG_INT = bounded(int, 1), bounded(int, 0)
-POSITIVE, NONNEG = bounded(float, 0, low_open=True), bounded(float, 0)
-FRACTION = bounded(float, 0, 1, low_open=True)  # (0, 1]
-SEED = bounded(int, 0, 2**32 - 1)  # numpy's seed range
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows, for a flag whose default depends on --model, the value each preset gives it."""
-
-    def _get_help_string(self, action):
-        if action.default is None and action.dest in PRESETS["hub"]:
-            values = {"tiny": PRESETS["tiny"].get(action.dest, "unset"), "sd3": preset("sd3")[action.dest],
-                      "flux": preset("flux")[action.dest]}
-            return action.help + " (default by --model: " + ", ".join(f"{k} {v}" for k, v in values.items()) + ")"
-        if action.default is None and "default" in (action.help or ""):  # the help says what unset means
-            return action.help
-        return super()._get_help_string(action)
-
-
 def parse_args(argv=None):
+    """The flags, grouped as the phases of a step (flag types and the recipe-file parser are at the end of the file);
+    unset flags take --model's preset."""
     p = RecipeParser(description=__doc__.split("\n")[0], fromfile_prefix_chars="@", formatter_class=HelpFormatter)
     # model
     p.add_argument("--model", default="tiny", choices=list(models.MODELS), help="model family (tiny runs on a CPU)")
@@ -740,6 +683,67 @@ def setup_or_exit(fn, *a, **k):
         return fn(*a, **k)
     except (ValueError, OSError, RuntimeError, ImportError) as e:
         raise SystemExit(f"error: {e}")
+
+
+# ----------------------------------------------------------------------------- flag types, recipe files, --help
+class RecipeParser(argparse.ArgumentParser):
+    """argparse with @recipe files: shell-quoted flags, several per line, '#' starts a comment."""
+
+    def convert_arg_line_to_args(self, line):
+        try:
+            return shlex.split(line, comments=True)
+        except ValueError as e:  # unbalanced quotes
+            self.error(f"recipe line {line.strip()!r}: {e}")
+
+
+def bounded(cast, low=None, high=None, *, low_open=False, high_open=False):
+    """An argparse type: int or finite float within [low, high] (either end open or absent), with a one-line error."""
+    what = "an integer" if cast is int else "a number"
+    interval = ("(" if low_open else "[") + ("-inf" if low is None else str(low)) + ", " + \
+               ("inf" if high is None else str(high)) + (")" if high_open or high is None else "]")
+
+    def parse(text):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(value) or (low is not None and (value < low or (low_open and value == low))) or \
+                (high is not None and (value > high or (high_open and value == high))):
+            raise argparse.ArgumentTypeError(f"must be {what} in {interval}, got {text}")
+        return value
+    return parse
+
+
+POSITIVE_INT, NONNEG_INT = bounded(int, 1), bounded(int, 0)
+POSITIVE, NONNEG = bounded(float, 0, low_open=True), bounded(float, 0)
+FRACTION = bounded(float, 0, 1, low_open=True)  # (0, 1]
+SEED = bounded(int, 0, 2**32 - 1)  # numpy's seed range
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows, for a flag whose default depends on --model, the value each preset gives it."""
+
+    def _get_help_string(self, action):
+        if action.default is None and action.dest in PRESETS["hub"]:
+            values = {"tiny": PRESETS["tiny"].get(action.dest, "unset"), "sd3": preset("sd3")[action.dest],
+                      "flux": preset("flux")[action.dest]}
+            return action.help + " (default by --model: " + ", ".join(f"{k} {v}" for k, v in values.items()) + ")"
+        if action.default is None and "default" in (action.help or ""):  # the help says what unset means
+            return action.help
+        return super()._get_help_string(action)
+
+
+def resolution_arg(text):
+    """--resolution: a side in pixels, or HEIGHTxWIDTH (for models with unpacked latents: sd3, wan, z-image)."""
+    try:
+        sides = [int(v) for v in text.lower().split("x")]
+    except ValueError:
+        sides = []
+    if len(sides) not in (1, 2) or min(sides) <= 0:
+        raise argparse.ArgumentTypeError(f"--resolution takes a side or HEIGHTxWIDTH in pixels, e.g. 512 or 240x416, "
+                                         f"got {text!r}")
+    return sides[0] if len(sides) == 1 else tuple(sides)
+
 
 
 if __name__ == "__main__":
