@@ -86,7 +86,7 @@ def resolve_resume(resume, out):
 # Flags that change the trained model: a checkpoint cannot be resumed under others.
 MODEL_FLAGS = ("model", "lora_rank", "lora_alpha")
 # Flags that change nothing a resumed run computes (bookkeeping, speed, robustness): no warning when they differ.
-RUN_FLAGS = ("out", "resume", "overwrite", "steps", "save_every", "keep_checkpoints", "eval_every", "eval_steps",
+RUN_FLAGS = ("out", "resume", "overwrite", "steps", "fps", "save_every", "keep_checkpoints", "eval_every", "eval_steps",
              "eval_prompts", "log_images_every", "max_bad_steps", "wandb", "compile", "gradient_checkpointing",
              "model_path", "reward_retries", "reward_timeout", "reward_backoff", "ocr_workers", "pickscore_batch_size",
              "hps_batch_size", "remote_batch_size", "remote_max_concurrency")

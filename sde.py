@@ -79,6 +79,12 @@ SIGMA_ONE = 1e-4  # s within this of 1 counts as s = 1 in the 1 - s of (3)
 SDEStep = collections.namedtuple("SDEStep", "prev_sample log_prob mean std")
 
 
+def time_shift(t, shift):
+    """SD3's timestep shift (Esser et al. 2024, arXiv:2403.03206): t -> shift t / (1 + (shift - 1) t),
+    on floats, numpy arrays or tensors (computed in their own precision)."""
+    return shift * t / (1 + (shift - 1) * t)
+
+
 def sd3_sigmas(num_steps, shift=3.0):
     """The time-shifted schedule of diffusers' FlowMatchEulerDiscreteScheduler(shift=shift) after
     set_timesteps(num_steps), which the SD3 pipelines sample with: float32 [num_steps + 1], 1 -> 0."""
@@ -86,15 +92,11 @@ def sd3_sigmas(num_steps, shift=3.0):
         raise ValueError(f"--num-steps must be at least 1, got {num_steps}")
     if shift <= 0:
         raise ValueError(f"--shift must be positive, got {shift}")
-
-    def time_shift(t):  # SD3 (Esser et al. 2024, arXiv:2403.03206) timestep shifting
-        return shift * t / (1 + (shift - 1) * t)
-
     # diffusers spaces the steps evenly between the shifted ends of its 1000-step training grid
     # (computed in float32 there: the smallest is shift(1/1000)), then shifts them again.
-    t_min = time_shift(torch.tensor(1.0, dtype=torch.float32) / 1000).item()
+    t_min = time_shift(torch.tensor(1.0, dtype=torch.float32) / 1000, shift).item()
     t = torch.linspace(1.0, t_min, num_steps, dtype=torch.float64)
-    sigmas = time_shift(t).to(torch.float32)
+    sigmas = time_shift(t, shift).to(torch.float32)
     return torch.cat([sigmas, torch.zeros(1)])
 
 

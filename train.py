@@ -84,7 +84,10 @@ PRESETS = {
                 prompts="prompts/ocr_train.txt", reward="ocr", global_std=True, log_images_every=50),
 }
 PRESETS["tiny-flux"] = dict(PRESETS["tiny"], guidance_scale=3.5)
+PRESETS["tiny-wan"] = dict(PRESETS["tiny"], num_frames=5)  # 5 frames: 2 latent frames
+PRESETS["tiny-qwen-image"] = PRESETS["tiny-flux2-klein"] = PRESETS["tiny-z-image"] = PRESETS["tiny"]
 FLUX_HUB = dict(guidance_scale=3.5, num_steps=16)  # FLUX.1-dev: distilled guidance, no CFG (MixGRPO uses 16 steps)
+GUIDANCE_EMBEDDED = ("flux", "tiny-flux")  # FLUX.1-dev takes its guidance scale through an embedding, not CFG
 
 
 def preset(model):
@@ -92,60 +95,19 @@ def preset(model):
     return PRESETS.get(model, dict(PRESETS["hub"], **(FLUX_HUB if model == "flux" else {})))
 
 
-class RecipeParser(argparse.ArgumentParser):
-    """argparse with @recipe files: shell-quoted flags, several per line, '#' starts a comment."""
-
-    def convert_arg_line_to_args(self, line):
-        try:
-            return shlex.split(line, comments=True)
-        except ValueError as e:  # unbalanced quotes
-            self.error(f"recipe line {line.strip()!r}: {e}")
-
-
-def bounded(cast, low=None, high=None, *, low_open=False, high_open=False):
-    """An argparse type: int or finite float within [low, high] (either end open or absent), with a one-line error."""
-    what = "an integer" if cast is int else "a number"
-    interval = ("(" if low_open else "[") + ("-inf" if low is None else str(low)) + ", " + \
-               ("inf" if high is None else str(high)) + (")" if high_open or high is None else "]")
-
-    def parse(text):
-        try:
-            value = cast(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not math.isfinite(value) or (low is not None and (value < low or (low_open and value == low))) or \
-                (high is not None and (value > high or (high_open and value == high))):
-            raise argparse.ArgumentTypeError(f"must be {what} in {interval}, got {text}")
-        return value
-    return parse
-
-
-POSITIVE_INT, NONNEG_INT = bounded(int, 1), bounded(int, 0)
-POSITIVE, NONNEG = bounded(float, 0, low_open=True), bounded(float, 0)
-FRACTION = bounded(float, 0, 1, low_open=True)  # (0, 1]
-SEED = bounded(int, 0, 2**32 - 1)  # numpy's seed range
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows, for a flag whose default depends on --model, the value each preset gives it."""
-
-    def _get_help_string(self, action):
-        if action.default is None and action.dest in PRESETS["hub"]:
-            values = {"tiny": PRESETS["tiny"].get(action.dest, "unset"), "sd3": preset("sd3")[action.dest],
-                      "flux": preset("flux")[action.dest]}
-            return action.help + " (default by --model: " + ", ".join(f"{k} {v}" for k, v in values.items()) + ")"
-        if action.default is None and "default" in (action.help or ""):  # the help says what unset means
-            return action.help
-        return super()._get_help_string(action)
-
-
 def parse_args(argv=None):
+    """The flags, grouped as the phases of a step (flag types and the recipe-file parser are at the end of the file);
+    unset flags take --model's preset."""
     p = RecipeParser(description=__doc__.split("\n")[0], fromfile_prefix_chars="@", formatter_class=HelpFormatter)
     # model
     p.add_argument("--model", default="tiny", choices=list(models.MODELS), help="model family (tiny runs on a CPU)")
     p.add_argument("--model-path", default=None,
                    help="hub id or local folder of the pipeline (default: the family's hub id)")
-    p.add_argument("--resolution", type=POSITIVE_INT, default=None, help="image side in pixels")
+    p.add_argument("--resolution", type=resolution_arg, default=None,
+                   help="image side in pixels, or HEIGHTxWIDTH (sd3, wan, z-image)")
+    p.add_argument("--num-frames", type=POSITIVE_INT, default=None,
+                   help="video models (wan): frames per sample, 4 k + 1 (default: the pipeline's 81)")
+    p.add_argument("--fps", type=POSITIVE_INT, default=16, help="video models: frames per second of the saved sample GIFs")
     p.add_argument("--lora-rank", type=NONNEG_INT, default=None, help="LoRA rank; 0 trains the full transformer")
     p.add_argument("--lora-alpha", type=NONNEG, default=None,
                    help="LoRA alpha (scale = alpha / rank; default: the preset's, else the rank)")
@@ -167,7 +129,11 @@ def parse_args(argv=None):
                    help="keep file order instead of a seeded permutation per epoch")
     # sampling
     p.add_argument("--num-steps", type=bounded(int, 2), default=None, help="denoising steps of a training rollout")
-    p.add_argument("--shift", type=POSITIVE, default=3.0, help="time shift of the sigma schedule (SD3: 3)")
+    p.add_argument("--shift", type=POSITIVE, default=None,
+                   help="static time shift of the sigma schedule (default: the model's own schedule, models.sigmas; "
+                        "only for models with a static shift: sd3, wan, z-image)")
+    p.add_argument("--max-sequence-length", type=POSITIVE_INT, default=None,
+                   help="text tokens per prompt (default: the model family's, see models.py)")
     p.add_argument("--guidance-scale", type=POSITIVE, default=None, help="CFG scale (FLUX: distilled guidance value)")
     p.add_argument("--negative-prompt", default="", help="negative prompt for CFG")
     p.add_argument("--train-cfg", action=argparse.BooleanOptionalAction, default=None,
@@ -268,7 +234,7 @@ def parse_args(argv=None):
     if args.lora_alpha is None:  # a rank given without alpha: scale alpha / rank = 1
         args.lora_alpha = float(args.lora_rank)
     if args.train_cfg is None:
-        args.train_cfg = args.guidance_scale > 1 and "flux" not in args.model
+        args.train_cfg = args.guidance_scale > 1 and args.model not in GUIDANCE_EMBEDDED
     return p, args
 
 
@@ -292,9 +258,10 @@ def starting_noise(pipe, args, step, group_ids, generator):
     group starts from one x_T drawn from (seed, step, group): the same on every rank that holds part of the group
     and after a resume (MixGRPO draws one per GPU, which holds whole groups there); `generator` then draws
     only the SDE noise, which still differs from sample to sample."""
+    size = dict(resolution=args.resolution, num_frames=args.num_frames)
     if not args.same_noise_per_group:
-        return models.initial_noise(pipe, len(group_ids), args.resolution, generator=generator)
-    return torch.cat([models.initial_noise(pipe, 1, args.resolution, generator=seeded(args.seed, step, -1, g))
+        return models.initial_noise(pipe, len(group_ids), generator=generator, **size)
+    return torch.cat([models.initial_noise(pipe, 1, generator=seeded(args.seed, step, -1, g), **size)
                       for g in group_ids])
 
 
@@ -361,10 +328,11 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
-    sigmas = sde.sd3_sigmas(args.num_steps, shift=args.shift)  # [T+1], 1 -> 0
+    setup_or_exit(models.latent_shape, pipe, args.resolution, num_frames=args.num_frames)  # one line if they don't fit
+    sigmas = setup_or_exit(models.sigmas, pipe, args.num_steps, args.resolution, shift=args.shift)  # [T+1], 1 -> 0
     sigma_max = sigmas[1].item()  # stands in for s = 1 in 1 - s (sde.py (3)), as in the rollout
     sample_guidance = args.guidance_scale
-    train_guidance = args.guidance_scale if (args.train_cfg or "flux" in args.model) else 1.0
+    train_guidance = args.guidance_scale if (args.train_cfg or args.model in GUIDANCE_EMBEDDED) else 1.0
     reward_pool = ThreadPoolExecutor(max_workers=1)  # scores batch b while batch b+1 is sampled
     step, ratio_warned = start_step, False
     from tqdm import tqdm
@@ -405,7 +373,8 @@ def main(argv=None):
         my_meta = [metadata[i] for i in my_prompt_ids]
         unique = sorted(set(my_prompt_ids))
         embeds = models.encode_prompts(pipe, [prompts[i] for i in unique], negative_prompt=args.negative_prompt,
-                                       guidance_scale=max(sample_guidance, train_guidance))
+                                       guidance_scale=max(sample_guidance, train_guidance),
+                                       max_sequence_length=args.max_sequence_length)
         row = torch.tensor([unique.index(i) for i in my_prompt_ids])
         embeds = {k: v[row.to(v.device)] for k, v in embeds.items()}  # one row per sample, [per_rank, ...]
         pipe.transformer.eval()
@@ -421,7 +390,7 @@ def main(argv=None):
                 traj = sde.rollout(lambda x_, s_: models.velocity(pipe, x_, s_, sub, guidance_scale=sample_guidance),
                                    x, sigmas, sde_steps=trained_steps, kind=args.sde, eta=args.eta, generator=gen,
                                    flash=args.flash, flash_ratio=args.flash_ratio)
-                images = models.decode(pipe, traj["latents"][:, -1])  # uint8 [b, H, W, 3]
+                images = models.decode(pipe, traj["latents"][:, -1])  # uint8 [b, H, W, 3] (video [b, F, H, W, 3])
             batches.append(traj)
             futures.append(reward_pool.submit(reward_fn, images, my_prompts[idx], my_meta[idx]))
             if b == 0 and is_main:
@@ -609,7 +578,7 @@ def main(argv=None):
                       f"approx_kl {info.get('approx_kl', float('nan')):.2e} | {info['seconds']:.1f}s")
             if args.log_images_every and step % args.log_images_every == 0:
                 evaluation.save_sample_grid(os.path.join(args.out, "samples", f"{step:06d}.png"), first_images,
-                                            my_prompts, train_reward.tolist())
+                                            my_prompts, train_reward.tolist(), fps=args.fps)
             warn_divergence(info, args)
         # Held-out ODE samples, fixed noise. Under FSDP every forward is collective: all ranks sample, rank 0 scores.
         # With --ema-decay the EMA weights are evaluated, as Flow-GRPO does.
@@ -619,7 +588,9 @@ def main(argv=None):
                 eval_images = evaluation.sample_images(pipe, eval_prompts, resolution=args.resolution,
                                                        num_steps=args.eval_steps, guidance_scale=sample_guidance,
                                                        seed=args.seed, device=device, batch_size=args.sample_batch_size,
-                                                       negative_prompt=args.negative_prompt)
+                                                       negative_prompt=args.negative_prompt, shift=args.shift,
+                                                       num_frames=args.num_frames,
+                                                       max_sequence_length=args.max_sequence_length)
             if is_main:
                 eval_scores = evaluation.score(reward_fn, eval_images, eval_prompts, eval_meta)
                 evaluation.append_scores(os.path.join(args.out, "eval.jsonl"), step, eval_scores)
@@ -651,7 +622,7 @@ def check_args(p, args, world_size):
                 f"{args.train_batch_size * args.minibatches}")
     if args.train_cfg and args.guidance_scale <= 1:
         p.error("--train-cfg needs CFG at sampling: set --guidance-scale > 1 or drop --train-cfg")
-    if args.train_cfg and "flux" in args.model:
+    if args.train_cfg and args.model in GUIDANCE_EMBEDDED:
         p.error("FLUX.1-dev uses a guidance embedding, not CFG: drop --train-cfg")
     if args.sde == "cps" and args.loss == "guard":
         p.error("--loss guard needs a Gaussian transition log-prob; --sde cps scores -mean(delta^2) instead: "
@@ -677,7 +648,8 @@ def check_args(p, args, world_size):
     if args.lora_rank > 0 and args.lora_alpha <= 0:
         p.error("--lora-alpha must be > 0 with a LoRA adapter (its scale is alpha / rank)")
     multiple = models.RESOLUTION_MULTIPLE.get(args.model)
-    if multiple and args.resolution % multiple:
+    sides = args.resolution if isinstance(args.resolution, tuple) else (args.resolution,)
+    if multiple and any(side % multiple for side in sides):
         p.error(f"--resolution {args.resolution} must be a multiple of {multiple} for --model {args.model} "
                 "(VAE down-sampling x transformer patch)")
     if args.overwrite and args.resume:
@@ -809,6 +781,67 @@ def setup_or_exit(fn, *a, **k):
         return fn(*a, **k)
     except (ValueError, OSError, RuntimeError, ImportError) as e:
         raise SystemExit(f"error: {e}")
+
+
+# ----------------------------------------------------------------------------- flag types, recipe files, --help
+class RecipeParser(argparse.ArgumentParser):
+    """argparse with @recipe files: shell-quoted flags, several per line, '#' starts a comment."""
+
+    def convert_arg_line_to_args(self, line):
+        try:
+            return shlex.split(line, comments=True)
+        except ValueError as e:  # unbalanced quotes
+            self.error(f"recipe line {line.strip()!r}: {e}")
+
+
+def bounded(cast, low=None, high=None, *, low_open=False, high_open=False):
+    """An argparse type: int or finite float within [low, high] (either end open or absent), with a one-line error."""
+    what = "an integer" if cast is int else "a number"
+    interval = ("(" if low_open else "[") + ("-inf" if low is None else str(low)) + ", " + \
+               ("inf" if high is None else str(high)) + (")" if high_open or high is None else "]")
+
+    def parse(text):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(value) or (low is not None and (value < low or (low_open and value == low))) or \
+                (high is not None and (value > high or (high_open and value == high))):
+            raise argparse.ArgumentTypeError(f"must be {what} in {interval}, got {text}")
+        return value
+    return parse
+
+
+POSITIVE_INT, NONNEG_INT = bounded(int, 1), bounded(int, 0)
+POSITIVE, NONNEG = bounded(float, 0, low_open=True), bounded(float, 0)
+FRACTION = bounded(float, 0, 1, low_open=True)  # (0, 1]
+SEED = bounded(int, 0, 2**32 - 1)  # numpy's seed range
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows, for a flag whose default depends on --model, the value each preset gives it."""
+
+    def _get_help_string(self, action):
+        if action.default is None and action.dest in PRESETS["hub"]:
+            values = {"tiny": PRESETS["tiny"].get(action.dest, "unset"), "sd3": preset("sd3")[action.dest],
+                      "flux": preset("flux")[action.dest]}
+            return action.help + " (default by --model: " + ", ".join(f"{k} {v}" for k, v in values.items()) + ")"
+        if action.default is None and "default" in (action.help or ""):  # the help says what unset means
+            return action.help
+        return super()._get_help_string(action)
+
+
+def resolution_arg(text):
+    """--resolution: a side in pixels, or HEIGHTxWIDTH (for models with unpacked latents: sd3, wan, z-image)."""
+    try:
+        sides = [int(v) for v in text.lower().split("x")]
+    except ValueError:
+        sides = []
+    if len(sides) not in (1, 2) or min(sides) <= 0:
+        raise argparse.ArgumentTypeError(f"--resolution takes a side or HEIGHTxWIDTH in pixels, e.g. 512 or 240x416, "
+                                         f"got {text!r}")
+    return sides[0] if len(sides) == 1 else tuple(sides)
+
 
 
 if __name__ == "__main__":
