@@ -23,6 +23,11 @@ How the authors' knobs map onto train.py's flags:
   of 1; --group_size (window) / --prog_overlap_step / --iters_per_group -> --window-size / --window-stride /
   --iters-per-window; --use_group -> --no-global-std; FSDP over the fp32 transformer -> --lora-rank 0 --fsdp;
   --dpm_post_compress_ratio -> --flash-ratio; --max_train_steps / --checkpointing_steps -> --steps / --save-every.
+  Text: train_sd3.py encodes with max_sequence_length=128; MixGRPO's preprocess_flux_embedding.py with FluxPipeline's
+  default 512. Schedule: SD3.5-M's scheduler shift 3 (the pipeline's own, both authors); MixGRPO samples FLUX with
+  a static shift 3 on linspace(1, 0, 26) (sd3_time_shift in train_grpo_flux.py), which models.sigmas does not
+  offer for FLUX (it applies FluxPipeline's resolution-dependent shift, exp(mu) = 2.22 at 720 px, and refuses
+  --shift there): that row leaves `shift` out and README lists the difference.
 """
 import glob
 import os
@@ -37,7 +42,7 @@ RECIPES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "reci
 
 # flow_grpo config/grpo.py general_ocr_sd3 over config/base.py get_config, as scripts/train_sd3.py runs it.
 FLOW_GRPO_OCR = dict(
-    model="sd3", resolution=512, num_steps=10, eval_steps=40, guidance_scale=4.5, train_cfg=True, sde="flow", eta=0.7,
+    model="sd3", resolution=512, shift=3.0, max_sequence_length=128, num_steps=10, eval_steps=40, guidance_scale=4.5, train_cfg=True, sde="flow", eta=0.7,
     timestep_fraction=0.99, sde_window="all", group_size=24, prompts_per_step=48, sample_batch_size=9,
     train_batch_size=9, minibatches=2, updates_per_batch=1, loss="grpo", clip_range=1e-4, adv_clip=5.0, kl_beta=0.04,
     kl_form="flow-grpo", global_std=True, same_noise_per_group=False, lora_rank=32, lora_alpha=64.0, lr=3e-4,
@@ -49,7 +54,7 @@ GUARD_OCR = dict(FLOW_GRPO_OCR, loss="guard", clip_range=2e-6, lr=1e-4, kl_beta=
 GUARD_OCR.pop("kl_form")  # no KL term
 # MixGRPO scripts/finetune/finetune_flux_grpo_MixGRPO.sh (fastvideo/train_grpo_flux.py, utils/sampling_utils.py).
 MIXGRPO = dict(
-    model="flux", resolution=720, num_steps=25, guidance_scale=3.5, train_cfg=False, sde="flow", eta=0.7,
+    model="flux", resolution=720, max_sequence_length=512, num_steps=25, guidance_scale=3.5, train_cfg=False, sde="flow", eta=0.7,
     sde_window="mix", window_size=4, window_stride=1, iters_per_window=25, roll_back=True, flash=False, group_size=12,
     prompts_per_step=32, same_noise_per_group=True, global_std=False, train_batch_size=1, minibatches=4,
     updates_per_batch=1, loss="grpo", clip_range=1e-4, adv_clip=5.0, kl_beta=0.0, lora_rank=0, fsdp=True,
