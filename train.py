@@ -678,6 +678,8 @@ def build_policy(args, device, amp_dtype):
     """Load the model, add LoRA (or train everything), shard (FSDP) or wrap (DDP), compile; build AdamW and the EMA."""
     load_dtype = amp_dtype if (amp_dtype and args.lora_rank > 0) else torch.float32  # LoRA: frozen base in half
     pipe = setup_or_exit(models.load_pipeline, args.model, args.model_path, dtype=load_dtype, device=device)
+    if load_dtype == torch.float16:  # decode in float32, as Flow-GRPO keeps its VAE: fp16 VAE activations can overflow
+        pipe.vae.to(torch.float32)
     transformer = pipe.transformer
     models.add_lora(pipe, args.lora_rank, args.lora_alpha)  # the adapter (float32) trains, or all weights for rank 0
     trainable = [(n, q) for n, q in transformer.named_parameters() if q.requires_grad]
