@@ -16,7 +16,8 @@ How the authors' knobs map onto train.py's flags:
   train.ema with EMAModuleWrapper(decay=0.9, update_step_interval=8) in train_sd3.py -> --ema-decay 0.9
   --ema-every 8, and since train_sd3.py steps it after every micro-batch, each due update is applied once per
   accumulated micro-batch: gradient_accumulation_steps = 2 on general_ocr_sd3's 32 GPUs, 4 on GRPO-Guard's 16
-  -> --ema-repeat 2 / 4; sample.same_latent / MixGRPO --init_same_noise -> --same-noise-per-group; rationorm -> --loss guard;
+  -> --ema-repeat 2 / 4; sample.same_latent / MixGRPO --init_same_noise -> --same-noise-per-group;
+  rationorm -> --loss guard;
   sde_window_size / sde_window_range -> --window-size / --window-range (sde_type "cps" -> --sde cps).
   MixGRPO: --num_generations -> --group-size; 32 GPUs x --train_batch_size 1 -> --prompts-per-step 32;
   12 images per GPU / --gradient_accumulation_steps 3 = 4 optimizer steps -> --minibatches 4 of per-GPU micro-batches
@@ -42,11 +43,13 @@ RECIPES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "reci
 
 # flow_grpo config/grpo.py general_ocr_sd3 over config/base.py get_config, as scripts/train_sd3.py runs it.
 FLOW_GRPO_OCR = dict(
-    model="sd3", resolution=512, shift=3.0, max_sequence_length=128, num_steps=10, eval_steps=40, guidance_scale=4.5, train_cfg=True, sde="flow", eta=0.7,
+    model="sd3", resolution=512, shift=3.0, max_sequence_length=128, num_steps=10, eval_steps=40, guidance_scale=4.5,
+    train_cfg=True, sde="flow", eta=0.7,
     timestep_fraction=0.99, sde_window="all", group_size=24, prompts_per_step=48, sample_batch_size=9,
     train_batch_size=9, minibatches=2, updates_per_batch=1, loss="grpo", clip_range=1e-4, adv_clip=5.0, kl_beta=0.04,
     kl_form="flow-grpo", global_std=True, same_noise_per_group=False, lora_rank=32, lora_alpha=64.0, lr=3e-4,
-    weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="fp16", ema_decay=0.9, ema_every=8, ema_repeat=2, eval_every=60,
+    weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="fp16", ema_decay=0.9, ema_every=8, ema_repeat=2,
+    eval_every=60,
     save_every=60, reward="ocr")
 # flow_grpo config/grpo_guard.py general_ocr_sd3_rationorm (scripts/train_sd3_GRPO_Guard.py).
 GUARD_OCR = dict(FLOW_GRPO_OCR, loss="guard", clip_range=2e-6, lr=1e-4, kl_beta=0.0, global_std=False, eval_every=30,
@@ -54,7 +57,8 @@ GUARD_OCR = dict(FLOW_GRPO_OCR, loss="guard", clip_range=2e-6, lr=1e-4, kl_beta=
 GUARD_OCR.pop("kl_form")  # no KL term
 # MixGRPO scripts/finetune/finetune_flux_grpo_MixGRPO.sh (fastvideo/train_grpo_flux.py, utils/sampling_utils.py).
 MIXGRPO = dict(
-    model="flux", resolution=720, max_sequence_length=512, num_steps=25, guidance_scale=3.5, train_cfg=False, sde="flow", eta=0.7,
+    model="flux", resolution=720, max_sequence_length=512, num_steps=25, guidance_scale=3.5, train_cfg=False,
+    sde="flow", eta=0.7,
     sde_window="mix", window_size=4, window_stride=1, iters_per_window=25, roll_back=True, flash=False, group_size=12,
     prompts_per_step=32, same_noise_per_group=True, global_std=False, train_batch_size=1, minibatches=4,
     updates_per_batch=1, loss="grpo", clip_range=1e-4, adv_clip=5.0, kl_beta=0.0, lora_rank=0, fsdp=True,
@@ -87,7 +91,7 @@ TABLE = {
         lora_alpha=64.0, lr=1e-4, weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="bf16", ema_decay=0.9,
         ema_every=8, ema_repeat=1, eval_every=30, save_every=60, max_sequence_length=512, reward="ocr")),
     # scripts/train_qwenimage.py (LoraConfig r=64, alpha 128); EMA off (train.ema False).
-    "qwen_image_pickscore_grpo.args": ("flow_grpo config/grpo.py pickscore_qwenimage (scripts/train_qwenimage.py)", dict(
+    "qwen_image_pickscore_grpo.args": ("flow_grpo config/grpo.py pickscore_qwenimage (train_qwenimage.py)", dict(
         model="qwen-image", resolution=512, num_steps=10, eval_steps=50, guidance_scale=4.0, train_cfg=True,
         sde="flow", eta=1.2, sde_window="fast", window_size=2, window_range=[0, 5], group_size=16,
         prompts_per_step=32, same_noise_per_group=False, sample_batch_size=4, train_batch_size=4, minibatches=2,

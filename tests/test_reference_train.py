@@ -159,7 +159,8 @@ def test_fast_window_is_drawn_per_rollout_batch(tmp_path, monkeypatch):
         return real_rollout(velocity_fn, x, sigmas, sde_steps=sde_steps, **kw)
     monkeypatch.setattr(sde, "rollout", recording_rollout)
     flags = [*SMALL, "--num-steps", "8", "--prompts-per-step", "4", "--sample-batch-size", "2",
-             "--train-batch-size", "2", "--sde-window", "fast", "--window-size", "2", "--window-range", "0", "6", "--steps", "2"]
+             "--train-batch-size", "2", "--sde-window", "fast", "--window-size", "2", "--window-range", "0", "6",
+             "--steps", "2"]
     train.main([*flags, "--out", str(tmp_path / "run")])
     assert len(windows) == 16 and all(w[1] == w[0] + 1 and w[1] <= 5 for w in windows)
     assert len(set(windows[:8])) > 1 and len(set(windows[8:])) > 1  # several windows within one step
