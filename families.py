@@ -83,6 +83,13 @@ def _cfg_halves(embeds, keys):
     return [torch.cat([embeds["neg_" + k], embeds[k]]) for k in keys]
 
 
+def _guided(v, guidance_scale):
+    """Classifier-free guidance (Ho & Salimans 2022, eq. 6 with g = 1 + w) of a forward on [negative; conditional]
+    halves: v_u + g (v_c - v_u). Returns (guided [B, ...], v_c)."""
+    v_uncond, v_cond = v.chunk(2)
+    return v_uncond + guidance_scale * (v_cond - v_uncond), v_cond
+
+
 def _to_uint8(images):
     """[-1, 1] float -> uint8, as the pipelines' "np" output x 255."""
     return ((images.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
@@ -229,8 +236,7 @@ def _wan_velocity(pipe, model, x, sigma, embeds, guidance_scale):
         x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
     v = model(hidden_states=x.to(dtype), timestep=timestep, encoder_hidden_states=text.to(dtype), return_dict=False)[0]
     if guidance_scale > 1:
-        v_uncond, v_cond = v.chunk(2)
-        v = v_uncond + guidance_scale * (v_cond - v_uncond)
+        v, _ = _guided(v, guidance_scale)
     return v
 
 
@@ -360,8 +366,7 @@ def _qwen_velocity(pipe, model, x, sigma, embeds, guidance_scale):
               encoder_hidden_states_mask=None if mask.all() else mask,  # the pipeline drops an all-valid mask
               img_shapes=[[(1, side, side)]] * x.shape[0], return_dict=False)[0]
     if guidance_scale > 1:
-        v_uncond, v_cond = v.chunk(2)
-        combined = v_uncond + guidance_scale * (v_cond - v_uncond)
+        combined, v_cond = _guided(v, guidance_scale)
         # Qwen-Image's true CFG keeps each token's conditional norm (pipeline_qwenimage.py, the do_true_cfg branch)
         v = combined * (torch.norm(v_cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
     return v
@@ -489,8 +494,7 @@ def _klein_velocity(pipe, model, x, sigma, embeds, guidance_scale):
     v = model(hidden_states=x.to(dtype), timestep=sigma.to(dtype), guidance=None, encoder_hidden_states=text.to(dtype),
               txt_ids=pipe._prepare_text_ids(text).to(x.device), img_ids=img_ids, return_dict=False)[0]
     if cfg:
-        v_uncond, v_cond = v.chunk(2)
-        v = v_uncond + guidance_scale * (v_cond - v_uncond)
+        v, _ = _guided(v, guidance_scale)
     return v
 
 
@@ -615,8 +619,7 @@ def _z_velocity(pipe, model, x, sigma, embeds, guidance_scale):
                 return_dict=False)[0]
     pred = torch.stack([o.float() for o in out]).squeeze(2)  # predicts x0 - eps
     if guidance_scale > 1:
-        uncond, cond = pred.chunk(2)
-        pred = cond + (guidance_scale - 1) * (cond - uncond)  # the pipeline's CFG with w = g - 1
+        pred, _ = _guided(pred, guidance_scale)  # the pipeline's cond + w (cond - uncond), with its w = g - 1
     return -pred  # eps - x0, our sign
 
 

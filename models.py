@@ -498,8 +498,7 @@ def velocity(pipe, x, sigma, embeds, *, guidance_scale=1.0, transformer=None):
         timestep=timestep, return_dict=False,
     )[0]
     if cfg:
-        v_uncond, v_cond = v.chunk(2)
-        v = v_uncond + guidance_scale * (v_cond - v_uncond)  # classifier-free guidance, Ho & Salimans 2022 eq. 6
+        v, _ = families._guided(v, guidance_scale)  # classifier-free guidance
     return v
 
 
