@@ -7,7 +7,8 @@ A run folder (`--out`) holds
     samples/              sample grids
     checkpoints/<step>/   trainable.safetensors (weights by parameter name), optimizer.pt, rng.pt, state.json,
                           ema.safetensors (EMA on), old.safetensors (the old policy of --loss nft / awm),
-                          lora/ (LoRA runs: loads with diffusers' load_lora_weights)
+                          lora/ (LoRA runs: loads with diffusers' load_lora_weights; it holds the EMA weights
+                          when the run keeps an EMA, the live ones otherwise)
 
 A checkpoint is written under checkpoints/.tmp-<step>, flushed, and renamed: its folder appears complete or not
 at all. manifest.json (the size and SHA-256 of every file) is written after the files and state.json (the
@@ -19,10 +20,12 @@ checkpoint that verifies. Everything is safetensors or loadable with torch.load(
     write(args, step, pipe, trainable, optimizer, copies, device, extra)   every rank calls it; rank 0 writes
     load(path, args, trainable, optimizer, fsdp_model=None) -> (state, copies)
     verify(path) -> None, or why the checkpoint cannot be trusted
+    ema_weights(params, ema)   context: the trained parameters hold their EMA inside, their live values after
 
 `copies` are further {name: tensor} copies of the trained weights, kept beside them: {"ema": ..., "old": ...}
 (COPIES), None where a run keeps none; each is saved as <name>.safetensors and restored exactly.
 """
+import contextlib
 import datetime
 import glob
 import hashlib
@@ -89,7 +92,7 @@ def resolve_resume(resume, out):
 # Flags that change the trained model: a checkpoint cannot be resumed under others.
 MODEL_FLAGS = ("model", "lora_rank", "lora_alpha")
 # Flags that change nothing a resumed run computes (bookkeeping, speed, robustness): no warning when they differ.
-RUN_FLAGS = ("out", "resume", "overwrite", "steps", "save_every", "keep_checkpoints", "eval_every", "eval_steps",
+RUN_FLAGS = ("out", "resume", "overwrite", "steps", "fps", "save_every", "keep_checkpoints", "eval_every", "eval_steps",
              "eval_prompts", "log_images_every", "max_bad_steps", "wandb", "compile", "gradient_checkpointing",
              "model_path", "reward_retries", "reward_timeout", "reward_backoff", "ocr_workers", "pickscore_batch_size",
              "hps_batch_size", "remote_batch_size", "remote_max_concurrency")
@@ -251,8 +254,9 @@ def save(args, step, pipe, weights, optim_state, copies, extra):
         os.makedirs(tmp)
         save_file({n: p.detach().float().cpu().contiguous() for n, p in weights.items()},
                   os.path.join(tmp, "trainable.safetensors"))
-        if args.lora_rank > 0:
-            models.save_lora(pipe, os.path.join(tmp, "lora"))  # loads with pipe.load_lora_weights(<step>/lora)
+        if args.lora_rank > 0:  # loads with pipe.load_lora_weights(<step>/lora); the EMA when there is one
+            with ema_weights(weights, copies.get("ema")):
+                models.save_lora(pipe, os.path.join(tmp, "lora"))
         for name, tensors in copies.items():
             if tensors is not None:
                 save_file({n: t.cpu().contiguous() for n, t in tensors.items()},
@@ -281,6 +285,26 @@ def save(args, step, pipe, weights, optim_state, copies, extra):
     for old in checkpoint_dirs(args.out)[:-args.keep_checkpoints]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+@contextlib.contextmanager
+def ema_weights(params, ema):
+    """Inside, the trained parameters hold their EMA, what is evaluated and exported (Flow-GRPO swaps its EMA in to
+    evaluate and save: ema.py copy_ema_to / copy_temp_to); on exit they hold their live values again, to train on.
+    params: {name: parameter (FSDP: its shard)}; ema: {name: tensor} of the same layout, or None (nothing changes)."""
+    if ema is None:
+        yield
+        return
+    live = {name: param.detach().clone() for name, param in params.items()}
+    try:
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(ema[name])
+        yield
+    finally:
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(live[name])
 
 
 def _write_json(path, obj):

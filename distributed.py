@@ -79,6 +79,17 @@ def any_rank(flag, device):
     return bool(t.item())
 
 
+def transformer_blocks(transformer):
+    """The transformer's blocks, in module order: the classes diffusers marks as never to be split
+    (`_no_split_modules`: SD3's joint blocks, FLUX's double- and single-stream blocks, Wan's, Qwen-Image's,
+    Z-Image's), whatever attribute holds them."""
+    block_types = set(getattr(transformer, "_no_split_modules", None) or ())
+    blocks = [m for m in transformer.modules() if type(m).__name__ in block_types]
+    if not blocks:
+        raise ValueError(f"--fsdp: {type(transformer).__name__} names no transformer block class (_no_split_modules)")
+    return blocks
+
+
 def shard_transformer(transformer, device):
     """FSDP2, in place: each transformer block is one all-gather unit; the root holds embeddings and output layers.
 
@@ -87,9 +98,8 @@ def shard_transformer(transformer, device):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     mesh = init_device_mesh(device.type, (WORLD,))
-    for blocks in ("transformer_blocks", "single_transformer_blocks"):  # SD3: joint blocks; FLUX: double + single
-        for block in getattr(transformer, blocks, []):
-            fully_shard(block, mesh=mesh)
+    for block in transformer_blocks(transformer):
+        fully_shard(block, mesh=mesh)
     # The root reshards after each forward too: by default, after a no_grad forward (rollout, eval) it keeps its
     # gathered weights registered in place of its shards until the next backward. This way, outside a forward,
     # named_parameters() are always the shards the optimizer holds. Costs one extra gather of the small root.

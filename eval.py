@@ -8,7 +8,8 @@
 
 Every prompt gets the same initial noise in every column (seeded by --seed and the prompt's index), so
 the columns of the grid and of the table differ only by the weights. The base model is always the
-first column. `--ema` evaluates a checkpoint's EMA weights when it has them.
+first column. A checkpoint with EMA weights is scored by its EMA, as train.py's --eval-every and as Flow-GRPO
+evaluates; `--no-ema` scores its live weights instead.
 """
 import argparse
 import contextlib
@@ -25,22 +26,24 @@ import rewards
 import sde
 
 
-def seeded_noise(pipe, n, resolution, seed):
+def seeded_noise(pipe, n, resolution, seed, num_frames=None):
     """Noise for prompts 0..n-1, each from its own generator: independent of batch size and order."""
-    return torch.cat([models.initial_noise(pipe, 1, resolution, generator=torch.Generator().manual_seed(seed * 1_000_003 + i))
+    return torch.cat([models.initial_noise(pipe, 1, resolution, num_frames=num_frames,
+                                           generator=torch.Generator().manual_seed(seed * 1_000_003 + i))
                       for i in range(n)])
 
 
 @torch.no_grad()
 def sample_images(pipe, prompts, *, resolution, num_steps, guidance_scale, seed=0, batch_size=8,
-                  negative_prompt="", shift=3.0, device="cpu"):
-    """ODE samples of `prompts` -> uint8 [N, H, W, 3]."""
-    sigmas = sde.sd3_sigmas(num_steps, shift=shift)
-    noise = seeded_noise(pipe, len(prompts), resolution, seed)
+                  negative_prompt="", shift=None, num_frames=None, max_sequence_length=None, device="cpu"):
+    """ODE samples of `prompts` on the model's own schedule (models.sigmas) -> uint8 [N, H, W, 3]
+    (videos [N, F, H, W, 3])."""
+    sigmas = models.sigmas(pipe, num_steps, resolution, shift=shift)
+    noise = seeded_noise(pipe, len(prompts), resolution, seed, num_frames)
     out = []
     for i in range(0, len(prompts), batch_size):
         embeds = models.encode_prompts(pipe, prompts[i:i + batch_size], negative_prompt=negative_prompt,
-                                       guidance_scale=guidance_scale)
+                                       guidance_scale=guidance_scale, max_sequence_length=max_sequence_length)
         traj = sde.rollout(lambda x, s: models.velocity(pipe, x, s, embeds, guidance_scale=guidance_scale),
                            noise[i:i + batch_size].to(device), sigmas, sde_steps=[], kind="ode")
         out.append(models.decode(pipe, traj["latents"][:, -1]))
@@ -77,8 +80,9 @@ def load_weights(pipe, path, *, use_ema=False):
 
 
 def save_grid(path, columns, names, prompts, tables):
-    """Rows = prompts, columns = checkpoints; a header with each column's name."""
+    """Rows = prompts, columns = checkpoints; a header with each column's name. Videos show their first frame."""
     from PIL import Image, ImageDraw
+    columns = [c[:, 0] if c.ndim == 5 else c for c in columns]  # [N, F, H, W, 3] -> [N, H, W, 3]
     n, h, w = columns[0].shape[:3]
     head, side = 16, 160
     grid = Image.new("RGB", (side + w * len(columns), head + h * n), "white")
@@ -92,10 +96,9 @@ def save_grid(path, columns, names, prompts, tables):
     grid.save(path)
 
 
-def save_sample_grid(path, images, prompts, values, n=8):
-    """A row of up to n training samples, each captioned 'prompt | reward' (train.py's samples/)."""
+def captioned_row(images, prompts, values):
+    """uint8 [m, H, W, 3] -> one PIL image: the samples side by side, each captioned 'prompt | reward'."""
     from PIL import Image, ImageDraw
-    images = images[:n].numpy()
     h, w = images.shape[1:3]
     cap = 28
     grid = Image.new("RGB", (w * len(images), h + cap), "white")
@@ -104,7 +107,25 @@ def save_sample_grid(path, images, prompts, values, n=8):
         grid.paste(Image.fromarray(img), (i * w, 0))
         draw.text((i * w + 2, h + 2), f"{prompts[i][:max(4, w // 7)]}", fill="black")
         draw.text((i * w + 2, h + 14), f"| {values[i]:.4f}", fill="black")
-    grid.save(path)
+    return grid
+
+
+def save_sample_grid(path, images, prompts, values, n=8, fps=16):
+    """Up to n training samples captioned 'prompt | reward' (train.py's samples/): images as one PNG row;
+    videos [N, F, H, W, 3] as one animated GIF per prompt (<path stem>_<k>.gif, that prompt's samples
+    side by side, at fps frames per second). Returns the paths written."""
+    images = images[:n].numpy()
+    if images.ndim == 4:
+        captioned_row(images, prompts, values).save(path)
+        return [path]
+    paths = []
+    for k, prompt in enumerate(dict.fromkeys(prompts[:len(images)])):
+        ids = [i for i in range(len(images)) if prompts[i] == prompt]
+        frames = [captioned_row(images[ids, f], [prompt] * len(ids), [values[i] for i in ids])
+                  for f in range(images.shape[1])]
+        paths.append(os.path.splitext(path)[0] + f"_{k}.gif")
+        frames[0].save(paths[-1], save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0)
+    return paths
 
 
 def append_scores(path, step, scores):
@@ -160,13 +181,17 @@ def main(argv=None):
     p.add_argument("--model", default="tiny", choices=list(models.MODELS))
     p.add_argument("--model-path", default=None, help="hub id or local folder of the base pipeline")
     p.add_argument("--checkpoints", nargs="*", default=[], help="train.py checkpoint folders (<run>/checkpoints/<step>)")
-    p.add_argument("--ema", action="store_true", help="use the checkpoints' EMA weights where saved")
+    p.add_argument("--ema", action=argparse.BooleanOptionalAction, default=True,
+                   help="score a checkpoint's EMA weights where it has them (as train.py evaluates and exports)")
     p.add_argument("--prompts", default="prompts/tiny.txt", help="held-out prompts (.txt or .jsonl)")
     p.add_argument("--input-key", default="input", help="JSONL key of the prompt (GenEval files: prompt)")
     p.add_argument("--metadata-key", default="metadata", help="JSONL key of the metadata; '' takes the whole row")
     p.add_argument("--max-prompts", type=int, default=16, help="first N prompts of the file")
     p.add_argument("--reward", default="jpeg_compressibility", help="reward spec, as train.py --reward")
     p.add_argument("--resolution", type=int, default=64, help="image side in pixels")
+    p.add_argument("--num-frames", type=int, default=None, help="video models (wan): frames per sample")
+    p.add_argument("--shift", type=float, default=None, help="static schedule shift (default: the model's own)")
+    p.add_argument("--max-sequence-length", type=int, default=None, help="text tokens (default: the family's)")
     p.add_argument("--eval-steps", type=int, default=40, help="ODE steps")
     p.add_argument("--guidance-scale", type=float, default=1.0, help="CFG scale")
     p.add_argument("--batch-size", type=int, default=8, help="images per forward")
@@ -205,8 +230,9 @@ def main(argv=None):
     base = {k: v.detach().clone() for k, v in pipe.transformer.state_dict().items()} if rank == 0 and args.checkpoints else None
 
     kw = dict(resolution=args.resolution, num_steps=args.eval_steps, guidance_scale=args.guidance_scale,
-              seed=args.seed, batch_size=args.batch_size, device=device)
-    names, columns, tables = ["base"], [], []
+              seed=args.seed, batch_size=args.batch_size, device=device, shift=args.shift,
+              num_frames=args.num_frames, max_sequence_length=args.max_sequence_length)
+    names, columns, tables, weights = ["base"], [], [], {}
     with models.reference(pipe) if rank else contextlib.nullcontext():
         columns.append(sample_images(pipe, prompts, **kw))
     tables.append(score(reward_fn, columns[0], prompts, metadata))
@@ -215,6 +241,7 @@ def main(argv=None):
             pipe.transformer.load_state_dict(base)
         load_weights(pipe, ckpt, use_ema=args.ema)
         names.append(ckpt.rstrip("/"))
+        weights[names[-1]] = "ema" if args.ema and os.path.isfile(os.path.join(ckpt, "ema.safetensors")) else "live"
         columns.append(sample_images(pipe, prompts, **kw))
         tables.append(score(reward_fn, columns[-1], prompts, metadata))
 
@@ -224,7 +251,7 @@ def main(argv=None):
     for name, table in zip(names, tables):
         print(f"{name[-40:]:<40}" + "".join(f"{table.get(k, float('nan')):>24.5f}" for k in keys))
     summary = {"prompts": args.prompts, "num_prompts": len(prompts), "eval_steps": args.eval_steps,
-               "results": {name: table for name, table in zip(names, tables)}}
+               "results": {name: table for name, table in zip(names, tables)}, "weights": weights}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     save_grid(os.path.join(args.out, "grid.png"), columns, names, prompts, tables)

@@ -88,7 +88,7 @@ def group_advantages(rewards, group_ids, *, global_std=False, eps=1e-4, clip=5.0
 
     GRPO (DeepSeekMath arXiv:2402.03300, Sec. 4.1.2; as used by Flow-GRPO arXiv:2505.05470): the std
     is that of i's group (population std), or with global_std one std over the whole batch (as
-    Flow-GRPO's and FlowDPPO's recipes do). A group whose rewards are all equal gets zero advantages.
+    Flow-GRPO's and FlowDPPO's recipes do). A group whose rewards are all equal gets advantages of exactly 0.
     rewards [N]; group_ids: N ints (list or tensor), equal for samples of the same prompt.
     """
     rewards = torch.as_tensor(rewards).float()
@@ -102,6 +102,11 @@ def group_advantages(rewards, group_ids, *, global_std=False, eps=1e-4, clip=5.0
     n = torch.zeros(int(group.max()) + 1, device=rewards.device).index_add_(0, group, torch.ones_like(rewards))
     group_mean = torch.zeros_like(n).index_add_(0, group, rewards) / n
     centred = rewards - group_mean[group]
+    # A group of equal rewards gets exactly 0, not the rounding residue of its mean (~1e-9 / (std + eps) ~ 1e-5):
+    # train.py recognises saturated groups by advantage == 0 and leaves them out of the update.
+    top = torch.full_like(n, -torch.inf).scatter_reduce(0, group, rewards, "amax")
+    bottom = torch.full_like(n, torch.inf).scatter_reduce(0, group, rewards, "amin")
+    centred = torch.where((top == bottom)[group], torch.zeros_like(centred), centred)
     if global_std:
         std = rewards.std(unbiased=False)
     else:
@@ -124,12 +129,25 @@ def grpo_loss(log_prob, old_log_prob, adv, *, clip_range, adv_clip=None):
     return per_sample.mean(), info
 
 
-def kl_penalty(mean, ref_mean, std):
+def kl_penalty(mean, ref_mean, std, *, dt=None):
     """KL(pi_theta || pi_ref) of the step's Gaussian transitions against the frozen reference model,
-    the closed form for equal-covariance Gaussians (Flow-GRPO arXiv:2505.05470), mean-reduced over
-    latent dims like the log-probs: per sample mean_dims((mean - ref_mean)^2) / (2 std^2), then the
-    mean over samples. std is the transition std, float or [B]."""
+    mean-reduced over latent dims like the log-probs. std is the transition std, float or [B].
+
+    dt None: the exact KL of two Gaussians with equal covariance std^2 I, per sample
+        kl = mean_dims((mean - ref_mean)^2) / (2 std^2)
+    dt given (s' - s < 0, float or [B]): Flow-GRPO's form, which its published betas (0.04 OCR and
+    GenEval, 0.01 PickScore) were tuned on. Its code (train_sd3.py, the kl_loss line) divides by
+    2 std_dev_t^2, the diffusion coefficient before the sqrt(-dt) of the transition std
+    (sd3_sde_with_logprob.py), so per sample
+        kl = mean_dims((mean - ref_mean)^2) / (2 std^2 / |dt|) = exact KL x |dt|
+    which weights the steps by their length. (Its cps sampler returns the transition std itself, so
+    there its form is the exact one: pass dt=None.) Returns (mean over samples, info)."""
     kl = _sq_dist(mean, ref_mean) / (2 * _per_sample(std, mean) ** 2)  # [B]
+    if dt is not None:
+        dt = _per_sample(dt, mean)
+        if (dt >= 0).any():
+            raise ValueError("kl_penalty: dt = s' - s must be negative")
+        kl = kl * -dt
     return kl.mean(), {"kl_mean": kl.detach().mean().item(), "kl_max": kl.detach().max().item()}
 
 

@@ -1,37 +1,50 @@
-"""Model adapters: load a diffusers pipeline, encode prompts, guided velocity, decode, LoRA.
+"""Model adapters: load a diffusers pipeline, encode prompts, guided velocity, decode, LoRA, schedule.
 
-Everything the RL loop needs from a text-to-image model goes through these functions, so that
-`sde.py`, `train.py` and `eval.py` never branch on the model family:
+Everything the RL loop needs from a text-to-image (or -video) model goes through these functions,
+so that `sde.py`, `losses.py`, `train.py` and `eval.py` never branch on the model family:
 
-    encode_prompts(pipe, prompts)               -> embeds (dict of [B, ...] tensors)
-    initial_noise(pipe, batch, resolution)      -> x at sigma = 1, float32 [B, *latent_shape]
-    velocity(pipe, x, sigma, embeds)            -> v, the network's prediction at noise level sigma
-    decode(pipe, latents)                       -> uint8 images [B, H, W, 3]
-    add_lora / reference / save_lora            -> the policy, its frozen base, the checkpoint
-    swapped(trainable, weights)                 -> the policy run with another copy of its weights
+    encode_prompts(pipe, prompts, *, max_sequence_length=None) -> embeds (dict of [B, ...] tensors)
+    initial_noise(pipe, batch, resolution, *, num_frames=None)  -> x at sigma = 1, float32 [B, *latent_shape]
+    velocity(pipe, x, sigma, embeds)                             -> v, the prediction at noise level sigma
+    decode(pipe, latents)                  -> uint8 images [B, H, W, 3] (videos [B, F, H, W, 3])
+    sigmas(pipe, num_steps, resolution, *, shift=None)           -> the family's native schedule, 1 -> 0
+    add_lora / reference / save_lora                             -> the policy, its frozen base, the checkpoint
+    swapped(trainable, weights)                                  -> the policy run with another copy of its weights
 
 Convention (rectified flow, as diffusers' schedulers): `x_s = (1 - s) x0 + s eps`, the network
 predicts `v ~ eps - x0`, and the Euler step from `s` to `s'` is `x + (s' - s) v`. SD3 takes the
 timestep `s * 1000` and applies classifier-free guidance `v_u + g (v_c - v_u)` (Ho & Salimans
 2022, eq. 6 with g = 1 + w, as diffusers writes it); FLUX.1-dev is guidance-distilled: it takes the timestep
 `s` and the scale `g` through a guidance embedding, with one forward per sample. `tests/test_models.py`
-checks all of this against `StableDiffusion3Pipeline.__call__` and `FluxPipeline.__call__`.
+checks all of this against `StableDiffusion3Pipeline.__call__` and `FluxPipeline.__call__`. The newer
+families live in `families.py` (one adapter each, with how its conventions map onto these), checked
+against their pipelines by `tests/test_families.py`.
 
-| name         | what it is                                                                        |
-| ------------ | --------------------------------------------------------------------------------- |
-| `sd3`        | `stabilityai/stable-diffusion-3.5-medium`, or `--model-path` (id or local folder)   |
-| `flux`       | `black-forest-labs/FLUX.1-dev`, or `--model-path`                                   |
-| `tiny`       | random SD3-architecture transformer, VAE and two CLIP text encoders (no T5), built |
-|              | in code, same weights every time; trains on a CPU at 64 px                         |
-| `tiny-flux`  | the same for the FLUX architecture (CLIP + tiny T5)                                 |
-| `sd3-random` | the SD3.5-medium transformer and VAE at full size with random weights and tiny    |
-|              | text encoders of the right widths, for `bench.py` (no download)                    |
+| name          | what it is                                                                       |
+| ------------- | -------------------------------------------------------------------------------- |
+| `sd3`         | `stabilityai/stable-diffusion-3.5-medium`, or `--model-path` (id or local folder; |
+|               | SD3.5-Large `stabilityai/stable-diffusion-3.5-large` loads the same way)         |
+| `flux`        | `black-forest-labs/FLUX.1-dev`, or `--model-path`                                  |
+| `wan`, `qwen-image`, `flux2-klein`, `z-image` | see families.py; by hub id or `--model-path`     |
+| `tiny`        | random SD3-architecture transformer, VAE and two CLIP text encoders (no T5), built |
+|               | in code, same weights every time; trains on a CPU at 64 px                        |
+| `tiny-flux`   | the same for the FLUX architecture (CLIP + tiny T5)                                |
+| `tiny-wan`, `tiny-qwen-image`, `tiny-flux2-klein`, `tiny-z-image` | the same for each family    |
+| `sd3-random`  | the SD3.5-medium transformer and VAE at full size with random weights and tiny   |
+|               | text encoders of the right widths, for `bench.py` (no download)                   |
+
+Text length (max_sequence_length, the default of encode_prompts; capped by a tiny tokenizer's
+context): sd3 128 T5 tokens after the 77 CLIP ones, as Flow-GRPO encodes SD3 prompts
+(scripts/train_sd3.py; diffusers' own default is 256); flux 512 (FluxPipeline's default); wan,
+qwen-image, flux2-klein, z-image 512, their pipelines' defaults (and what Flow-GRPO / UniRL use).
 
 Departures from the diffusers defaults, and why:
 1. A pipeline without a T5 encoder (`tiny`) gets no T5 tokens, where diffusers would append
-   256 zero tokens: they carry no information and would triple the CPU cost of `tiny`.
+   zero tokens: they carry no information and would triple the CPU cost of `tiny`.
 2. Trainable LoRA weights are kept in float32 even when the model runs in bf16 (as the
    diffusers LoRA training scripts do), so that small Adam updates are not rounded away.
+3. Classifier-free guidance runs the unconditional and conditional halves as one batched forward
+   (the Wan, Qwen-Image and FLUX.2 pipelines run two); the results agree to float rounding.
 """
 
 import contextlib
@@ -43,13 +56,19 @@ import logging
 import math
 import os
 
+import numpy as np
 import torch
+
+import families
+import sde
 
 SD3_ID = "stabilityai/stable-diffusion-3.5-medium"
 # Image sides must be multiples of VAE down-sampling x transformer patch; checked before a model loads.
-RESOLUTION_MULTIPLE = {"tiny": 8, "tiny-flux": 8, "sd3": 16, "sd3-random": 16, "flux": 16}
+RESOLUTION_MULTIPLE = {"tiny": 8, "tiny-flux": 8, "sd3": 16, "sd3-random": 16, "flux": 16, "wan": 16, "tiny-wan": 16,
+                       "qwen-image": 16, "tiny-qwen-image": 8, "flux2-klein": 16, "tiny-flux2-klein": 8,
+                       "z-image": 16, "tiny-z-image": 8}
 FLUX_ID = "black-forest-labs/FLUX.1-dev"
-SD3_T5_TOKENS = 256  # diffusers' default max_sequence_length for SD3
+SD3_T5_TOKENS = 128  # Flow-GRPO's T5 context for SD3 (scripts/train_sd3.py; diffusers' default is 256)
 FLUX_T5_TOKENS = 512  # FLUX.1-dev's T5 context, the FluxPipeline default
 
 # LoRA targets. SD3: Flow-GRPO's list (attention of the joint blocks, image and text streams;
@@ -93,17 +112,22 @@ def _clip_bpe():
     path = os.path.join(spec.submodule_search_locations[0], "bpe_simple_vocab_16e6.txt.gz")
     lines = gzip.open(path, "rt", encoding="utf-8").read().split("\n")
     merges = [tuple(line.split()) for line in lines[1:49152 - 256 - 2 + 1]]  # 48894 merges, as CLIP
-    # bytes -> printable unicode characters, in CLIP's (= GPT-2's) order
+    tokens = _byte_alphabet()
+    tokens = tokens + [t + "</w>" for t in tokens] + ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
+    return {t: i for i, t in enumerate(tokens)}, merges
+
+
+def _byte_alphabet():
+    """The 256 printable characters that byte-level BPE uses for the bytes, in CLIP's (= GPT-2's)
+    vocabulary order: printable Latin-1 bytes as themselves, the others as code points after 255."""
     byte_ids = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     chars, extra = byte_ids[:], 0
     for b in range(256):
-        if b not in byte_ids:  # the other bytes map to the code points after 255
+        if b not in byte_ids:
             byte_ids.append(b)
             chars.append(256 + extra)
             extra += 1
-    tokens = [chr(c) for c in chars]
-    tokens = tokens + [t + "</w>" for t in tokens] + ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
-    return {t: i for i, t in enumerate(tokens)}, merges
+    return [chr(c) for c in chars]
 
 
 def clip_tokenizer():
@@ -176,7 +200,8 @@ def _small_vae(latent_channels, scaling_factor, shift_factor):
 
 def _check_no_path(name, model_path):
     if model_path is not None:
-        raise ValueError(f"model {name!r} is built in code and takes no --model-path; drop the flag or pick sd3 / flux")
+        raise ValueError(f"model {name!r} is built in code and takes no --model-path; "
+                         "drop the flag or pick a hub model (sd3, flux, wan, ...)")
 
 
 def _from_pretrained(cls, name, path, default_id, dtype):
@@ -262,7 +287,7 @@ def tiny_flux(model_path=None, dtype=torch.float32, device="cpu"):
 def sd3_random(model_path=None, dtype=torch.float32, device="cpu"):
     """SD3.5-medium's transformer (2.2 B parameters) and VAE at full size with random weights,
     and one-layer text encoders of the real widths (CLIP-L 768, CLIP-G 1280, T5-XXL 4096, so the
-    transformer sees 77 + 256 text tokens as with the real model). Built directly on `device`."""
+    transformer sees 77 + 128 text tokens, as Flow-GRPO encodes SD3.5). Built directly on `device`."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
     _check_no_path("sd3-random", model_path)
@@ -318,62 +343,106 @@ def _modules(pipe):
 # ----------------------------------------------------------------------------- the adapter
 
 def family(pipe):
-    """'sd3' or 'flux', from the pipeline's class."""
+    """The family key of a pipeline, from its class: 'sd3', 'flux', or a key of families.FAMILIES."""
     kind = type(pipe).__name__
+    for name, spec in families.FAMILIES.items():
+        if kind == spec["pipeline"]:
+            return name
     if kind.startswith("StableDiffusion3"):
         return "sd3"
-    if kind.startswith("Flux"):
+    if kind.startswith("Flux") and not kind.startswith("Flux2"):
         return "flux"
-    raise ValueError(f"unsupported pipeline {kind}; models.py handles StableDiffusion3Pipeline and FluxPipeline")
+    supported = ["StableDiffusion3Pipeline", "FluxPipeline"] + [f["pipeline"] for f in families.FAMILIES.values()]
+    supported = ", ".join(supported)
+    raise ValueError(f"unsupported pipeline {kind}; models.py handles {supported}")
 
 
-def latent_shape(pipe, resolution):
-    """Per-sample shape of the latent that sde.rollout sees: sd3 (C, h, w), flux packed (h w / 4, 4 C)."""
+def is_video(pipe):
+    """True for families whose samples are videos [B, F, H, W, 3] (wan)."""
+    spec = families.FAMILIES.get(family(pipe))
+    return bool(spec and spec["video"])
+
+
+def _hw(resolution):
+    """--resolution as (height, width): an int is a square, a pair is (height, width)."""
+    if isinstance(resolution, int):
+        return resolution, resolution
+    height, width = resolution
+    return int(height), int(width)
+
+
+def latent_shape(pipe, resolution, *, num_frames=None):
+    """Per-sample shape of the latent that sde.rollout sees: sd3 (C, h, w), flux packed (h w / 4, 4 C),
+    wan (C, F', h, w), and the families' own (families.py). `resolution`: an int (square) or
+    (height, width), the latter for the unpacked families (sd3, wan, z-image)."""
+    height, width = _hw(resolution)
+    kind = family(pipe)
+    if kind in families.FAMILIES:
+        return families.FAMILIES[kind]["shape"](pipe, height, width, num_frames)
+    families._no_frames(num_frames)
     f = pipe.vae_scale_factor
-    if family(pipe) == "sd3":
-        multiple = f * pipe.transformer.config.patch_size
-        if resolution % multiple:
-            raise ValueError(f"--resolution {resolution} must be a multiple of {multiple} for this model")
-        return (pipe.transformer.config.in_channels, resolution // f, resolution // f)
-    if resolution % (2 * f):
-        raise ValueError(f"--resolution {resolution} must be a multiple of {2 * f} for this model")
-    side = resolution // (2 * f)  # 2 x 2 latent patches are packed into one token
+    if kind == "sd3":
+        families._check_multiple(height, width, f * pipe.transformer.config.patch_size)
+        return (pipe.transformer.config.in_channels, height // f, width // f)
+    families._square("FLUX.1", height, width)
+    families._check_multiple(height, width, 2 * f)
+    side = height // (2 * f)  # 2 x 2 latent patches are packed into one token
     return (side * side, pipe.transformer.config.in_channels)
 
 
-def initial_noise(pipe, batch, resolution, *, generator=None):
+def initial_noise(pipe, batch, resolution, *, num_frames=None, generator=None):
     """x at sigma = 1: standard normal, float32 [B, *latent_shape], drawn as the pipelines draw it
-    (so the same generator gives the same noise as pipe(..., generator=generator))."""
+    (so the same generator gives the same noise as pipe(..., generator=generator)).
+    num_frames: video frames (wan; default its pipeline's 81), None for image models."""
     from diffusers.utils.torch_utils import randn_tensor
 
-    shape = latent_shape(pipe, resolution)
+    height, width = _hw(resolution)
+    kind = family(pipe)
+    if kind in families.FAMILIES:
+        return families.FAMILIES[kind]["noise"](pipe, batch, height, width, num_frames, generator)
+    shape = latent_shape(pipe, resolution, num_frames=num_frames)
     device = pipe._execution_device
-    if family(pipe) == "sd3":
+    if kind == "sd3":
         return randn_tensor((batch, *shape), generator=generator, device=device, dtype=torch.float32)
     channels, side = shape[1] // 4, int(math.isqrt(shape[0])) * 2
     x = randn_tensor((batch, channels, side, side), generator=generator, device=device, dtype=torch.float32)
     return pipe._pack_latents(x, batch, channels, side, side)  # [B, L, 4 C]
 
 
+def default_tokens(pipe):
+    """The default max_sequence_length of encode_prompts: the family's reference value (module docstring),
+    capped by the tokenizer's context (the tiny models' tokenizers are short)."""
+    kind = family(pipe)
+    if kind == "sd3":
+        return min(SD3_T5_TOKENS, pipe.tokenizer_3.model_max_length) if pipe.text_encoder_3 is not None else 0
+    tokenizer = pipe.tokenizer_2 if kind == "flux" else pipe.tokenizer
+    reference = FLUX_T5_TOKENS if kind == "flux" else families.FAMILIES[kind]["tokens"]
+    return min(reference, tokenizer.model_max_length)
+
+
 @torch.no_grad()
-def encode_prompts(pipe, prompts, *, negative_prompt="", guidance_scale=1.0):
+def encode_prompts(pipe, prompts, *, negative_prompt="", guidance_scale=1.0, max_sequence_length=None):
     """Text embeddings, batch first. sd3: `prompt_embeds` [B, 77 + T5 tokens, D], `pooled` [B, P],
     and for guidance_scale > 1 `neg_prompt_embeds`, `neg_pooled` (the negative prompt encoded
     once, expanded to B). flux: `prompt_embeds` [B, T5 tokens, D], `pooled` [B, P] (FLUX.1-dev
-    has no negative prompt: guidance enters through its guidance embedding)."""
+    has no negative prompt: guidance enters through its guidance embedding). The families in
+    families.py: `prompt_embeds` (+ `prompt_mask` where prompts have their own lengths) and the
+    `neg_` versions under CFG. max_sequence_length: text tokens (T5 for sd3 / flux); default
+    default_tokens(pipe)."""
     device = pipe._execution_device
     prompts = list(prompts)
-    if family(pipe) == "flux":
-        tokens = min(FLUX_T5_TOKENS, pipe.tokenizer_2.model_max_length)
+    kind = family(pipe)
+    tokens = default_tokens(pipe) if max_sequence_length is None else max_sequence_length
+    if kind in families.FAMILIES:
+        return families.FAMILIES[kind]["encode"](pipe, prompts, negative_prompt, guidance_scale, tokens)
+    if kind == "flux":
         embeds, pooled, _ = pipe.encode_prompt(prompts, prompt_2=None, device=device, max_sequence_length=tokens)
         return {"prompt_embeds": embeds, "pooled": pooled}
-
-    tokens = SD3_T5_TOKENS if pipe.text_encoder_3 is not None else 0  # departure 1 (module docstring)
 
     def encode(texts):
         embeds, _, pooled, _ = pipe.encode_prompt(
             texts, prompt_2=None, prompt_3=None, device=device, do_classifier_free_guidance=False,
-            max_sequence_length=tokens,
+            max_sequence_length=tokens if pipe.text_encoder_3 is not None else 0,  # departure 1 (module docstring)
         )
         return embeds, pooled
 
@@ -386,7 +455,8 @@ def encode_prompts(pipe, prompts, *, negative_prompt="", guidance_scale=1.0):
 
 
 def velocity(pipe, x, sigma, embeds, *, guidance_scale=1.0, transformer=None):
-    """The guided velocity v(x, sigma) ~ eps - x0, same shape as x, in the transformer's dtype.
+    """The guided velocity v(x, sigma) ~ eps - x0, same shape as x, in the transformer's dtype
+    (float32 for z-image, whose guidance the pipeline combines in float32).
 
     sigma: float or [B] tensor. transformer: defaults to pipe.transformer; pass the DDP / FSDP /
     compiled wrapper to train through it. Gradients flow unless the caller disables them.
@@ -396,9 +466,12 @@ def velocity(pipe, x, sigma, embeds, *, guidance_scale=1.0, transformer=None):
     batch = x.shape[0]
     assert embeds["prompt_embeds"].shape[0] == batch, "embeds and x must have the same batch size"
     sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(batch)  # [B]
+    kind = family(pipe)
+    if kind in families.FAMILIES:
+        return families.FAMILIES[kind]["velocity"](pipe, model, x, sigma, embeds, guidance_scale)
     x = x.to(dtype)
 
-    if family(pipe) == "flux":
+    if kind == "flux":
         side = math.isqrt(x.shape[1])
         assert side * side == x.shape[1], "flux latents must be packed from a square image"
         guidance = None
@@ -419,35 +492,103 @@ def velocity(pipe, x, sigma, embeds, *, guidance_scale=1.0, transformer=None):
     text, pooled = embeds["prompt_embeds"], embeds["pooled"]
     cfg = guidance_scale > 1
     if cfg:  # unconditional and conditional in one batched forward, in diffusers' order
-        if "neg_prompt_embeds" not in embeds:
-            raise ValueError("guidance_scale > 1 needs embeds from encode_prompts(..., guidance_scale > 1)")
+        text, pooled = families._cfg_halves(embeds, ["prompt_embeds", "pooled"])
         x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])  # [2B, ...]
-        text = torch.cat([embeds["neg_prompt_embeds"], text])
-        pooled = torch.cat([embeds["neg_pooled"], pooled])
     v = model(
         hidden_states=x, encoder_hidden_states=text.to(dtype), pooled_projections=pooled.to(dtype),
         timestep=timestep, return_dict=False,
     )[0]
     if cfg:
-        v_uncond, v_cond = v.chunk(2)
-        v = v_uncond + guidance_scale * (v_cond - v_uncond)  # classifier-free guidance, Ho & Salimans 2022 eq. 6
+        v, _ = families._guided(v, guidance_scale)  # classifier-free guidance
     return v
+
+
+def _decode_kl(vae, latents):
+    """Latents [B, C, h, w] of an AutoencoderKL with scaling and shift -> uint8 [B, H, W, 3] on the CPU."""
+    images = []
+    for chunk in latents.split(8):  # the VAE decoder's activations dominate memory at 1024 px
+        z = chunk.to(vae.device, vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        image = vae.decode(z, return_dict=False)[0]  # [b, 3, H, W] in [-1, 1]
+        images.append(families._to_uint8(image).permute(0, 2, 3, 1).cpu())
+    return torch.cat(images)
 
 
 @torch.no_grad()
 def decode(pipe, latents):
-    """Latents at sigma = 0 -> uint8 images [B, H, W, 3] on the CPU (as the pipelines' "np" output, x 255)."""
-    vae = pipe.vae
-    if family(pipe) == "flux":
+    """Latents at sigma = 0 -> uint8 images [B, H, W, 3] on the CPU (as the pipelines' "np" output, x 255);
+    for video families (wan) uint8 videos [B, F, H, W, 3]."""
+    kind = family(pipe)
+    if kind in families.FAMILIES:
+        return families.FAMILIES[kind]["decode"](pipe, latents)
+    if kind == "flux":
         side = math.isqrt(latents.shape[1]) * 2 * pipe.vae_scale_factor  # image side in pixels
         latents = pipe._unpack_latents(latents, side, side, pipe.vae_scale_factor)  # [B, C, h, w]
-    images = []
-    for chunk in latents.split(8):  # the VAE decoder's activations dominate memory at 1024 px
-        z = chunk.to(vae.device, vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        image = vae.decode(z, return_dict=False)[0].float()  # [b, 3, H, W] in [-1, 1]
-        image = ((image / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
-        images.append(image.permute(0, 2, 3, 1).cpu())
-    return torch.cat(images)
+    return _decode_kl(pipe.vae, latents)
+
+
+# ----------------------------------------------------------------------------- native schedules
+
+def dynamic_shift_mu(config, image_tokens):
+    """FLUX's resolution-dependent shift (diffusers' calculate_shift, pipeline_flux.py): mu linear in
+    the number of image tokens, from base_shift at base_image_seq_len to max_shift at max_image_seq_len."""
+    base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+    base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
+    m = (max_shift - base_shift) / (max_len - base_len)
+    return image_tokens * m + base_shift - m * base_len
+
+
+def flow_match_sigmas(config, base, *, mu=None, shift=None):
+    """What FlowMatchEulerDiscreteScheduler.set_timesteps(sigmas=base, mu=mu) stores as its sigmas
+    (scheduling_flow_match_euler_discrete.py), computed in float32 as there: float32 [N + 1], 1 -> 0.
+
+    Dynamic configs shift by mu: exponential exp(mu) / (exp(mu) + 1/t - 1) (FLUX, arXiv:2403.03206
+    applied per resolution) or linear mu / (mu + 1/t - 1); static ones by config.shift, or by `shift`
+    (--shift), which only a static config accepts. shift_terminal then stretches the schedule so that
+    its last nonzero sigma equals it (LTX-Video's rule, as diffusers applies it)."""
+    t = np.asarray(base).astype(np.float32)
+    if config.get("use_dynamic_shifting", False):
+        if shift is not None:
+            raise ValueError("--shift sets a static shift, but this model's schedule shifts with the resolution "
+                             "(use_dynamic_shifting in its scheduler config): drop --shift")
+        if config.get("time_shift_type", "exponential") == "exponential":
+            t = math.exp(mu) / (math.exp(mu) + (1 / t - 1))
+        else:
+            t = mu / (mu + (1 / t - 1))
+    else:
+        t = sde.time_shift(t, config.get("shift", 1.0) if shift is None else shift)
+    if config.get("shift_terminal"):
+        one_minus = 1 - t
+        t = 1 - one_minus / (one_minus[-1] / (1 - config["shift_terminal"]))
+    if any(config.get(k) for k in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas")):
+        raise ValueError("karras / exponential / beta / inverted sigmas are not supported; "
+                         "use the model's own scheduler config")
+    return torch.cat([torch.from_numpy(np.asarray(t, dtype=np.float32)), torch.zeros(1)])
+
+
+def sigmas(pipe, num_steps, resolution, *, shift=None):
+    """The schedule the family's own pipeline samples with at `resolution`: float32 [num_steps + 1], 1 -> 0.
+
+    sd3: sde.sd3_sigmas(num_steps, shift) with the scheduler's shift (3 for SD3.5). flux: FluxPipeline's
+    linspace(1, 1/N, N) with its resolution-dependent exponential shift (dynamic_shift_mu of the image
+    tokens, the scheduler's base/max shift). The families: their pipelines' (families.py docstrings).
+    shift: replaces the static shift of families that have one (sd3, wan, z-image); an error for the
+    resolution-dependent ones."""
+    if num_steps < 1:
+        raise ValueError(f"--num-steps must be at least 1, got {num_steps}")
+    if shift is not None and shift <= 0:
+        raise ValueError(f"--shift must be positive, got {shift}")
+    height, width = _hw(resolution)
+    kind = family(pipe)
+    if kind in families.FAMILIES:
+        return families.FAMILIES[kind]["sigmas"](pipe, num_steps, height, width, shift)
+    config = pipe.scheduler.config
+    if kind == "sd3":
+        if config.get("use_dynamic_shifting", False):
+            raise ValueError("sd3: a scheduler with use_dynamic_shifting is not supported")
+        return sde.sd3_sigmas(num_steps, shift=config.shift if shift is None else shift)
+    base = np.linspace(1.0, 1 / num_steps, num_steps)  # FluxPipeline.__call__
+    return flow_match_sigmas(config, base, mu=dynamic_shift_mu(config, families._image_tokens(pipe, height, width)),
+                             shift=shift)
 
 
 # ----------------------------------------------------------------------------- LoRA
@@ -459,13 +600,21 @@ def add_lora(pipe, rank, alpha, *, target_modules=None):
     transformer = pipe.transformer
     for module in _modules(pipe):
         module.requires_grad_(False)
+    kind = family(pipe)
+    # Layers whose output the model discards (Qwen-Image's last text stream) get no gradient at all,
+    # which DDP refuses: they are left out of training.
+    unused = families.FAMILIES[kind]["unused"](transformer) if kind in families.FAMILIES else []
     if rank == 0:
         transformer.requires_grad_(True)
-        return list(transformer.parameters())
+        for name in unused:
+            transformer.get_submodule(name).requires_grad_(False)
+        return [p for p in transformer.parameters() if p.requires_grad]
     from peft import LoraConfig
 
-    targets = list(target_modules or LORA_TARGETS[family(pipe)])
-    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets))
+    default = LORA_TARGETS[kind] if kind in LORA_TARGETS else families.FAMILIES[kind]["lora_targets"]
+    targets = list(target_modules or default)
+    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets,
+                                       exclude_modules=unused or None))
     params = [p for p in transformer.parameters() if p.requires_grad]
     assert params, f"no LoRA layer matched target modules {targets}"
     for p in params:
@@ -585,4 +734,12 @@ MODELS = {
     "sd3": sd3,
     "sd3-random": sd3_random,
     "flux": flux,
+    "wan": families.wan,
+    "tiny-wan": families.tiny_wan,
+    "qwen-image": families.qwen_image,
+    "tiny-qwen-image": families.tiny_qwen_image,
+    "flux2-klein": families.flux2_klein,
+    "tiny-flux2-klein": families.tiny_flux2_klein,
+    "z-image": families.z_image,
+    "tiny-z-image": families.tiny_z_image,
 }

@@ -85,6 +85,12 @@ SIGMA_ONE = 1e-4  # s within this of 1 counts as s = 1 in the 1 - s of (3)
 SDEStep = collections.namedtuple("SDEStep", "prev_sample log_prob mean std")
 
 
+def time_shift(t, shift):
+    """SD3's timestep shift (Esser et al. 2024, arXiv:2403.03206): t -> shift t / (1 + (shift - 1) t),
+    on floats, numpy arrays or tensors (computed in their own precision)."""
+    return shift * t / (1 + (shift - 1) * t)
+
+
 def sd3_sigmas(num_steps, shift=3.0):
     """The time-shifted schedule of diffusers' FlowMatchEulerDiscreteScheduler(shift=shift) after
     set_timesteps(num_steps), which the SD3 pipelines sample with: float32 [num_steps + 1], 1 -> 0."""
@@ -92,15 +98,11 @@ def sd3_sigmas(num_steps, shift=3.0):
         raise ValueError(f"--num-steps must be at least 1, got {num_steps}")
     if shift <= 0:
         raise ValueError(f"--shift must be positive, got {shift}")
-
-    def time_shift(t):  # SD3 (Esser et al. 2024, arXiv:2403.03206) timestep shifting
-        return shift * t / (1 + (shift - 1) * t)
-
     # diffusers spaces the steps evenly between the shifted ends of its 1000-step training grid
     # (computed in float32 there: the smallest is shift(1/1000)), then shifts them again.
-    t_min = time_shift(torch.tensor(1.0, dtype=torch.float32) / 1000).item()
+    t_min = time_shift(torch.tensor(1.0, dtype=torch.float32) / 1000, shift).item()
     t = torch.linspace(1.0, t_min, num_steps, dtype=torch.float64)
-    sigmas = time_shift(t).to(torch.float32)
+    sigmas = time_shift(t, shift).to(torch.float32)
     return torch.cat([sigmas, torch.zeros(1)])
 
 
@@ -185,9 +187,13 @@ def sde_steps(num_steps, *, window="all", iteration=0, timestep_fraction=1.0, wi
     """Sorted indices of the steps that are stochastic AND trained (step i: sigmas[i] -> sigmas[i+1]).
 
     all:  the first floor(num_steps * timestep_fraction) steps (Flow-GRPO's timestep_fraction).
-    fast: Flow-GRPO-Fast, `window_size` consecutive steps starting at a step drawn uniformly from
-          window_range = (lo, hi), both inclusive (default: every start that fits), from a generator
-          seeded with (seed, iteration), so every rank and a resumed run draw the same window.
+    fast: Flow-GRPO-Fast, `window_size` consecutive steps that all lie in steps lo .. hi - 1 of
+          window_range = (lo, hi), as Flow-GRPO's sde_window_range (sd3_pipeline_with_logprob_fast.py:
+          start = randint(lo, hi - window_size), both ends inclusive), so (0, 5) with size 3 trains
+          steps 0..4 only; default (0, num_steps - 1), every window without the last step. The start
+          comes from a generator seeded with (seed, iteration), seed an int or a tuple of ints: the
+          same arguments draw the same window in any process and after a resume (train.py passes
+          (seed, rank, rollout batch): each rollout batch its own window, as Flow-GRPO-Fast).
     mix:  MixGRPO (arXiv:2507.21802), a sliding window of `window_size` steps starting at step 0
           that moves `stride` steps later every `iters_per_window` iterations; its last position
           ends at the last trainable step (a position past it is clamped there). It then stays
@@ -213,11 +219,12 @@ def sde_steps(num_steps, *, window="all", iteration=0, timestep_fraction=1.0, wi
                          f"got {window_size}")
     last_start = trainable - window_size
     if window == "fast":
-        lo, hi = (0, last_start) if window_range is None else window_range
-        if not 0 <= lo <= hi <= last_start:
-            raise ValueError(f"--window-range must satisfy 0 <= LO <= HI <= {last_start} "
-                             f"(= num_steps - 1 - window_size), got {lo} {hi}")
-        start = random.Random(f"fast-window/{seed}/{iteration}").randint(lo, hi)  # a str seed: same in every process
+        lo, hi = (0, trainable) if window_range is None else window_range
+        if not 0 <= lo <= hi - window_size or hi > trainable:
+            raise ValueError(f"--window-range LO HI must hold the whole window: 0 <= LO, LO + --window-size "
+                             f"{window_size} <= HI <= {trainable} (= num_steps - 1, the last step is never trained), "
+                             f"got {lo} {hi}")
+        start = random.Random(f"fast-window/{seed}/{iteration}").randint(lo, hi - window_size)  # same in every process
     else:  # mix
         if stride < 1:
             raise ValueError(f"--window-stride must be at least 1, got {stride}")
@@ -298,6 +305,27 @@ def _dpm_solver_2m(velocity_fn, x, grid):
         yield x
 
 
+def flash_grid(sigmas, start, ratio):
+    """MixGRPO-Flash's compressed grid for the ODE steps after the window: from sigmas[start] to sigmas[-1],
+    n = max(int((T - start + 1) ratio), 2) points evenly spaced in step index, T = len(sigmas) - 1
+    (MixGRPO sampling_utils.py, run_sample_step with dpm_apply_strategy "post": its ratio is
+    dpm_post_compress_ratio, 0.4 in its scripts). MixGRPO spaces them evenly in its unshifted time,
+    which is linear in the step index of its schedule, and shifts them again; here a point between two
+    steps gets sigma interpolated linearly between them, which serves any schedule (the same points
+    where they fall on the grid). At least 2 points (one step): MixGRPO's max(..., 1) would leave the
+    sample at sigmas[start] when the window ends within 1 / ratio steps of the end."""
+    if not 0 < ratio <= 1:
+        raise ValueError(f"--flash-ratio must be in (0, 1], got {ratio}")
+    sigmas = torch.as_tensor(sigmas, dtype=torch.float64).cpu()
+    num = len(sigmas) - 1
+    n = max(int((num - start + 1) * ratio), 2)
+    position = torch.linspace(start, num, n, dtype=torch.float64)
+    low = position.floor().long().clamp(max=num - 1)
+    grid = sigmas[low] + (position - low) * (sigmas[low + 1] - sigmas[low])
+    grid[0], grid[-1] = sigmas[start], sigmas[-1]  # exact ends
+    return grid.float()
+
+
 @torch.no_grad()
 def ode_sample(velocity_fn, x, sigmas, *, solver="euler"):
     """Deterministic sampling from the noise x through `sigmas` to the clean sample (float32, shape of x).
@@ -324,7 +352,8 @@ def ode_sample(velocity_fn, x, sigmas, *, solver="euler"):
 
 
 @torch.no_grad()
-def rollout(velocity_fn, x, sigmas, *, sde_steps, kind="flow", eta=0.7, generator=None, sigma_max=None, flash=False):
+def rollout(velocity_fn, x, sigmas, *, sde_steps, kind="flow", eta=0.7, generator=None, sigma_max=None, flash=False,
+            flash_ratio=0.4):
     """Run one trajectory from the noise x through `sigmas`, stochastic on `sde_steps`, ODE elsewhere.
 
     velocity_fn(x, sigma: float) -> v is the only model-dependent part (CFG lives inside it).
@@ -340,12 +369,12 @@ def rollout(velocity_fn, x, sigmas, *, sde_steps, kind="flow", eta=0.7, generato
     Without flash, N = T + 1 and latents[:, i] is at sigmas[i].
 
     flash (MixGRPO-Flash, arXiv:2507.21802): the ODE steps after the last stochastic step
-    are replaced by DPM-Solver++(2M) on every other point of the remaining grid (ceil(R / 2) steps
-    instead of R; the last point, 0, is always kept). latents then holds the original grid up to
-    the end of the window, followed by the solver's states, so N = e + 1 + ceil(R / 2) where e is
-    the last stochastic step + 1 and R = T - e. Steps in `steps` index latents exactly as without
-    flash. Never before the window: the window's states must be those of the base sampler's
-    marginal. A different solver before it moves the states the SDE steps start from, so its error
+    are replaced by DPM-Solver++(2M) on flash_grid(sigmas, e, flash_ratio), n points from
+    sigmas[e] to 0 (n - 1 steps instead of R), where e is the last stochastic step + 1 and
+    R = T - e. latents then holds the original grid up to the end of the window, followed by the
+    solver's states, so N = e + n. Steps in `steps` index latents exactly as without flash.
+    Never before the window: the window's states must be those of the base sampler's marginal.
+    A different solver before it moves the states the SDE steps start from, so its error
     lands inside the trained steps' inputs, and the policy is trained (and its log-probs taken) at
     states the Euler sampler never visits. After the window no log-prob is taken; the solver only
     changes how the final image is reached, which the reward sees.
@@ -378,9 +407,7 @@ def rollout(velocity_fn, x, sigmas, *, sde_steps, kind="flow", eta=0.7, generato
         latents.append(x)
     latent_sigmas = sigmas[:flash_from + 1]
     if flash_from < num:
-        grid = sigmas[flash_from::2]
-        if grid[-1] != sigmas[-1]:
-            grid = torch.cat([grid, sigmas[-1:]])
+        grid = flash_grid(sigmas, flash_from, flash_ratio)
         latents.extend(_dpm_solver_2m(velocity_fn, x, grid.tolist()))
         latent_sigmas = torch.cat([latent_sigmas, grid[1:]])
 

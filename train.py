@@ -35,27 +35,43 @@ Where this departs from the papers, and why
    them (ratio == 1). This catches rollout/train mismatches (CFG on one side only, dtype, a stale adapter)
    that otherwise train silently off-policy.
 3. The last denoising step (sigma ~0.01 -> 0) is always an ODE step and never trained: its transition
-   std is ~0 and its log-prob would dominate the ratio (Flow-GRPO trains it with timestep_fraction 0.99).
+   std is ~0 and its log-prob would dominate the ratio. Flow-GRPO's timestep_fraction 0.99 leaves it out
+   too (int(10 x 0.99) = 9 of 10 steps); only a Flow-GRPO-Fast window could reach it, which its default
+   sde_window_range (0, T) allows and --window-range refuses.
 4. Groups whose reward service failed (`--reward-on-error skip`) are dropped from the advantages as
-   whole groups (a partial group would shift the group mean of the others); their samples still run
-   with advantage 0, so every rank does the same number of backward passes, and the loss is scaled by
-   samples / kept samples so that a partial outage does not shrink the step.
+   whole groups (a partial group would shift the group mean of the others): advantage 0, below.
+   Samples with advantage 0 (those, and saturated groups, whose rewards are all equal) leave the update,
+   as in Flow-GRPO: the policy term is the mean over the samples that carry one, not diluted by the rest.
+   Each rank keeps its number of micro-batches (the same forwards and backwards on every rank, as DDP and
+   FSDP need) and trains its kept samples in smaller ones, topped up with advantage-0 samples to a multiple
+   of that number as Flow-GRPO does. The departure: each rank's loss is weighted by its share of the
+   trained samples, so the step is the mean over all of them; Flow-GRPO averages the GPUs' means, which
+   weights a sample by 1 / (the count on its GPU) and so depends on where the samples landed.
 5. Rewards are computed in a background thread while the next sample batch is generated; the result is
    identical to scoring afterwards, only earlier.
-6. --loss nft / awm: the old policy is a float32 copy of the trained weights exchanged in place for the
+6. The EMA repeats its decay --ema-repeat times per update, fixed in the recipe. Flow-GRPO steps its EMA
+   after every micro-batch, so the repeat count is its gradient accumulation, which changes with the GPU
+   count (2 on general_ocr_sd3's 32 GPUs, 8 on 8 GPUs); stating it keeps a recipe's EMA the published
+   one on any number of GPUs.
+7. MixGRPO: the window slides to its last full position and stays there (or rolls back); MixGRPO's
+   shrinks to nothing first (from its iteration 500 at 25 steps; its published runs stop at 300). Under
+   --flash the solver after the window starts at first order; MixGRPO's carries the window's x0
+   predictions into its second-order history.
+8. --loss nft / awm: the old policy is a float32 copy of the trained weights exchanged in place for the
    forwards that need it (models.swapped), where DiffusionNFT and AWM keep a second peft adapter: one
-   mechanism for LoRA, full fine-tunes and FSDP shards, and an exact exchange. With dropped groups (4), a
-   dropped sample's r is 1/2 under NFT: no advantage signal, only the pull toward the old policy.
-7. --loss awm samples with a deterministic solver (DPM-Solver++(2M) by default) where the reference runs a
+   mechanism for LoRA, full fine-tunes and FSDP shards, and an exact exchange. Their samples with advantage 0
+   stay in the update (4 leaves them out of the others), as both references train them: NFT's r is 1/2 there,
+   a pull toward the old policy, and AWM's KL terms still act. Dropped groups (4) leave it, topped up alike.
+9. --loss awm samples with a deterministic solver (DPM-Solver++(2M) by default) where the reference runs a
    stochastic SA-Solver (noise level 0.4 on GenEval and OCR, 0 on PickScore): the surrogate needs only
    clean samples, so any solver serves, and this project has no SA-Solver. It also trains from the first
    step, where the reference only samples in its first two epochs (a workaround in its code), and runs one
    forward per training sigma where the reference stacks the 6 into one batch (the same gradient).
-8. --loss awm: the old log-probs of the PPO ratio are the current weights' on the first optimizer step of a
-   step (ratio 1, as in every AWM recipe: one optimizer step per sampled batch); for later optimizer steps
+10. --loss awm: the old log-probs of the PPO ratio are the current weights' on the first optimizer step of
+   a step (ratio 1, as in every AWM recipe: one optimizer step per sampled batch); for later optimizer steps
    (--minibatches, --updates-per-batch) they are computed before the first one, at the same noise and
    sigmas (the reference's on-policy mode).
-9. --sampler dpm2 takes the jump to the last nonzero sigma first order, where DiffusionNFT's solver
+11. --sampler dpm2 takes the jump to the last nonzero sigma first order, where DiffusionNFT's solver
    extrapolates it second order (sde.ode_sample: an 8x smaller error at 10 steps on Gaussian data).
 """
 import argparse
@@ -94,11 +110,14 @@ PRESETS = {
                 prompts="prompts/ocr_train.txt", reward="ocr", global_std=True, log_images_every=50),
 }
 PRESETS["tiny-flux"] = dict(PRESETS["tiny"], guidance_scale=3.5)
+PRESETS["tiny-wan"] = dict(PRESETS["tiny"], num_frames=5)  # 5 frames: 2 latent frames
+PRESETS["tiny-qwen-image"] = PRESETS["tiny-flux2-klein"] = PRESETS["tiny-z-image"] = PRESETS["tiny"]
 FLUX_HUB = dict(guidance_scale=3.5, num_steps=16)  # FLUX.1-dev: distilled guidance, no CFG (MixGRPO uses 16 steps)
+GUIDANCE_EMBEDDED = ("flux", "tiny-flux")  # FLUX.1-dev takes its guidance scale through an embedding, not CFG
 FORWARD_LOSSES = ("nft", "awm")  # trained on the forward (noising) process: no SDE, no log-prob of a sampler step
 LOSSES = ("grpo", "guard", "flowdppo") + FORWARD_LOSSES
 # Defaults a loss sets over the model's (the command line still wins). The forward-process losses are CFG-free
-# (guidance 1 on CFG models; FLUX keeps its distilled guidance), sample with a deterministic solver, and train
+# (guidance 1 on CFG models; FLUX.1 keeps its distilled guidance), sample with a deterministic solver, and train
 # at 9 of 10 (NFT, config/base.py L87) or 6 strata of 90 % (AWM, config/dgx_awm.py L56-60) of the schedule.
 # On hub models their KL weights are their authors' (DiffusionNFT config/nft.py L24, AWM config/dgx_awm.py L55).
 LOSS_PRESETS = {
@@ -121,60 +140,19 @@ def preset(model):
     return PRESETS.get(model, dict(PRESETS["hub"], **(FLUX_HUB if model == "flux" else {})))
 
 
-class RecipeParser(argparse.ArgumentParser):
-    """argparse with @recipe files: shell-quoted flags, several per line, '#' starts a comment."""
-
-    def convert_arg_line_to_args(self, line):
-        try:
-            return shlex.split(line, comments=True)
-        except ValueError as e:  # unbalanced quotes
-            self.error(f"recipe line {line.strip()!r}: {e}")
-
-
-def bounded(cast, low=None, high=None, *, low_open=False, high_open=False):
-    """An argparse type: int or finite float within [low, high] (either end open or absent), with a one-line error."""
-    what = "an integer" if cast is int else "a number"
-    interval = ("(" if low_open else "[") + ("-inf" if low is None else str(low)) + ", " + \
-               ("inf" if high is None else str(high)) + (")" if high_open or high is None else "]")
-
-    def parse(text):
-        try:
-            value = cast(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not math.isfinite(value) or (low is not None and (value < low or (low_open and value == low))) or \
-                (high is not None and (value > high or (high_open and value == high))):
-            raise argparse.ArgumentTypeError(f"must be {what} in {interval}, got {text}")
-        return value
-    return parse
-
-
-POSITIVE_INT, NONNEG_INT = bounded(int, 1), bounded(int, 0)
-POSITIVE, NONNEG = bounded(float, 0, low_open=True), bounded(float, 0)
-FRACTION = bounded(float, 0, 1, low_open=True)  # (0, 1]
-SEED = bounded(int, 0, 2**32 - 1)  # numpy's seed range
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows, for a flag whose default depends on --model, the value each preset gives it."""
-
-    def _get_help_string(self, action):
-        if action.default is None and action.dest in PRESETS["hub"]:
-            values = {"tiny": PRESETS["tiny"].get(action.dest, "unset"), "sd3": preset("sd3")[action.dest],
-                      "flux": preset("flux")[action.dest]}
-            return action.help + " (default by --model: " + ", ".join(f"{k} {v}" for k, v in values.items()) + ")"
-        if action.default is None and "default" in (action.help or ""):  # the help says what unset means
-            return action.help
-        return super()._get_help_string(action)
-
-
 def parse_args(argv=None):
+    """The flags, grouped as the phases of a step (flag types and the recipe-file parser are at the end of the file);
+    unset flags take --model's preset."""
     p = RecipeParser(description=__doc__.split("\n")[0], fromfile_prefix_chars="@", formatter_class=HelpFormatter)
     # model
     p.add_argument("--model", default="tiny", choices=list(models.MODELS), help="model family (tiny runs on a CPU)")
     p.add_argument("--model-path", default=None,
                    help="hub id or local folder of the pipeline (default: the family's hub id)")
-    p.add_argument("--resolution", type=POSITIVE_INT, default=None, help="image side in pixels")
+    p.add_argument("--resolution", type=resolution_arg, default=None,
+                   help="image side in pixels, or HEIGHTxWIDTH (sd3, wan, z-image)")
+    p.add_argument("--num-frames", type=POSITIVE_INT, default=None,
+                   help="video models (wan): frames per sample, 4 k + 1 (default: the pipeline's 81)")
+    p.add_argument("--fps", type=POSITIVE_INT, default=16, help="video models: frames per second of the saved sample GIFs")
     p.add_argument("--lora-rank", type=NONNEG_INT, default=None, help="LoRA rank; 0 trains the full transformer")
     p.add_argument("--lora-alpha", type=NONNEG, default=None,
                    help="LoRA alpha (scale = alpha / rank; default: the preset's, else the rank)")
@@ -183,7 +161,7 @@ def parse_args(argv=None):
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute transformer activations in the backward pass (less memory, ~30%% more compute)")
     p.add_argument("--compile", action="store_true", help="torch.compile the transformer")
-    p.add_argument("--fsdp", action="store_true",
+    p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=False,
                    help="full fine-tune (--lora-rank 0) under torchrun: shard weights, gradients and Adam state over "
                         "the processes (FSDP2) instead of replicating them (DDP)")
     # data
@@ -197,7 +175,11 @@ def parse_args(argv=None):
     # sampling
     p.add_argument("--num-steps", type=bounded(int, 2, 1000), default=None,
                    help="denoising steps of a training rollout (at most the 1000 of the training grid)")
-    p.add_argument("--shift", type=POSITIVE, default=3.0, help="time shift of the sigma schedule (SD3: 3)")
+    p.add_argument("--shift", type=POSITIVE, default=None,
+                   help="static time shift of the sigma schedule (default: the model's own schedule, models.sigmas; "
+                        "only for models with a static shift: sd3, wan, z-image)")
+    p.add_argument("--max-sequence-length", type=POSITIVE_INT, default=None,
+                   help="text tokens per prompt (default: the model family's, see models.py)")
     p.add_argument("--guidance-scale", type=POSITIVE, default=None,
                    help="CFG scale (FLUX: distilled guidance value); --loss nft / awm: 1 on CFG models")
     p.add_argument("--negative-prompt", default="", help="negative prompt for CFG")
@@ -211,12 +193,17 @@ def parse_args(argv=None):
                         "MixGRPO sliding window")
     p.add_argument("--window-size", type=POSITIVE_INT, default=2, help="steps in the fast/mix window")
     p.add_argument("--window-range", type=NONNEG_INT, nargs=2, default=None, metavar=("LO", "HI"),
-                   help="range of window starts for --sde-window fast")
+                   help="--sde-window fast: the window lies in steps LO .. HI - 1 (Flow-GRPO's sde_window_range; "
+                        "its start is drawn from LO .. HI - --window-size); default 0 and --num-steps - 1")
     p.add_argument("--window-stride", type=POSITIVE_INT, default=1, help="steps the mix window slides each time")
     p.add_argument("--iters-per-window", type=POSITIVE_INT, default=25, help="training steps before the mix window slides")
-    p.add_argument("--roll-back", action="store_true", help="mix window returns to step 0 after reaching the end")
-    p.add_argument("--flash", action="store_true",
+    p.add_argument("--roll-back", action=argparse.BooleanOptionalAction, default=False,
+                   help="mix window returns to step 0 after reaching the end")
+    p.add_argument("--flash", action=argparse.BooleanOptionalAction, default=False,
                    help="MixGRPO-Flash: second-order solver on a compressed schedule after the window")
+    p.add_argument("--flash-ratio", type=FRACTION, default=0.4,
+                   help="--flash: the steps after the window are compressed to about this fraction "
+                        "(MixGRPO's dpm_post_compress_ratio; sde.flash_grid)")
     p.add_argument("--timestep-fraction", type=FRACTION, default=None,
                    help="fraction of steps trained with --sde-window all; --loss nft: of the schedule's sigmas each "
                         "sample trains at, int(T x fraction); awm: the range its strata cover (default: 1; nft 0.99, "
@@ -226,6 +213,9 @@ def parse_args(argv=None):
     p.add_argument("--group-size", type=POSITIVE_INT, default=None, help="images per prompt (a group; may span GPUs)")
     p.add_argument("--prompts-per-step", type=POSITIVE_INT, default=None, help="prompts per training step, global")
     p.add_argument("--sample-batch-size", type=POSITIVE_INT, default=None, help="images per rollout forward, per GPU")
+    p.add_argument("--same-noise-per-group", action=argparse.BooleanOptionalAction, default=False,
+                   help="every image of a prompt's group starts from the same noise x_T (MixGRPO's --init_same_noise; "
+                        "Flow-GRPO's same_latent); the SDE noise still differs")
     # reward
     p.add_argument("--reward", default=None, help='reward spec: a name or weighted mix, e.g. "ocr=0.8,pickscore=0.2"; choices: ' + ", ".join(rewards.REWARDS))
     p.add_argument("--reward-key", default="reward", help="which reward entry trains (a component name or the weighted total 'reward')")
@@ -241,6 +231,11 @@ def parse_args(argv=None):
     p.add_argument("--kl-beta", type=NONNEG, default=None,
                    help="weight of the KL to the frozen base model (0: no reference forward; --loss nft / awm: "
                         "mean squared velocity difference, 1e-4 / 1e-3 on hub models)")
+    p.add_argument("--kl-form", default="flow-grpo", choices=["flow-grpo", "exact"],
+                   help="the KL penalty's scale: flow-grpo = the exact Gaussian KL x |dt| per step, as Flow-GRPO's "
+                        "code computes it; the default because every published --kl-beta (0.04 OCR/GenEval, 0.01 "
+                        "PickScore) was tuned on it; exact = the KL itself, about 1/|dt| (~10x at 10 steps) larger "
+                        "for the same beta (--sde cps: both are its exact form, as in Flow-GRPO)")
     p.add_argument("--kl-mask-threshold", type=POSITIVE, default=1e-5,
                    help="FlowDPPO: KL above which a term pushing the ratio further is masked")
     p.add_argument("--global-std", action=argparse.BooleanOptionalAction, default=None,
@@ -269,8 +264,15 @@ def parse_args(argv=None):
     p.add_argument("--minibatches", type=POSITIVE_INT, default=None, help="optimizer steps per pass over the batch")
     p.add_argument("--updates-per-batch", type=POSITIVE_INT, default=1, help="passes over each sampled batch")
     p.add_argument("--ema-decay", type=bounded(float, 0, 1, high_open=True), default=0.0,
-                   help="EMA of trained weights (0: off)")
-    p.add_argument("--ema-every", type=POSITIVE_INT, default=1, help="optimizer steps between EMA updates")
+                   help="EMA of the trained weights (0: off), warmed up as flow_grpo/ema.py: the decay after n "
+                        "optimizer steps is min((1 + n) / (10 + n), this). Evaluation (--eval-every) and the "
+                        "exported lora/ use the EMA; trainable.safetensors keeps the live weights to resume from")
+    p.add_argument("--ema-every", type=POSITIVE_INT, default=1,
+                   help="update the EMA after optimizer steps n with (n + 1) %% this == 0, as flow_grpo/ema.py")
+    p.add_argument("--ema-repeat", type=POSITIVE_INT, default=1,
+                   help="apply the decay this many times per update: Flow-GRPO steps its EMA after every micro-batch, "
+                        "so each due update repeats once per accumulated micro-batch (2 in its 32-GPU configs, 4 in "
+                        "GRPO-Guard's 16-GPU ones)")
     # logging and checkpoints
     p.add_argument("--steps", type=POSITIVE_INT, default=None, help="training steps (each: one sampled batch)")
     p.add_argument("--seed", type=SEED, default=0, help="seed; rank r samples with seed-derived noise per step")
@@ -301,7 +303,7 @@ def parse_args(argv=None):
     if args.loss in LOSS_PRESETS:  # the loss's defaults win over the model's
         loss_defaults = dict(LOSS_PRESETS[args.loss], **(LOSS_HUB_PRESETS[args.loss] if args.model not in PRESETS
                                                           else {}))
-        if "flux" in args.model:  # FLUX.1-dev's guidance is a distilled embedding, not CFG: keep the model's
+        if args.model in GUIDANCE_EMBEDDED:  # FLUX.1-dev's guidance is a distilled embedding, not CFG: the model's
             loss_defaults.pop("guidance_scale")
         defaults.update(loss_defaults)
     for key, value in defaults.items():  # fill what the command line left unset
@@ -310,14 +312,15 @@ def parse_args(argv=None):
     if args.lora_alpha is None:  # a rank given without alpha: scale alpha / rank = 1
         args.lora_alpha = float(args.lora_rank)
     if args.train_cfg is None:
-        args.train_cfg = args.guidance_scale > 1 and "flux" not in args.model
+        args.train_cfg = args.guidance_scale > 1 and args.model not in GUIDANCE_EMBEDDED
     return p, args
 
 
-def window_kwargs(args, step):
+def window_kwargs(args, step, draw=()):
+    """sde.sde_steps' arguments at `step`; `draw` (rank, rollout batch) picks the batch's own fast window."""
     return dict(window=args.sde_window, iteration=step, timestep_fraction=args.timestep_fraction,
                 window_size=args.window_size, window_range=args.window_range, stride=args.window_stride,
-                iters_per_window=args.iters_per_window, roll_back=args.roll_back, seed=args.seed)
+                iters_per_window=args.iters_per_window, roll_back=args.roll_back, seed=(args.seed, *draw))
 
 
 def seeded(*parts):
@@ -326,6 +329,18 @@ def seeded(*parts):
     for part in parts:
         seed = (seed * 1_000_003 + int(part)) % 2**63
     return torch.Generator().manual_seed(seed)
+
+
+def starting_noise(pipe, args, step, group_ids, generator):
+    """x at sigma = 1 for one rollout batch, [len(group_ids), ...]. With --same-noise-per-group every sample of a
+    group starts from one x_T drawn from (seed, step, group): the same on every rank that holds part of the group
+    and after a resume (MixGRPO draws one per GPU, which holds whole groups there); `generator` then draws
+    only the SDE noise, which still differs from sample to sample."""
+    size = dict(resolution=args.resolution, num_frames=args.num_frames)
+    if not args.same_noise_per_group:
+        return models.initial_noise(pipe, len(group_ids), generator=generator, **size)
+    return torch.cat([models.initial_noise(pipe, 1, generator=seeded(args.seed, step, -1, g), **size)
+                      for g in group_ids])
 
 
 def main(argv=None):
@@ -340,12 +355,11 @@ def main(argv=None):
     # Derived totals, printed and checked once so a wrong recipe fails here and not at step 3000.
     samples = args.prompts_per_step * args.group_size  # global samples per step
     num_sample_batches = per_rank // args.sample_batch_size
-    minibatch = per_rank // args.minibatches  # per-rank samples per optimizer step
-    optim_steps_per_step = args.updates_per_batch * args.minibatches
+    n_micro = per_rank // args.train_batch_size  # training micro-batches per update, the same on every rank
     forward_process = args.loss in FORWARD_LOSSES
     print0(f"{WORLD} processes | {args.prompts_per_step} prompts x {args.group_size} = {samples} samples/step "
            f"({per_rank} per GPU, {num_sample_batches} rollout batches of {args.sample_batch_size}) | "
-           f"{optim_steps_per_step} optimizer steps/step"
+           f"{args.updates_per_batch * args.minibatches} optimizer steps/step"
            + (f" | {args.sampler} rollouts, {forward_times(args)} training sigmas per sample"
               if forward_process else ""))
 
@@ -364,13 +378,17 @@ def main(argv=None):
 
     # The policy: the pipeline, its trainable weights (LoRA adapter or all), the wrapper the training forward calls.
     pipe, model, trainable, optimizer, copies = build_policy(args, device, amp_dtype)
+    # fp16 (as Flow-GRPO's configs, through accelerate) needs loss scaling: the tiny gradients of mean-reduced
+    # log-probs underflow its range (26 % of the gradient norm lost on the tiny model). Disabled: every call a no-op.
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     transformer = pipe.transformer
 
-    start_step, bad_in_a_row = 0, 0
+    start_step, bad_in_a_row, optimizer_steps = 0, 0, 0  # optimizer_steps: all of the run's, for the EMA
     if resume_from:
         state, saved = checkpoints.load(resume_from, args, trainable, optimizer,
                                         fsdp_model=transformer if args.fsdp else None)
         start_step, bad_in_a_row = state["step"], state.get("bad_in_a_row", 0)
+        optimizer_steps = state.get("optimizer_steps", 0)
         for name in copies:  # the EMA and the old policy continue where they were (if this run keeps them)
             if copies[name] is not None and name in saved:
                 copies[name] = saved[name]
@@ -394,12 +412,13 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
-    sigmas = sde.sd3_sigmas(args.num_steps, shift=args.shift)  # [T+1], 1 -> 0
+    setup_or_exit(models.latent_shape, pipe, args.resolution, num_frames=args.num_frames)  # one line if they don't fit
+    sigmas = setup_or_exit(models.sigmas, pipe, args.num_steps, args.resolution, shift=args.shift)  # [T+1], 1 -> 0
     sigma_max = sigmas[1].item()  # stands in for s = 1 in 1 - s (sde.py (3)), as in the rollout
     sample_guidance = args.guidance_scale
-    train_guidance = args.guidance_scale if (args.train_cfg or "flux" in args.model) else 1.0
+    train_guidance = args.guidance_scale if (args.train_cfg or args.model in GUIDANCE_EMBEDDED) else 1.0
     reward_pool = ThreadPoolExecutor(max_workers=1)  # scores batch b while batch b+1 is sampled
-    step = start_step
+    step, ratio_warned = start_step, False
     from tqdm import tqdm
     # A live bar on rank 0's terminal; none in log files, where the per-step lines already say everything.
     bar = tqdm(total=args.steps, initial=start_step, disable=not (is_main and sys.stderr.isatty()), dynamic_ncols=True)
@@ -410,13 +429,16 @@ def main(argv=None):
         if wandb_run:
             wandb_run.log(info, step=info["step"])
 
+    def run_state():  # what a checkpoint's state.json carries besides the step
+        return dict(bad_in_a_row=bad_in_a_row, optimizer_steps=optimizer_steps)
+
     def check_and_checkpoint(info):  # stop on too many bad steps; save when due or preempted; True = end the run
         if bad_in_a_row >= args.max_bad_steps:
             raise SystemExit(f"error: {bad_in_a_row} consecutive steps were skipped (last: {info.get('skip_reason')}); "
                              "fix the reward, or lower --lr for non-finite gradients (see --max-bad-steps)")
         stopping = distributed.any_rank(stop["signal"] is not None, device)
         if (args.save_every and step % args.save_every == 0) or step == args.steps or stopping:
-            checkpoints.write(args, step, pipe, trainable, optimizer, copies, device, dict(bad_in_a_row=bad_in_a_row))
+            checkpoints.write(args, step, pipe, trainable, optimizer, copies, device, run_state())
         if stopping:
             print0(f"stopped by {stop['signal'] or 'a signal on another rank'} after step {step}; "
                    f"checkpoint saved, continue with --resume auto --out {args.out}")
@@ -429,15 +451,16 @@ def main(argv=None):
         # ===================================================================== SAMPLING
         prompt_ids = data.step_prompt_ids(len(prompts), step, prompts_per_step=args.prompts_per_step,
                                           seed=args.seed, shuffle=not args.no_shuffle)
-        my_prompt_ids, _ = data.rank_samples(prompt_ids, group_size=args.group_size, rank=RANK, world_size=WORLD)
+        my_prompt_ids, my_groups = data.rank_samples(prompt_ids, group_size=args.group_size, rank=RANK,
+                                                     world_size=WORLD)
         my_prompts = [prompts[i] for i in my_prompt_ids]
         my_meta = [metadata[i] for i in my_prompt_ids]
         unique = sorted(set(my_prompt_ids))
         embeds = models.encode_prompts(pipe, [prompts[i] for i in unique], negative_prompt=args.negative_prompt,
-                                       guidance_scale=max(sample_guidance, train_guidance))
+                                       guidance_scale=max(sample_guidance, train_guidance),
+                                       max_sequence_length=args.max_sequence_length)
         row = torch.tensor([unique.index(i) for i in my_prompt_ids])
         embeds = {k: v[row.to(v.device)] for k, v in embeds.items()}  # one row per sample, [per_rank, ...]
-        trained_steps = [] if forward_process else sde.sde_steps(args.num_steps, **window_kwargs(args, step))
         pipe.transformer.eval()
         batches, futures = [], []
         # DiffusionNFT samples with the old policy (train_nft_sd3.py L640); the other losses with the weights.
@@ -445,32 +468,39 @@ def main(argv=None):
             for b in range(num_sample_batches):
                 idx = slice(b * args.sample_batch_size, (b + 1) * args.sample_batch_size)
                 gen = seeded(args.seed, step, RANK, b)  # resumable noise
-                x = models.initial_noise(pipe, args.sample_batch_size, args.resolution, generator=gen).to(device)
+                x = starting_noise(pipe, args, step, my_groups[idx], gen).to(device)
                 sub = {k: v[idx] for k, v in embeds.items()}
+
                 def velocity(x_, s_, sub=sub):  # what the sampler calls; CFG lives inside
                     return models.velocity(pipe, x_, s_, sub, guidance_scale=sample_guidance)
                 with autocast():
-                    if forward_process:  # only the clean sample is kept: [b, 1, ...]
+                    if forward_process:  # a deterministic solver; only the clean sample is kept: [b, 1, ...]
                         traj = {"latents": sde.ode_sample(velocity, x, sigmas, solver=args.sampler)[:, None]}
-                    else:
+                    else:  # the stochastic, trained steps; --sde-window fast draws them per rollout batch (Fast)
+                        trained_steps = sde.sde_steps(args.num_steps, **window_kwargs(args, step, (RANK, b)))
                         traj = sde.rollout(velocity, x, sigmas, sde_steps=trained_steps, kind=args.sde, eta=args.eta,
-                                           generator=gen, flash=args.flash)
-                    images = models.decode(pipe, traj["latents"][:, -1])  # uint8 [b, H, W, 3]
+                                           generator=gen, flash=args.flash, flash_ratio=args.flash_ratio)
+                    images = models.decode(pipe, traj["latents"][:, -1])  # uint8 [b, H, W, 3] (video [b, F, H, W, 3])
                 batches.append(traj)
                 futures.append(reward_pool.submit(reward_fn, images, my_prompts[idx], my_meta[idx]))
                 if b == 0 and is_main:
                     first_images = images
-        # latents [n, T+1, ...] (forward process: [n, 1, ...]), log_probs [n, K], means [n, K, ...], stds [n, K]
+        # latents [n, T+1, ...] (forward process: [n, 1, ...]), log_probs [n, K], means [n, K, ...], stds [n, K],
+        # steps [n, K] (each sample's)
         batch = {k: torch.cat([t[k] for t in batches]) for k in ("latents", "log_probs", "means", "stds")
                  if k in batches[0]}
+        if forward_process:
+            n_trained = forward_times(args)  # training sigmas per sample
+        else:
+            batch["steps"] = torch.cat([t["steps"].expand(len(t["latents"]), -1) for t in batches])
+            n_trained = len(trained_steps)  # K, the same for every batch and rank
 
         # ===================================================================== REWARDS
         t_sampled = time.time()
         scores, failed, bad = collect_rewards(futures, my_prompts, args, step, device, reward_pool, stop)
         if scores is None:  # a signal arrived while waiting: keep the last complete step, redo this one on resume
             if not os.path.isfile(os.path.join(args.out, "checkpoints", str(step), "state.json")):
-                checkpoints.write(args, step, pipe, trainable, optimizer, copies, device,
-                                  dict(bad_in_a_row=bad_in_a_row))
+                checkpoints.write(args, step, pipe, trainable, optimizer, copies, device, run_state())
             print0(f"stopped by {stop['signal'] or 'a signal on another rank'} while waiting for rewards in step "
                    f"{step + 1}; checkpoint {step} saved, continue with --resume auto --out {args.out}")
             reward_pool.shutdown(wait=False, cancel_futures=True)
@@ -505,10 +535,16 @@ def main(argv=None):
         all_adv[keep] = losses.group_advantages(all_rewards[keep], all_groups[keep], global_std=args.global_std,
                                                 clip=args.adv_clip)
         adv = all_adv[RANK * per_rank:(RANK + 1) * per_rank]  # [per_rank]
-        drop_scale = keep.numel() / keep.sum().item()  # dropped samples train with A = 0: keep the step size
+        # Samples with advantage 0 (saturated groups, dropped groups) carry no policy gradient and leave the update
+        # (departure 4); each rank keeps its micro-batch count and trains its kept samples in smaller micro-batches.
+        # The forward-process losses train every sample of the kept groups, as their references (departure 8).
+        live = keep[RANK * per_rank:(RANK + 1) * per_rank].float() if forward_process else adv  # [per_rank]
+        train_ids = trained_samples(live, n_micro, seeded(args.seed, step, RANK, 2))
+        counts = distributed.all_gather_cat(torch.tensor([len(train_ids)], device=device))  # [WORLD]
+        rank_weight = WORLD * len(train_ids) / counts.sum().item()  # DDP's mean over ranks -> the mean over samples
         info.update(reward_mean=all_rewards[keep].mean().item(),
                     reward_std=all_rewards[keep].std().item() if keep.sum() > 1 else 0.0,
-                    dropped_groups=int(bad_groups.sum()))
+                    dropped_groups=int(bad_groups.sum()), zero_adv_fraction=(all_adv == 0).float().mean().item())
         for name, value in scores.items():
             if name != "reward":
                 info[f"reward/{name}_mean"] = torch.nanmean(distributed.all_gather_cat(value.to(device))).item()
@@ -517,13 +553,14 @@ def main(argv=None):
 
         # ===================================================================== TRAINING
         model.train()
-        stats, optim_steps, skipped_updates = {}, 0, 0
-        perms = [torch.randperm(per_rank, generator=seeded(args.seed, step, RANK, update, 1))
-                 for update in range(args.updates_per_batch)]  # the order of the samples in each pass
+        stats, optim_steps, skipped_updates, overflows = {}, 0, 0, 0
+        micro_size = len(train_ids) // n_micro  # --train-batch-size when no sample has advantage 0
+        orders = [train_ids[torch.randperm(len(train_ids), generator=seeded(args.seed, step, RANK, update, 1))]
+                  for update in range(args.updates_per_batch)]  # the order of the trained samples in each pass
 
-        def micro_batches(update, m):  # per-rank sample indices of each forward of optimizer step (update, m)
-            mb = perms[update][m * minibatch:(m + 1) * minibatch]
-            return [mb[i:i + args.train_batch_size] for i in range(0, minibatch, args.train_batch_size)]
+        def micro_batches(update, m):  # the micro-batches (sample indices) of optimizer step (update, m)
+            micros = orders[update].split(micro_size)  # n_micro of them
+            return micros[m * n_micro // args.minibatches:(m + 1) * n_micro // args.minibatches]
 
         def renoised(ids, update, m, i):
             """Forward process: micro-batch i's clean samples x0 [b, ...], training sigmas s [b, n] of the schedule,
@@ -564,7 +601,7 @@ def main(argv=None):
             else:
                 log_prob = losses.awm_log_prob(v, x0, fp["noise"][j], sigma, weighting=args.awm_weighting,
                                                p=args.ghuber_power)
-                old_log_prob = log_prob.detach() if fp["old_log_probs"] is None else fp["old_log_probs"][j]  # (8.)
+                old_log_prob = log_prob.detach() if fp["old_log_probs"] is None else fp["old_log_probs"][j]  # (10.)
                 loss, loss_info = losses.awm_loss(log_prob, old_log_prob, adv[ids], clip_range=args.clip_range,
                                                   adv_clip=args.adv_clip)
                 if args.ema_kl_beta > 0:  # EMA-KL to the slowly updated old copy (train_sd3_awm.py L1341-1350)
@@ -579,8 +616,8 @@ def main(argv=None):
 
         if forward_process:
             r = losses.nft_optimality(adv, adv_clip=args.adv_clip)  # [per_rank] DiffusionNFT's optimality probability
-        awm_old = {}  # (update, m, i) -> [n, b]: AWM's old log-probs of the optimizer steps after the first (8.)
-        if args.loss == "awm" and optim_steps_per_step > 1:
+        awm_old = {}  # (update, m, i) -> [n, b]: AWM's old log-probs of the optimizer steps after the first (10.)
+        if args.loss == "awm" and args.updates_per_batch * args.minibatches > 1:
             for update in range(args.updates_per_batch):
                 for m in range(args.minibatches):
                     for i, ids in enumerate(micro_batches(update, m) if (update, m) != (0, 0) else []):
@@ -592,23 +629,22 @@ def main(argv=None):
                                 fp["x0"], fp["noise"][j], fp["s"][:, j], weighting=args.awm_weighting,
                                 p=args.ghuber_power) for j, x in enumerate(fp["x_t"])])
 
-        n_terms = forward_times(args) if forward_process else len(trained_steps)  # backward passes per micro-batch
         for update in range(args.updates_per_batch):
             for m in range(args.minibatches):
                 micro = micro_batches(update, m)
-                n_backward, done = len(micro) * n_terms, 0
+                n_backward, done = len(micro) * n_trained, 0
                 for i, ids in enumerate(micro):
                     sub = {k: v[ids.to(v.device)] for k, v in embeds.items()}
                     if forward_process:  # fresh noise at the training sigmas, and the frozen models' velocities
                         fp = renoised(ids, update, m, i)
                         fp.update(frozen_velocities(fp, sub), old_log_probs=awm_old.get((update, m, i)))
-                    for j in range(n_terms):
+                    for j in range(n_trained):
                         if forward_process:  # the j-th training sigma of each sample
                             x, sigma = fp["x_t"][j], fp["s"][:, j]
-                        else:  # the j-th trained denoising step and its stored transition
-                            k = trained_steps[j]
+                        else:  # each sample's j-th trained step and its stored transition
+                            k = batch["steps"][ids, j]  # [b]
                             x, x_next = batch["latents"][ids, k], batch["latents"][ids, k + 1]  # [b, ...]
-                            sigma, sigma_next = sigmas[k].item(), sigmas[k + 1].item()
+                            sigma, sigma_next = sigmas[k], sigmas[k + 1]  # [b]
                         last = (done == n_backward - 1)
                         if args.fsdp:  # FSDP's no_sync: accumulate unsharded, reduce-scatter after the last backward
                             transformer.set_requires_gradient_sync(last)
@@ -640,33 +676,43 @@ def main(argv=None):
                                         v_ref = models.velocity(pipe, x, sigma, sub, guidance_scale=train_guidance)
                                     ref = sde.sde_step(v_ref, x, sigma, sigma_next, kind=args.sde, eta=args.eta,
                                                        prev_sample=x_next, sigma_max=sigma_max)
-                                    kl, _ = losses.kl_penalty(out.mean, ref.mean, out.std)
+                                    kl_dt = None if args.kl_form == "exact" or args.sde == "cps" else sigma_next - sigma
+                                    kl, _ = losses.kl_penalty(out.mean, ref.mean, out.std, dt=kl_dt)
                                     loss = loss + args.kl_beta * kl
                                     loss_info["kl"] = kl.item()
-                                if optim_steps == 0 and update == 0:  # on-policy: ratio 1 before the first step
-                                    log_ratio = (out.log_prob.detach() - old_log_prob).abs().max()
-                                    loss_info["first_ratio_dev"] = log_ratio.exp().item() - 1
-                            (loss * drop_scale / n_backward).backward()
+                            scaler.scale(loss * rank_weight / n_backward).backward()
                         done += 1
+                        if not forward_process and optim_steps == 0 and update == 0:  # on-policy: ratio 1 at first
+                            log_ratio = (out.log_prob.detach() - old_log_prob).abs().max()
+                            loss_info["first_ratio_dev"] = log_ratio.exp().item() - 1
+                            loss_info["first_clip_dev"] = max(loss_info["ratio_max"] - 1, 1 - loss_info["ratio_min"])
                         loss_info["loss"] = loss.item()
                         for key, val in loss_info.items():
                             stats.setdefault(key, []).append(val)
                 # One optimizer step per minibatch; a non-finite gradient (NaN loss, log-prob or reward) skips it.
+                scaler.unscale_(optimizer)  # fp16: the loss-scaled gradients back to their size (else a no-op)
                 grad_norm = torch.nn.utils.clip_grad_norm_([q for _, q in trainable], args.max_grad_norm)
                 if args.fsdp:  # the norm over all shards, as a DTensor: a plain tensor, the same on every rank
                     grad_norm = grad_norm.full_tensor()
                 if not math.isfinite(grad_norm.item()):
-                    skipped_updates += 1
+                    if scaler.get_scale() > 1:  # fp16: the loss scale overflowed; update() lowers it, not a bad step
+                        overflows += 1
+                    else:
+                        skipped_updates += 1
+                    scaler.update()
                     optimizer.zero_grad(set_to_none=True)
                     continue
-                optimizer.step()
+                scaler.step(optimizer)
+                scaler.update()
                 optimizer.zero_grad(set_to_none=True)
                 optim_steps += 1
+                optimizer_steps += 1
                 stats.setdefault("grad_norm", []).append(grad_norm.item())
-                if ema is not None and optim_steps % args.ema_every == 0:
+                if ema is not None and (optimizer_steps + 1) % args.ema_every == 0:  # flow_grpo/ema.py's schedule
+                    decay = min((1 + optimizer_steps) / (10 + optimizer_steps), args.ema_decay) ** args.ema_repeat
                     with torch.no_grad():
                         for name, param in trainable:
-                            ema[name].lerp_(param.detach().float(), 1 - args.ema_decay)
+                            ema[name].lerp_(param.detach().float(), 1 - decay)
 
         # The ratio check (departure 2): exact forwards must reproduce the rollout's log-probs.
         first_ratio_dev = max(stats.get("first_ratio_dev", [0.0]))
@@ -674,13 +720,19 @@ def main(argv=None):
         if distributed.any_rank(same_forward and first_ratio_dev > 1e-3, device):  # all ranks stop together
             raise SystemExit(f"error: ratio on the first update of an on-policy batch is off by {first_ratio_dev:.2e} "
                              "(must be 1): the training forward differs from the rollout's (CFG, dtype or adapter)")
-        if first_ratio_dev > 0.1:
+        # The loss's own ratio (GRPO-Guard's RatioNorm one) against the clip: beyond it, rollout/train mismatch alone
+        # (e.g. bf16 kernels that differ with the batch shape, 1e-3 on the tiny model) is clipped. Warned once.
+        first_clip_dev = max(stats.get("first_clip_dev", [0.0]))
+        clip_limit = args.clip_range if args.loss in ("grpo", "guard") else 0.1  # FlowDPPO has no clip
+        if first_clip_dev > clip_limit and not ratio_warned:
+            ratio_warned = True
             cause = ("--train-cfg is off while sampling uses CFG" if train_guidance != sample_guidance
-                     else "mixed-precision noise")
-            print0(f"warning: first-update ratio deviates from 1 by {first_ratio_dev:.2e}: the training forward does "
-                   f"not match the rollout ({cause}); try --mixed-precision no or --train-cfg")
-        if old is not None:  # old <- d old + (1 - d) current; d from the optimizer steps so far, the same on every rank
-            decay = OLD_DECAYS[args.old_decay]((step + 1) * optim_steps_per_step)
+                     else f"{args.mixed_precision} rounding")
+            print0(f"warning: on-policy ratio deviates from 1 by {first_clip_dev:.2e}, more than the clip range "
+                   f"{clip_limit:g}: the training forward does not match the rollout ({cause}); try --mixed-precision "
+                   "fp16 or no, or --train-cfg")
+        if old is not None:  # old <- d old + (1 - d) current; d from the run's optimizer steps so far (resumed)
+            decay = OLD_DECAYS[args.old_decay](optimizer_steps)
             with torch.no_grad():
                 for name, param in trainable:
                     old[name].lerp_(param.detach().float(), 1 - decay)  # weight 1 (d = 0) copies exactly
@@ -688,16 +740,18 @@ def main(argv=None):
 
         t_trained = time.time()
         # ===================================================================== LOG / SAVE
+        if overflows:
+            info["fp16_overflows"] = overflows
         if skipped_updates:
             bad_in_a_row += 1
             info.update(skipped=1, skip_reason="non-finite gradient", skipped_updates=skipped_updates)
         else:
             bad_in_a_row = 0
         trained_here += optim_steps > 0
-        info.update({k: float(np.mean(v)) for k, v in stats.items() if k != "first_ratio_dev"})
+        info.update({k: float(np.mean(v)) for k, v in stats.items() if k not in ("first_ratio_dev", "first_clip_dev")})
         if not forward_process:
-            info["first_ratio_dev"] = first_ratio_dev
-        info.update(bad_in_a_row=bad_in_a_row, trained_steps=n_terms, seconds=time.time() - t0,
+            info.update(first_ratio_dev=first_ratio_dev, first_clip_dev=first_clip_dev)
+        info.update(bad_in_a_row=bad_in_a_row, trained_steps=n_trained, seconds=time.time() - t0,
                     seconds_sampling=t_sampled - t0, seconds_reward_wait=t_rewarded - t_sampled,
                     seconds_training=t_trained - t_rewarded)
         step += 1
@@ -710,15 +764,19 @@ def main(argv=None):
                       f"approx_kl {info.get('approx_kl', float('nan')):.2e} | {info['seconds']:.1f}s")
             if args.log_images_every and step % args.log_images_every == 0:
                 evaluation.save_sample_grid(os.path.join(args.out, "samples", f"{step:06d}.png"), first_images,
-                                            my_prompts, train_reward.tolist())
+                                            my_prompts, train_reward.tolist(), fps=args.fps)
             warn_divergence(info, args)
         # Held-out ODE samples, fixed noise. Under FSDP every forward is collective: all ranks sample, rank 0 scores.
+        # With --ema-decay the EMA weights are evaluated, as Flow-GRPO does.
         if args.eval_every and step % args.eval_every == 0 and (is_main or args.fsdp):
             pipe.transformer.eval()
-            eval_images = evaluation.sample_images(pipe, eval_prompts, resolution=args.resolution,
-                                                   num_steps=args.eval_steps, guidance_scale=sample_guidance,
-                                                   seed=args.seed, device=device, batch_size=args.sample_batch_size,
-                                                   negative_prompt=args.negative_prompt)
+            with checkpoints.ema_weights(dict(trainable), ema):
+                eval_images = evaluation.sample_images(pipe, eval_prompts, resolution=args.resolution,
+                                                       num_steps=args.eval_steps, guidance_scale=sample_guidance,
+                                                       seed=args.seed, device=device, batch_size=args.sample_batch_size,
+                                                       negative_prompt=args.negative_prompt, shift=args.shift,
+                                                       num_frames=args.num_frames,
+                                                       max_sequence_length=args.max_sequence_length)
             if is_main:
                 eval_scores = evaluation.score(reward_fn, eval_images, eval_prompts, eval_meta)
                 evaluation.append_scores(os.path.join(args.out, "eval.jsonl"), step, eval_scores)
@@ -750,13 +808,15 @@ def check_args(p, args, world_size):
                 f"{args.train_batch_size * args.minibatches}")
     if args.train_cfg and args.guidance_scale <= 1:
         p.error("--train-cfg needs CFG at sampling: set --guidance-scale > 1 or drop --train-cfg")
-    if args.train_cfg and "flux" in args.model:
+    if args.train_cfg and args.model in GUIDANCE_EMBEDDED:
         p.error("FLUX.1-dev uses a guidance embedding, not CFG: drop --train-cfg")
     if args.sde == "cps" and args.loss == "guard":
         p.error("--loss guard needs a Gaussian transition log-prob; --sde cps scores -mean(delta^2) instead: "
                 "use --sde flow or dance")
     if args.eval_every and not args.eval_prompts:
         p.error("--eval-every needs --eval-prompts (a held-out prompt file)")
+    if args.fsdp and args.mixed_precision == "fp16":
+        p.error("--mixed-precision fp16 needs loss scaling, which is not wired for --fsdp: use bf16")
     if args.fsdp and (args.lora_rank > 0 or world_size == 1):
         p.error("--fsdp shards a full fine-tune over processes: use it with --lora-rank 0 under torchrun "
                 "--nproc_per_node N > 1 (LoRA runs use DDP)")
@@ -789,7 +849,8 @@ def check_args(p, args, world_size):
     if args.lora_rank > 0 and args.lora_alpha <= 0:
         p.error("--lora-alpha must be > 0 with a LoRA adapter (its scale is alpha / rank)")
     multiple = models.RESOLUTION_MULTIPLE.get(args.model)
-    if multiple and args.resolution % multiple:
+    sides = args.resolution if isinstance(args.resolution, tuple) else (args.resolution,)
+    if multiple and any(side % multiple for side in sides):
         p.error(f"--resolution {args.resolution} must be a multiple of {multiple} for --model {args.model} "
                 "(VAE down-sampling x transformer patch)")
     if args.overwrite and args.resume:
@@ -807,11 +868,25 @@ def forward_times(args):
     return int(args.num_steps * args.timestep_fraction) if args.loss == "nft" else args.train_timesteps
 
 
+def trained_samples(adv, n_micro, generator):
+    """Indices of this rank's samples that the update trains: those with a nonzero advantage, as Flow-GRPO's
+    train_sd3.py keeps (its `mask = advantages.abs().sum(dim=1) != 0` block), topped up with randomly drawn
+    advantage-0 samples to a multiple of n_micro, at least n_micro, as it does (to num_batches_per_epoch). Every
+    rank then runs its n_micro micro-batches (the same forwards and backwards everywhere, as FSDP and DDP need),
+    each of len / n_micro samples. Returns an int64 CPU tensor."""
+    adv = adv.cpu()
+    live, zero = torch.nonzero(adv != 0).flatten(), torch.nonzero(adv == 0).flatten()
+    size = max(1, math.ceil(len(live) / n_micro))  # size * n_micro <= len(adv): enough zeros to top up
+    return torch.cat([live, zero[torch.randperm(len(zero), generator=generator)[:size * n_micro - len(live)]]])
+
+
 def build_policy(args, device, amp_dtype):
     """Load the model, add LoRA (or train everything), shard (FSDP) or wrap (DDP), compile; build AdamW and the
     copies of the trained weights: the evaluation EMA, and the old policy of --loss nft (and of awm with EMA-KL)."""
     load_dtype = amp_dtype if (amp_dtype and args.lora_rank > 0) else torch.float32  # LoRA: frozen base in half
     pipe = setup_or_exit(models.load_pipeline, args.model, args.model_path, dtype=load_dtype, device=device)
+    if load_dtype == torch.float16:  # decode in float32, as Flow-GRPO keeps its VAE: fp16 VAE activations can overflow
+        pipe.vae.to(torch.float32)
     transformer = pipe.transformer
     models.add_lora(pipe, args.lora_rank, args.lora_alpha)  # the adapter (float32) trains, or all weights for rank 0
     trainable = [(n, q) for n, q in transformer.named_parameters() if q.requires_grad]
@@ -919,6 +994,67 @@ def setup_or_exit(fn, *a, **k):
         return fn(*a, **k)
     except (ValueError, OSError, RuntimeError, ImportError) as e:
         raise SystemExit(f"error: {e}")
+
+
+# ----------------------------------------------------------------------------- flag types, recipe files, --help
+class RecipeParser(argparse.ArgumentParser):
+    """argparse with @recipe files: shell-quoted flags, several per line, '#' starts a comment."""
+
+    def convert_arg_line_to_args(self, line):
+        try:
+            return shlex.split(line, comments=True)
+        except ValueError as e:  # unbalanced quotes
+            self.error(f"recipe line {line.strip()!r}: {e}")
+
+
+def bounded(cast, low=None, high=None, *, low_open=False, high_open=False):
+    """An argparse type: int or finite float within [low, high] (either end open or absent), with a one-line error."""
+    what = "an integer" if cast is int else "a number"
+    interval = ("(" if low_open else "[") + ("-inf" if low is None else str(low)) + ", " + \
+               ("inf" if high is None else str(high)) + (")" if high_open or high is None else "]")
+
+    def parse(text):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(value) or (low is not None and (value < low or (low_open and value == low))) or \
+                (high is not None and (value > high or (high_open and value == high))):
+            raise argparse.ArgumentTypeError(f"must be {what} in {interval}, got {text}")
+        return value
+    return parse
+
+
+POSITIVE_INT, NONNEG_INT = bounded(int, 1), bounded(int, 0)
+POSITIVE, NONNEG = bounded(float, 0, low_open=True), bounded(float, 0)
+FRACTION = bounded(float, 0, 1, low_open=True)  # (0, 1]
+SEED = bounded(int, 0, 2**32 - 1)  # numpy's seed range
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows, for a flag whose default depends on --model, the value each preset gives it."""
+
+    def _get_help_string(self, action):
+        if action.default is None and action.dest in PRESETS["hub"]:
+            values = {"tiny": PRESETS["tiny"].get(action.dest, "unset"), "sd3": preset("sd3")[action.dest],
+                      "flux": preset("flux")[action.dest]}
+            return action.help + " (default by --model: " + ", ".join(f"{k} {v}" for k, v in values.items()) + ")"
+        if action.default is None and "default" in (action.help or ""):  # the help says what unset means
+            return action.help
+        return super()._get_help_string(action)
+
+
+def resolution_arg(text):
+    """--resolution: a side in pixels, or HEIGHTxWIDTH (for models with unpacked latents: sd3, wan, z-image)."""
+    try:
+        sides = [int(v) for v in text.lower().split("x")]
+    except ValueError:
+        sides = []
+    if len(sides) not in (1, 2) or min(sides) <= 0:
+        raise argparse.ArgumentTypeError(f"--resolution takes a side or HEIGHTxWIDTH in pixels, e.g. 512 or 240x416, "
+                                         f"got {text!r}")
+    return sides[0] if len(sides) == 1 else tuple(sides)
+
 
 
 if __name__ == "__main__":

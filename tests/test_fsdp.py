@@ -121,3 +121,17 @@ def test_fsdp_with_lora_is_refused_in_one_line():
                           capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=120)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "--fsdp" in proc.stderr.strip().splitlines()[-1] and "--lora-rank 0" in proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("name,attributes", [
+    ("tiny", ["transformer_blocks"]), ("tiny-flux", ["transformer_blocks", "single_transformer_blocks"]),
+    ("tiny-wan", ["blocks"]), ("tiny-qwen-image", ["transformer_blocks"]),
+    ("tiny-flux2-klein", ["transformer_blocks", "single_transformer_blocks"]),
+    ("tiny-z-image", ["noise_refiner", "context_refiner", "layers"])])
+def test_every_family_is_sharded_block_by_block(name, attributes):
+    """FSDP's all-gather units are the transformer blocks, whatever attribute a family keeps them in."""
+    import distributed
+    import models
+    transformer = models.load_pipeline(name).transformer
+    expected = [block for attribute in attributes for block in getattr(transformer, attribute)]
+    assert distributed.transformer_blocks(transformer) == expected and expected

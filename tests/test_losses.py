@@ -102,6 +102,39 @@ def test_kl_penalty_is_the_gaussian_kl_mean_over_dims():
     torch.testing.assert_close(kl_float, ((mean - ref) ** 2).mean((1, 2)).mean() / (2 * 0.09))
 
 
+
+def test_kl_penalty_flow_grpo_form_is_the_exact_kl_times_the_step_length():
+    """Flow-GRPO's code divides by 2 std_dev_t^2 (its diffusion coefficient), not by 2 (std_dev_t sqrt(-dt))^2."""
+    g = torch.Generator().manual_seed(1)
+    mean, ref = torch.randn(4, 2, 3, generator=g), torch.randn(4, 2, 3, generator=g)
+    s, s_next, eta = torch.tensor([0.9, 0.7, 0.5, 0.3]), torch.tensor([0.8, 0.5, 0.45, 0.1]), 0.7
+    std_dev_t = eta * torch.sqrt(s / (1 - s))  # sde.py (3)
+    dt = s_next - s
+    std = std_dev_t * torch.sqrt(-dt)  # the transition std, sde.py (5)
+    kl, info = losses.kl_penalty(mean, ref, std, dt=dt)
+    by_hand = [((mean[i] - ref[i]) ** 2).mean() / (2 * std_dev_t[i] ** 2) for i in range(4)]  # the reference's line
+    torch.testing.assert_close(kl, torch.stack(by_hand).mean())
+    s_b = std.view(4, 1, 1).expand_as(mean)
+    exact = torch.distributions.kl_divergence(Normal(mean, s_b), Normal(ref, s_b)).mean((1, 2))  # [B]
+    torch.testing.assert_close(kl, (exact * -dt).mean())
+    assert info["kl_max"] == pytest.approx((exact * -dt).max().item(), rel=1e-5)
+    kl_float, _ = losses.kl_penalty(mean, ref, 0.3, dt=-0.1)  # floats: one dt for the batch
+    torch.testing.assert_close(kl_float, ((mean - ref) ** 2).mean((1, 2)).mean() / (2 * 0.09) * 0.1)
+    with pytest.raises(ValueError, match="negative"):
+        losses.kl_penalty(mean, ref, 0.3, dt=0.1)
+
+
+def test_saturated_groups_get_exactly_zero_advantage():
+    """Equal rewards whose mean does not round back to them (0.1 x 3 = 0.30000000000000004) still give A = 0."""
+    rewards = torch.rand(200, generator=torch.Generator().manual_seed(0))
+    for global_std in (False, True):
+        for n in (3, 12, 24):
+            r = torch.cat([rewards.repeat_interleave(n), torch.tensor([0.0, 1.0])])  # plus one live group
+            ids = torch.cat([torch.arange(200).repeat_interleave(n), torch.tensor([200, 200])])
+            adv = losses.group_advantages(r, ids, global_std=global_std)
+            assert (adv[:-2] == 0).all()
+            assert (adv[-2:] != 0).all()
+
 # ----------------------------------------------------------------------------- GRPO-Guard
 def gaussian_log_prob(x, mean, std):
     return Normal(mean, std.view(-1, 1)).log_prob(x).mean(1)

@@ -101,7 +101,7 @@ def test_sd3_random_is_sd35_medium_on_meta():
     assert 2.2e9 < sum(p.numel() for p in pipe.transformer.parameters()) < 2.3e9  # SD3.5-medium: 2.24 B
     assert pipe.vae.config.latent_channels == 16 and pipe.vae_scale_factor == 8
     embeds = models.encode_prompts(pipe, PROMPTS, guidance_scale=4.5)
-    assert embeds["prompt_embeds"].shape == (2, 77 + 256, 4096) and embeds["pooled"].shape == (2, 2048)
+    assert embeds["prompt_embeds"].shape == (2, 77 + models.SD3_T5_TOKENS, 4096) and embeds["pooled"].shape == (2, 2048)
     x = models.initial_noise(pipe, 2, 1024)
     assert x.shape == (2, 16, 128, 128)
     assert models.velocity(pipe, x, 0.5, embeds, guidance_scale=4.5).shape == x.shape
@@ -299,3 +299,13 @@ def test_truncation_warning_once():
         logger.removeHandler(handler)
     truncations = [m for m in seen if "truncated" in m]
     assert len(truncations) == 1 and len(truncations[0]) < 400
+
+
+@pytest.mark.parametrize("name", [n for n in models.RESOLUTION_MULTIPLE if n.startswith("tiny")])
+def test_resolution_multiple_matches_the_built_model(name):
+    """train.py refuses resolutions by RESOLUTION_MULTIPLE before loading; it must agree with the model itself."""
+    pipe = models.load_pipeline(name)
+    multiple = models.RESOLUTION_MULTIPLE[name]
+    models.latent_shape(pipe, 2 * multiple)  # accepted
+    with pytest.raises(ValueError):
+        models.latent_shape(pipe, 2 * multiple + multiple // 2)

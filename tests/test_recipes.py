@@ -1,4 +1,4 @@
-"""Every published recipe parses and runs one training step on the tiny model (--model tiny overrides it)."""
+"""Every published recipe parses and runs one training step on the tiny model of its family (--model overridden)."""
 import glob
 import json
 import os
@@ -12,9 +12,12 @@ import train
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.args")))
 # Shrinks a recipe to CPU size; everything else (loss, SDE, window, reward, KL, LoRA...) stays as published.
-SHRINK = ["--model", "tiny", "--resolution", "32", "--prompts-per-step", "2", "--group-size", "4",
+SHRINK = ["--resolution", "32", "--prompts-per-step", "2", "--group-size", "4",
           "--sample-batch-size", "4", "--train-batch-size", "2", "--mixed-precision", "no", "--eval-every", "0",
-          "--log-images-every", "0"]
+          "--log-images-every", "0", "--no-fsdp"]
+TWIN = {"sd3": ["--model", "tiny"], "flux": ["--model", "tiny"], "wan": ["--model", "tiny-wan", "--num-frames", "5"],
+        "qwen-image": ["--model", "tiny-qwen-image"], "flux2-klein": ["--model", "tiny-flux2-klein"],
+        "z-image": ["--model", "tiny-z-image"]}  # the CPU model that stands in for each hub model
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +61,8 @@ def test_every_published_setup_has_a_recipe():
     names = {os.path.basename(r) for r in RECIPES}
     for expected in ("sd3_ocr_grpo.args", "sd3_pickscore_grpo.args", "sd3_hps_grpo.args", "sd3_fast_nocfg_cps.args",
                      "sd3_guard_ocr.args", "sd3_flowdppo_pickscore.args", "flux_mixgrpo.args",
-                     "flux_mixgrpo_flash.args", "sd3_ocr_pickscore_mix.args", "sd3_nft_geneval.args",
+                     "flux_mixgrpo_flash.args", "sd3_ocr_pickscore_mix.args", "wan_ocr_grpo.args",
+                     "qwen_image_pickscore_grpo.args", "sd3_guard_pickscore.args", "sd3_nft_geneval.args",
                      "sd3_nft_pickscore.args", "sd3_nft_ocr.args", "sd3_awm_geneval.args", "sd3_awm_ocr.args",
                      "sd3_awm_pickscore.args"):
         assert expected in names
@@ -70,16 +74,18 @@ def test_every_published_setup_has_a_recipe():
 def test_recipe_runs_one_step_on_tiny(recipe, tmp_path, tiny_reward_models, monkeypatch):
     monkeypatch.chdir(ROOT)
     parser, published = train.parse_args([f"@{recipe}"])
-    assert published.model in ("sd3", "flux")
+    assert published.model in TWIN
     out = str(tmp_path / "run")
-    train.main([f"@{recipe}", *SHRINK, *tiny_reward_models, "--steps", "1", "--out", out])
+    shrink = SHRINK + TWIN[published.model]
+    train.main([f"@{recipe}", *shrink, *tiny_reward_models, "--steps", "1", "--out", out])
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert len(rows) == 1 and not rows[0].get("skipped")
     assert rows[0]["reward_mean"] == rows[0]["reward_mean"] and rows[0]["loss"] == rows[0]["loss"]
     args = json.load(open(os.path.join(out, "args.json")))["args"]
     # Every flag the recipe sets, except the few SHRINK overrides, reaches the run unchanged.
     flags = {tok for line in open(recipe) if not line.startswith("#") for tok in line.split() if tok.startswith("--")}
-    keys = {f[2:].replace("-", "_").removeprefix("no_") for f in flags - set(SHRINK)}
+    name = lambda flag: flag[2:].replace("-", "_").removeprefix("no_")
+    keys = {name(f) for f in flags} - {name(f) for f in shrink} - {"steps"}
     assert {"loss", "reward", "lora_rank", "lr"} <= keys
     assert ("sampler" if published.loss in train.FORWARD_LOSSES else "sde") in keys
     for key in keys:

@@ -241,8 +241,20 @@ def test_sde_steps_fast_is_a_seeded_window_in_range():
     assert starts == set(range(0, 8))  # every start that fits is drawn
     other = [sde.sde_steps(10, window="fast", iteration=it, seed=8)[0] for it in range(50)]
     assert other != [sde.sde_steps(10, window="fast", iteration=it, seed=7)[0] for it in range(50)]
-    ranged = {sde.sde_steps(10, window="fast", iteration=it, window_size=3, window_range=(2, 4))[0] for it in range(100)}
+    ranged = {sde.sde_steps(10, window="fast", iteration=it, window_size=3, window_range=(2, 7))[0]
+              for it in range(100)}
     assert ranged == {2, 3, 4}
+
+
+def test_sde_steps_fast_window_range_is_flow_grpos():
+    """Flow-GRPO's sde_window_range (lo, hi) holds the whole window: start = randint(lo, hi - size), both ends
+    inclusive (sd3_pipeline_with_logprob_fast.py); pickscore_sd3_fast_nocfg's (0, 5) with size 3 trains 0..4 only."""
+    windows = {tuple(sde.sde_steps(10, window="fast", iteration=it, window_size=3, window_range=(0, 5), seed=3))
+               for it in range(200)}
+    assert windows == {(0, 1, 2), (1, 2, 3), (2, 3, 4)}
+    assert {sde.sde_steps(10, window="fast", iteration=it, window_size=2, window_range=(4, 9))[0]
+            for it in range(200)} == {4, 5, 6, 7}  # up to step 8, the last trainable one
+    assert sde.sde_steps(10, window="fast", window_size=3, window_range=(2, 5)) == [2, 3, 4]  # the only window
 
 
 def test_sde_steps_mix_slides_and_rolls_back():
@@ -259,8 +271,9 @@ def test_sde_steps_mix_slides_and_rolls_back():
 @pytest.mark.parametrize("kwargs, flag", [
     (dict(window="fast", window_size=10), "--window-size"),
     (dict(window="mix", window_size=0), "--window-size"),
-    (dict(window="fast", window_size=2, window_range=(0, 8)), "--window-range"),
-    (dict(window="fast", window_size=2, window_range=(5, 3)), "--window-range"),
+    (dict(window="fast", window_size=2, window_range=(0, 10)), "--window-range"),  # would hold the last step
+    (dict(window="fast", window_size=2, window_range=(5, 6)), "--window-range"),  # too short for the window
+    (dict(window="fast", window_size=2, window_range=(-1, 4)), "--window-range"),
     (dict(window="mix", stride=0), "--window-stride"),
     (dict(window="mix", iters_per_window=0), "--iters-per-window"),
     (dict(timestep_fraction=0.05), "--timestep-fraction"),
@@ -334,6 +347,26 @@ def test_rollout_without_stochastic_steps_and_bad_calls():
         sde.rollout(exact_velocity, x, sigmas, sde_steps=[4])
 
 
+def test_flash_grid_is_mixgrpos_compressed_schedule():
+    """MixGRPO sampling_utils.py (dpm_apply_strategy "post"): after the window's last stochastic step L, int(max((T - L)
+    ratio, 1)) points from its unshifted time t_{L+1} to 0, evenly spaced and shifted again (shift 3, T = 25 there)."""
+    num, shift, ratio = 25, 3.0, 0.4
+    time_shift = lambda t: shift * t / (1 + (shift - 1) * t)
+    sigmas = time_shift(torch.linspace(1, 0, num + 1, dtype=torch.float64))  # MixGRPO's own schedule
+    for last in range(num - 1):
+        points = int(max((num - last) * ratio, 1))
+        reference = time_shift(torch.linspace(1 - (last + 1) / num, 0, points, dtype=torch.float64))
+        grid = sde.flash_grid(sigmas, last + 1, ratio).double()
+        if points == 1:  # MixGRPO would stop at sigma_{L+1}, short of 0: here one step to 0
+            assert grid.tolist() == pytest.approx([sigmas[last + 1].item(), 0.0])
+            continue
+        assert len(grid) == points and grid[0] == pytest.approx(sigmas[last + 1].item()) and grid[-1] == 0
+        assert (grid - reference).abs().max() < 2e-3  # equal on grid points, linear in sigma between them
+    assert len(sde.flash_grid(sigmas, 4, 1.0)) == num - 3  # ratio 1: the original grid after the window
+    with pytest.raises(ValueError, match="--flash-ratio"):
+        sde.flash_grid(sigmas, 4, 0.0)
+
+
 @pytest.mark.parametrize("num_steps, steps", [(20, [0, 1, 2, 3]), (20, [5, 6, 7, 8]), (50, [10, 11, 12, 13])])
 def test_flash_matches_the_ode_with_fewer_calls(num_steps, steps):
     sigmas = sde.sd3_sigmas(num_steps)
@@ -346,19 +379,23 @@ def test_flash_matches_the_ode_with_fewer_calls(num_steps, steps):
         runs[flash] = out, velocity.calls
     (base, base_calls), (fast, fast_calls) = runs[False], runs[True]
     end = steps[-1] + 1
-    remaining = num_steps - end
-    assert base_calls == num_steps and fast_calls == end + math.ceil(remaining / 2)
+    points = max(int((num_steps - end + 1) * 0.4), 2)  # MixGRPO's dpm_post_compress_ratio 0.4
+    assert base_calls == num_steps and fast_calls == end + points - 1
     # The window is untouched: same states, same log-probs, indexed by step as without flash.
     assert torch.equal(fast["latents"][:, :end + 1], base["latents"][:, :end + 1])
     assert torch.equal(fast["log_probs"], base["log_probs"]) and torch.equal(fast["means"], base["means"])
-    assert fast["latents"].shape[1] == len(fast["latent_sigmas"]) == end + 1 + math.ceil(remaining / 2)
+    assert fast["latents"].shape[1] == len(fast["latent_sigmas"]) == end + points
     assert torch.equal(fast["latent_sigmas"][:end + 1], sigmas[:end + 1]) and fast["latent_sigmas"][-1] == 0
-    # The final sample: close to the Euler ODE's (within Euler's own error, 0.04-0.1 here), and closer
-    # than it to the exact ODE solution from the same state.
+    # The final sample: closer to the exact ODE solution from the same state than Euler on the same
+    # compressed grid (the second order at work), and near the full Euler ODE's.
     exact = exact_transport(base["latents"][:, end], sigmas[end].item())
+    euler = base["latents"][:, end]
+    grid = sde.flash_grid(sigmas, end, 0.4).tolist()
+    for s, s_next in zip(grid[:-1], grid[1:]):
+        euler = euler + (s_next - s) * exact_velocity(euler, s)
     rms = lambda a, b: ((a - b) ** 2).mean().sqrt().item()
-    assert rms(fast["latents"][:, -1], base["latents"][:, -1]) < 0.2
-    assert rms(fast["latents"][:, -1], exact) < rms(base["latents"][:, -1], exact)
+    assert rms(fast["latents"][:, -1], exact) < rms(euler, exact)
+    assert rms(fast["latents"][:, -1], base["latents"][:, -1]) < 0.15
 
 
 @pytest.mark.parametrize("num_steps", [10, 14])

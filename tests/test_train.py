@@ -196,7 +196,7 @@ def test_ema_is_saved_and_used_by_evaluation(tmp_path, monkeypatch):
     raw, ema = load_file(os.path.join(ckpt, "trainable.safetensors")), load_file(os.path.join(ckpt, "ema.safetensors"))
     base = dict(models.load_pipeline("tiny").transformer.named_parameters())
     name = next(k for k in raw if (raw[k] != base[k]).any())  # a weight the run changed
-    # Two optimizer steps with decay 0.5 from the base b: ema = 0.25 b + 0.25 w1 + 0.5 w2, strictly between b and w2.
+    # Two optimizer steps, decay min((1 + n) / (10 + n), 0.5) after step n: ema = (2/11 b + 9/11 w1) / 4 + 3/4 w2.
     assert not torch.equal(ema[name], raw[name]) and not torch.equal(ema[name], base[name].detach())
     for use_ema, expected in ((False, raw), (True, ema)):
         pipe = models.load_pipeline("tiny")

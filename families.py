@@ -1,0 +1,749 @@
+"""Adapters for the newer families behind models.py: Wan 2.1, Qwen-Image, FLUX.2 [klein], Z-Image.
+
+models.py dispatches here by family (models.family(pipe) is a key of FAMILIES, a literal dict of
+plain functions); train.py, sde.py and losses.py never see it. Every adapter maps its family onto
+the repository's convention
+
+    x_s = (1 - s) x0 + s eps,    v ~ eps - x0,    Euler step  x + (s' - s) v,    s = 1 is noise,
+
+and its docstring says how (timestep scale, sign of the output, guidance, latent layout, native
+schedule), citing the diffusers 0.42 pipeline it was checked against; tests/test_families.py runs
+each pipeline's own __call__ on the tiny twin and asserts our velocity, Euler step and schedule
+reproduce it.
+
+Our guidance scale g has one meaning in every family: classifier-free guidance
+v = v_u + g (v_c - v_u) (Ho & Salimans 2022, eq. 6 with g = 1 + w), off at g = 1, and the
+unconditional and conditional halves run as one batched forward. A family whose pipeline counts
+guidance differently (Z-Image: its w = g - 1) converts at the boundary; a family without guidance
+(a step-distilled FLUX.2 [klein]) ignores g, as its pipeline does.
+
+| name          | what it is                                                                        |
+| ------------- | --------------------------------------------------------------------------------- |
+| `wan`         | `Wan-AI/Wan2.1-T2V-1.3B-Diffusers`; the 14B by `--model-path`                     |
+| `qwen-image`  | `Qwen/Qwen-Image`                                                                 |
+| `flux2-klein` | `black-forest-labs/FLUX.2-klein-base-4B` (undistilled, CFG); the distilled 4-step |
+|               | `FLUX.2-klein-4B` and the 9B variants by `--model-path`                           |
+| `z-image`     | `Tongyi-MAI/Z-Image` (undistilled, CFG); `Z-Image-Turbo` by `--model-path`         |
+| `tiny-<name>` | the same classes at toy width, random weights, seed 0, built in code; CPU seconds  |
+
+The tiny twins' Qwen tokenizers are byte-level BPE without merges (one token per UTF-8 byte) with
+the Qwen special tokens and a Qwen3-style chat template, built offline: the same pipeline code paths
+(chat template, masks, the system-prompt drop of Qwen-Image) at a toy vocabulary. PUBLISHED holds the
+real models' configs for parameter counts and memory estimates on the meta device.
+"""
+
+import math
+
+import numpy as np
+import torch
+
+import sde
+
+WAN_ID = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+QWEN_IMAGE_ID = "Qwen/Qwen-Image"
+KLEIN_ID = "black-forest-labs/FLUX.2-klein-base-4B"
+Z_IMAGE_ID = "Tongyi-MAI/Z-Image"
+
+
+def _models():
+    import models  # models.py imports this module at load time; import it back lazily
+
+    return models
+
+
+# ----------------------------------------------------------------------------- shared helpers
+
+def _pad_tokens(embeds, mask, length):
+    """Right-pad [B, L, D] embeddings with zeros and their [B, L] mask with False to `length` tokens."""
+    extra = length - embeds.shape[1]
+    if extra == 0:
+        return embeds, mask
+    return (torch.nn.functional.pad(embeds, (0, 0, 0, extra)),
+            torch.nn.functional.pad(mask, (0, extra), value=False))
+
+
+def _with_negative(out, encode, negative_prompt, batch, masked):
+    """Add `neg_prompt_embeds` (and `neg_prompt_mask`): the negative prompt encoded once and expanded
+    to the batch; with masks, both sides are right-padded to a common length so that the
+    unconditional and conditional halves can share one forward."""
+    neg = encode([negative_prompt])
+    if masked:
+        length = max(out["prompt_embeds"].shape[1], neg["prompt_embeds"].shape[1])
+        out["prompt_embeds"], out["prompt_mask"] = _pad_tokens(out["prompt_embeds"], out["prompt_mask"], length)
+        neg["prompt_embeds"], neg["prompt_mask"] = _pad_tokens(neg["prompt_embeds"], neg["prompt_mask"], length)
+    for key, value in neg.items():
+        out["neg_" + key] = value.expand(batch, *value.shape[1:])
+    return out
+
+
+def _cfg_halves(embeds, keys):
+    """[negative; conditional] stacked along the batch for each of `keys` (diffusers' order)."""
+    if "neg_prompt_embeds" not in embeds:
+        raise ValueError("guidance_scale > 1 needs embeds from encode_prompts(..., guidance_scale > 1)")
+    return [torch.cat([embeds["neg_" + k], embeds[k]]) for k in keys]
+
+
+def _guided(v, guidance_scale):
+    """Classifier-free guidance (Ho & Salimans 2022, eq. 6 with g = 1 + w) of a forward on [negative; conditional]
+    halves: v_u + g (v_c - v_u). Returns (guided [B, ...], v_c)."""
+    v_uncond, v_cond = v.chunk(2)
+    return v_uncond + guidance_scale * (v_cond - v_uncond), v_cond
+
+
+def _to_uint8(images):
+    """[-1, 1] float -> uint8, as the pipelines' "np" output x 255."""
+    return ((images.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+
+
+def _square(name, height, width):
+    if height != width:
+        raise ValueError(f"{name} latents are packed into tokens without their grid; pass a square --resolution")
+
+
+def _check_multiple(height, width, multiple):
+    if height % multiple or width % multiple:
+        raise ValueError(f"--resolution {height}x{width} must be a multiple of {multiple} for this model")
+
+
+def _no_frames(num_frames):
+    if num_frames not in (None, 1):
+        raise ValueError("--num-frames is for video models (wan); this model makes images")
+
+
+def _image_tokens(pipe, height, width):
+    """Image tokens after 2 x 2 patching: the sequence length of the resolution-dependent shifts."""
+    f = pipe.vae_scale_factor
+    return (height // (2 * f)) * (width // (2 * f))
+
+
+def _qwen_tokenizer(max_length):
+    """Byte-level BPE with no merges (one token per UTF-8 byte, GPT-2's byte alphabet) plus the Qwen
+    special tokens and a Qwen3 chat template (a `<think>` block closed when enable_thinking is off,
+    as Qwen3's own template writes it). Ids: 256 bytes, then the specials."""
+    from transformers import Qwen2Tokenizer
+
+    vocab = {c: i for i, c in enumerate(_models()._byte_alphabet())}
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+    template = (
+        "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+        "{%- if enable_thinking is defined and enable_thinking is false %}"
+        "{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+        "{%- endif %}"
+    )
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], model_max_length=max_length, padding_side="right")
+    tokenizer.add_special_tokens({"additional_special_tokens": specials[1:]})
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def _qwen3_encoder(cls, vocab_size, hidden, layers):
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2, head_dim=hidden // 2,
+                         max_position_embeddings=512, pad_token_id=256, bos_token_id=256,
+                         eos_token_id=258)  # <|endoftext|>, <|im_end|>
+    return cls(config).eval()
+
+
+# ----------------------------------------------------------------------------- Wan 2.1 (video)
+# Checked against diffusers/pipelines/wan/pipeline_wan.py (WanPipeline.__call__) and
+# schedulers/scheduling_unipc_multistep.py (UniPCMultistepScheduler.set_timesteps).
+
+def wan(model_path=None, dtype=torch.float32, device="cpu"):
+    """Wan 2.1 text-to-video (`Wan-AI/Wan2.1-T2V-1.3B-Diffusers`, or the 14B by --model-path).
+
+    Conventions: latents [B, 16, F', H/8, W/8] with F' = (F - 1) / 4 + 1 (unpacked; the transformer
+    patches 1 x 2 x 2 itself); the network predicts the flow velocity eps - x0 directly (same sign as
+    ours); it is conditioned on the integer timestep floor(1000 s), because UniPC stores its flow
+    timesteps as int64 (Flow-GRPO's train_wan2_1.py trains on these too). Guidance: true CFG
+    v_u + g (v_c - v_u), one forward per half in the pipeline, batched here. Text: UMT5-XXL, padded
+    with zeros to max_sequence_length (512, WanPipeline.__call__'s default and Flow-GRPO's) and no
+    mask. Native schedule: UniPC flow sigmas, linspace(1, 1/1000, N + 1)[:-1] shifted statically by
+    flow_shift (3 for the T2V checkpoints, diffusers' convert_wan_to_diffusers.py), the first one
+    lowered by 1e-6, then 0. The pipeline integrates it with UniPC (2nd order); its first step is
+    exactly Euler, our step. The VAE is kept in float32 whatever `dtype` (diffusers' and
+    Flow-GRPO's advice: bf16 decoding of the Wan VAE loses detail).
+    """
+    from diffusers import WanPipeline
+
+    pipe = _models()._from_pretrained(WanPipeline, "wan", model_path or WAN_ID, WAN_ID, dtype)
+    pipe.vae.to(torch.float32)
+    return pipe
+
+
+def tiny_wan(model_path=None, dtype=torch.float32, device="cpu"):
+    """Wan 2.1 at toy size: 2 blocks of width 24 (2 heads), UMT5 encoder of width 32, a causal 3D VAE
+    with 8x spatial / 4x temporal compression and base width 8; UniPC with flow_shift 3; seed 0."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    m = _models()
+    m._check_no_path("tiny-wan", model_path)
+    tokenizer = m._t5_tokenizer(32)
+    with m._seeded_build(0, device):
+        text_encoder = UMT5EncoderModel(UMT5Config(
+            vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+            relative_attention_num_buckets=8, relative_attention_max_distance=32, feed_forward_proj="gated-gelu",
+            pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)).eval()
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+            text_dim=32, freq_dim=32, ffn_dim=48, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32).eval()
+        vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                               temperal_downsample=[False, True, True]).eval()
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        num_train_timesteps=1000, flow_shift=3.0)
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                       transformer=transformer)
+    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+
+
+def _wan_shape(pipe, height, width, num_frames):
+    multiple = pipe.vae_scale_factor_spatial * pipe.transformer.config.patch_size[1]
+    _check_multiple(height, width, multiple)
+    frames = 81 if num_frames is None else num_frames  # WanPipeline.__call__'s default
+    if frames < 1 or (frames - 1) % pipe.vae_scale_factor_temporal:
+        raise ValueError(f"--num-frames {frames} must be {pipe.vae_scale_factor_temporal} k + 1 for Wan (e.g. 33, 81)")
+    f = pipe.vae_scale_factor_spatial
+    return (pipe.transformer.config.in_channels, (frames - 1) // pipe.vae_scale_factor_temporal + 1,
+            height // f, width // f)
+
+
+def _wan_noise(pipe, batch, height, width, num_frames, generator):
+    from diffusers.utils.torch_utils import randn_tensor
+
+    shape = (batch, *_wan_shape(pipe, height, width, num_frames))
+    return randn_tensor(shape, generator=generator, device=pipe._execution_device, dtype=torch.float32)
+
+
+def _wan_encode(pipe, prompts, negative_prompt, guidance_scale, tokens):
+    def encode(texts):
+        embeds, _ = pipe.encode_prompt(texts, do_classifier_free_guidance=False, max_sequence_length=tokens,
+                                       device=pipe._execution_device)
+        return {"prompt_embeds": embeds}
+
+    out = encode(prompts)
+    return _with_negative(out, encode, negative_prompt, len(prompts), masked=False) if guidance_scale > 1 else out
+
+
+def _wan_velocity(pipe, model, x, sigma, embeds, guidance_scale):
+    dtype = pipe.transformer.dtype
+    timestep = torch.floor(sigma.double() * pipe.scheduler.config.num_train_timesteps).long()  # int64, as UniPC's
+    (text,) = _cfg_halves(embeds, ["prompt_embeds"]) if guidance_scale > 1 else (embeds["prompt_embeds"],)
+    if guidance_scale > 1:
+        x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
+    v = model(hidden_states=x.to(dtype), timestep=timestep, encoder_hidden_states=text.to(dtype), return_dict=False)[0]
+    if guidance_scale > 1:
+        v, _ = _guided(v, guidance_scale)
+    return v
+
+
+@torch.no_grad()
+def _wan_decode(pipe, latents):
+    vae = pipe.vae
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    videos = []
+    for chunk in latents.split(1):  # one video at a time: the 3D decoder's activations are large
+        z = chunk.to(vae.device, torch.float32) * std.to(vae.device) + mean.to(vae.device)  # the pipeline's
+        video = vae.decode(z.to(vae.dtype), return_dict=False)[0]  # [1, 3, F, H, W] in [-1, 1]
+        videos.append(_to_uint8(video).permute(0, 2, 3, 4, 1).cpu())  # [1, F, H, W, 3]
+    return torch.cat(videos)
+
+
+def _wan_sigmas(pipe, num_steps, height, width, shift):
+    config = pipe.scheduler.config
+    kind = type(pipe.scheduler).__name__
+    if kind != "UniPCMultistepScheduler" or not config.use_flow_sigmas or config.use_dynamic_shifting:
+        raise ValueError(f"wan: expected the UniPC flow-sigma scheduler with a static flow_shift, got {kind}")
+    base = np.linspace(1, 1 / config.num_train_timesteps, num_steps + 1)[:-1]  # float64, as UniPC computes it
+    s = sde.time_shift(base, config.flow_shift if shift is None else shift)
+    if config.shift_terminal:
+        raise ValueError("wan: a shift_terminal scheduler is not supported")
+    if abs(s[0] - 1) < 1e-6:
+        s[0] -= 1e-6  # UniPC keeps the first sigma below 1
+    return torch.from_numpy(np.concatenate([s, [0.0]]).astype(np.float32))
+
+
+# ----------------------------------------------------------------------------- Qwen-Image
+# Checked against diffusers/pipelines/qwenimage/pipeline_qwenimage.py (QwenImagePipeline.__call__).
+
+def qwen_image(model_path=None, dtype=torch.float32, device="cpu"):
+    """Qwen-Image (`Qwen/Qwen-Image`, a 20 B MMDiT with a Qwen2.5-VL-7B text encoder).
+
+    Conventions: latents 2 x 2-packed into tokens [B, (H/16)(W/16), 64] as FLUX.1's; the network
+    predicts eps - x0 (our sign); timestep s (the pipeline passes t / 1000 with t = 1000 s).
+    Guidance: true CFG with a renormalisation (the pipeline's true_cfg_scale):
+    v = c * |v_c| / |c| with c = v_u + g (v_c - v_u), norms over each token's channels. No guidance
+    embedding. Text: the last hidden layer of Qwen2.5-VL on a system-prompt template whose first 34
+    tokens are dropped, variable length with a mask (padding is masked in attention, so padded and
+    unpadded prompts give the same result); max_sequence_length 512 (the pipeline's default). Native
+    schedule: linspace(1, 1/N, N), exponential time shift with mu linear in the image tokens
+    (calculate_shift with the scheduler's base/max shift and sequence lengths), stretched to end at
+    shift_terminal (0.02 in the published scheduler config), then 0.
+    """
+    from diffusers import QwenImagePipeline
+
+    path = model_path or QWEN_IMAGE_ID
+    return _models()._from_pretrained(QwenImagePipeline, "qwen-image", path, QWEN_IMAGE_ID, dtype)
+
+
+def tiny_qwen_image(model_path=None, dtype=torch.float32, device="cpu"):
+    """Qwen-Image at toy size: 2 blocks of width 32 (2 heads), a 2-layer Qwen2.5-VL of width 16 (its
+    vision tower tiny too), the Qwen-Image 3D VAE with 4x compression and 16 channels; the published
+    scheduler config (dynamic shift 0.5 .. 0.9 over 256 .. 8192 tokens, exponential, terminal 0.02);
+    seed 0."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+    from diffusers import QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    m = _models()
+    m._check_no_path("tiny-qwen-image", model_path)
+    tokenizer = _qwen_tokenizer(1024)
+    with m._seeded_build(0, device):
+        config = Qwen2_5_VLConfig(
+            text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
+                             rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
+                             pad_token_id=256, bos_token_id=256, eos_token_id=258),
+            vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16),
+            vocab_size=len(tokenizer), image_token_id=len(tokenizer) - 1, video_token_id=len(tokenizer) - 1,
+            vision_start_token_id=len(tokenizer) - 1, vision_end_token_id=len(tokenizer) - 1)
+        text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+            joint_attention_dim=16, axes_dims_rope=(4, 6, 6)).eval()
+        vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 1, 1], num_res_blocks=1,
+                                     temperal_downsample=[False, True]).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen/Qwen-Image scheduler/scheduler_config.json
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
+        max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential")
+    pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                             transformer=transformer)
+    # The pipeline drops the system prompt by a token count of the real tokenizer (34); ours counts bytes.
+    pipe.prompt_template_encode_start_idx = len(tokenizer(pipe.prompt_template_encode.split("{}")[0]).input_ids)
+    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+
+
+def _packed_shape(pipe, height, width, num_frames):
+    _no_frames(num_frames)
+    _square("this model's", height, width)
+    f = pipe.vae_scale_factor
+    _check_multiple(height, width, 2 * f)
+    return ((height // (2 * f)) * (width // (2 * f)), pipe.transformer.config.in_channels)
+
+
+def _qwen_noise(pipe, batch, height, width, num_frames, generator):
+    from diffusers.utils.torch_utils import randn_tensor
+
+    tokens, channels = _packed_shape(pipe, height, width, num_frames)
+    side = 2 * math.isqrt(tokens)  # latent side
+    x = randn_tensor((batch, 1, channels // 4, side, side), generator=generator, device=pipe._execution_device,
+                     dtype=torch.float32)  # QwenImagePipeline.prepare_latents draws [B, 1, C, h, w], then packs
+    return pipe._pack_latents(x, batch, channels // 4, side, side)
+
+
+def _qwen_encode(pipe, prompts, negative_prompt, guidance_scale, tokens):
+    def encode(texts):
+        embeds, mask = pipe.encode_prompt(list(texts), device=pipe._execution_device, max_sequence_length=tokens)
+        mask = torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device) if mask is None else mask.bool()
+        return {"prompt_embeds": embeds, "prompt_mask": mask}
+
+    out = encode(prompts)
+    return _with_negative(out, encode, negative_prompt, len(prompts), masked=True) if guidance_scale > 1 else out
+
+
+def _qwen_velocity(pipe, model, x, sigma, embeds, guidance_scale):
+    dtype = pipe.transformer.dtype
+    side = math.isqrt(x.shape[1])
+    keys = ["prompt_embeds", "prompt_mask"]
+    text, mask = _cfg_halves(embeds, keys) if guidance_scale > 1 else [embeds[k] for k in keys]
+    if guidance_scale > 1:
+        x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])
+    v = model(hidden_states=x.to(dtype), timestep=sigma.to(dtype), encoder_hidden_states=text.to(dtype),
+              encoder_hidden_states_mask=None if mask.all() else mask,  # the pipeline drops an all-valid mask
+              img_shapes=[[(1, side, side)]] * x.shape[0], return_dict=False)[0]
+    if guidance_scale > 1:
+        combined, v_cond = _guided(v, guidance_scale)
+        # Qwen-Image's true CFG keeps each token's conditional norm (pipeline_qwenimage.py, the do_true_cfg branch)
+        v = combined * (torch.norm(v_cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
+    return v
+
+
+@torch.no_grad()
+def _qwen_decode(pipe, latents):
+    vae = pipe.vae
+    side = math.isqrt(latents.shape[1]) * 2 * pipe.vae_scale_factor
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    images = []
+    for chunk in latents.split(8):
+        z = pipe._unpack_latents(chunk.to(vae.device, torch.float32), side, side, pipe.vae_scale_factor)  # [b,C,1,h,w]
+        z = z * std.to(z.device) + mean.to(z.device)
+        image = vae.decode(z.to(vae.dtype), return_dict=False)[0][:, :, 0]  # [b, 3, H, W]
+        images.append(_to_uint8(image).permute(0, 2, 3, 1).cpu())
+    return torch.cat(images)
+
+
+def _qwen_unused(transformer):
+    """The last block's text-stream output layers: every block updates the text tokens, but the last
+    one's update is discarded (only image tokens leave the model), so these get no gradient."""
+    last = f"transformer_blocks.{len(transformer.transformer_blocks) - 1}"
+    return [f"{last}.attn.to_add_out", f"{last}.txt_mlp.net.0.proj", f"{last}.txt_mlp.net.2"]
+
+
+def _qwen_sigmas(pipe, num_steps, height, width, shift):
+    m = _models()
+    base = np.linspace(1.0, 1 / num_steps, num_steps)  # QwenImagePipeline.__call__
+    mu = m.dynamic_shift_mu(pipe.scheduler.config, _image_tokens(pipe, height, width))
+    return m.flow_match_sigmas(pipe.scheduler.config, base, mu=mu, shift=shift)
+
+
+# ----------------------------------------------------------------------------- FLUX.2 [klein]
+# Checked against diffusers/pipelines/flux2/pipeline_flux2_klein.py (Flux2KleinPipeline.__call__).
+
+def flux2_klein(model_path=None, dtype=torch.float32, device="cpu"):
+    """FLUX.2 [klein] (`black-forest-labs/FLUX.2-klein-base-4B`; the 9B and the step-distilled
+    `FLUX.2-klein-4B` / `-9B` by --model-path).
+
+    Conventions: latents are the VAE's 32 channels patchified 2 x 2 into 128 and flattened into
+    tokens [B, (H/16)(W/16), 128] (row-major, so unpacking is a reshape); the VAE's latent batch-norm
+    statistics are undone before decoding. The network predicts eps - x0 (our sign) at timestep s
+    (the pipeline passes t / 1000). Guidance: the base models use true CFG v_u + g (v_c - v_u) with
+    the empty prompt as the negative (the pipeline has no negative-prompt argument; ours defaults to
+    "" too); the distilled models (`is_distilled` in the pipeline config) have no guidance at all,
+    and g is ignored as the pipeline ignores it. No guidance embedding. Text: Qwen3 hidden states of
+    layers 9, 18, 27 stacked into 3 x hidden channels, padded to max_sequence_length (512, the
+    pipeline's default and UniRL's recipes) with no mask; positions (t, h, w, l) ids for text and
+    image tokens. Native schedule: linspace(1, 1/N, N) shifted exponentially with the pipeline's
+    empirical mu(image tokens, N) (compute_empirical_mu: it depends on the step count too), then 0.
+    """
+    from diffusers import Flux2KleinPipeline
+
+    return _models()._from_pretrained(Flux2KleinPipeline, "flux2-klein", model_path or KLEIN_ID, KLEIN_ID, dtype)
+
+
+def tiny_flux2_klein(model_path=None, dtype=torch.float32, device="cpu"):
+    """FLUX.2 [klein] (base, with CFG) at toy size: 1 double- and 1 single-stream block of width 32
+    (2 heads), a 28-layer Qwen3 of width 16 (so that layers 9, 18, 27 exist), the FLUX.2 VAE with
+    4x compression and 4 latent channels (16 after patchifying); FLUX.1-dev's scheduler config, which
+    diffusers' convert_flux2_to_diffusers.py gives FLUX.2; seed 0."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+    from diffusers import Flux2Transformer2DModel
+    from transformers import Qwen3ForCausalLM
+
+    m = _models()
+    m._check_no_path("tiny-flux2-klein", model_path)
+    tokenizer = _qwen_tokenizer(128)
+    with m._seeded_build(0, device):
+        text_encoder = _qwen3_encoder(Qwen3ForCausalLM, len(tokenizer), 16, 28)
+        transformer = Flux2Transformer2DModel(
+            patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=48, timestep_guidance_channels=32,
+            axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False).eval()
+        vae = AutoencoderKLFlux2(
+            in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
+            up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(8, 16, 16), layers_per_block=1,
+            latent_channels=4, norm_num_groups=4, sample_size=64, use_quant_conv=False,
+            use_post_quant_conv=False).eval()
+        vae.bn.running_mean.normal_(0, 0.5)  # non-trivial statistics, so that decode's de-normalisation is tested
+        vae.bn.running_var.uniform_(0.5, 2.0)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+        max_image_seq_len=4096)
+    pipe = Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                              transformer=transformer, is_distilled=False)
+    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+
+
+def _klein_noise(pipe, batch, height, width, num_frames, generator):
+    from diffusers.utils.torch_utils import randn_tensor
+
+    tokens, channels = _packed_shape(pipe, height, width, num_frames)
+    side = math.isqrt(tokens)
+    x = randn_tensor((batch, channels, side, side), generator=generator, device=pipe._execution_device,
+                     dtype=torch.float32)  # Flux2KleinPipeline.prepare_latents draws patchified latents
+    return pipe._pack_latents(x).contiguous()  # [B, h w, C]; contiguous like every stored state, so bits match
+
+
+def _klein_cfg(pipe, guidance_scale):
+    return guidance_scale > 1 and not pipe.config.is_distilled
+
+
+def _klein_encode(pipe, prompts, negative_prompt, guidance_scale, tokens):
+    def encode(texts):
+        embeds, _ = pipe.encode_prompt(list(texts), device=pipe._execution_device, max_sequence_length=tokens)
+        return {"prompt_embeds": embeds}
+
+    out = encode(prompts)
+    if not _klein_cfg(pipe, guidance_scale):
+        return out
+    return _with_negative(out, encode, negative_prompt, len(prompts), masked=False)
+
+
+def _klein_velocity(pipe, model, x, sigma, embeds, guidance_scale):
+    dtype = pipe.transformer.dtype
+    side = math.isqrt(x.shape[1])
+    cfg = _klein_cfg(pipe, guidance_scale)
+    (text,) = _cfg_halves(embeds, ["prompt_embeds"]) if cfg else (embeds["prompt_embeds"],)
+    if cfg:
+        x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])
+    img_ids = pipe._prepare_latent_ids(x.new_empty(x.shape[0], 1, side, side)).to(x.device)  # (t, h, w, l) per token
+    v = model(hidden_states=x.to(dtype), timestep=sigma.to(dtype), guidance=None, encoder_hidden_states=text.to(dtype),
+              txt_ids=pipe._prepare_text_ids(text).to(x.device), img_ids=img_ids, return_dict=False)[0]
+    if cfg:
+        v, _ = _guided(v, guidance_scale)
+    return v
+
+
+@torch.no_grad()
+def _klein_decode(pipe, latents):
+    vae = pipe.vae
+    side = math.isqrt(latents.shape[1])
+    mean = vae.bn.running_mean.view(1, -1, 1, 1).float()
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1).float() + vae.config.batch_norm_eps)
+    images = []
+    for chunk in latents.split(8):
+        z = chunk.to(vae.device, torch.float32).permute(0, 2, 1).reshape(len(chunk), -1, side, side)  # [b, C, h, w]
+        z = pipe._unpatchify_latents(z * std + mean)  # batch-norm statistics undone, 2 x 2 patches unfolded
+        image = vae.decode(z.to(vae.dtype), return_dict=False)[0]
+        images.append(_to_uint8(image).permute(0, 2, 3, 1).cpu())
+    return torch.cat(images)
+
+
+def klein_mu(image_tokens, num_steps):
+    """FLUX.2's empirical shift (compute_empirical_mu, pipeline_flux2_klein.py): above 4300 image tokens
+    mu = 1.6927e-4 L + 0.45667; below, linear in the step count N between its fits at N = 10
+    (8.738e-5 L + 1.89833) and N = 200 (the large-L line)."""
+    mu_200 = 0.00016927 * image_tokens + 0.45666666
+    if image_tokens > 4300:
+        return mu_200
+    mu_10 = 8.73809524e-05 * image_tokens + 1.89833333
+    slope = (mu_200 - mu_10) / 190.0
+    return slope * num_steps + mu_200 - 200.0 * slope
+
+
+def _klein_sigmas(pipe, num_steps, height, width, shift):
+    base = np.linspace(1.0, 1 / num_steps, num_steps)  # Flux2KleinPipeline.__call__
+    mu = klein_mu(_image_tokens(pipe, height, width), num_steps)
+    return _models().flow_match_sigmas(pipe.scheduler.config, base, mu=mu, shift=shift)
+
+
+# ----------------------------------------------------------------------------- Z-Image
+# Checked against diffusers/pipelines/z_image/pipeline_z_image.py (ZImagePipeline.__call__).
+
+def z_image(model_path=None, dtype=torch.float32, device="cpu"):
+    """Z-Image (`Tongyi-MAI/Z-Image`, a 6 B single-stream DiT with a Qwen3-4B text encoder;
+    `Tongyi-MAI/Z-Image-Turbo`, step-distilled, by --model-path with --guidance-scale 1).
+
+    Conventions: latents [B, 16, H/8, W/8] (unpacked; the transformer patches 2 x 2 and takes a
+    list of [C, 1, h, w]). The network is conditioned on t = 1 - s (the pipeline passes
+    (1000 - t) / 1000) and predicts x0 - eps: the pipeline negates its output before the Euler
+    step, and so do we. Guidance: the pipeline's guidance_scale w counts from 0
+    (pred = c + w (c - u)), which is our g = 1 + w: `--guidance-scale 5` here is the pipeline's 4.
+    CFG-truncation and -normalisation are left at the pipeline's defaults (off). Text: the
+    second-to-last Qwen3 hidden layer over the chat-templated prompt (thinking enabled, so no
+    empty think block), padded to max_sequence_length (512, the pipeline's default) for the encoder
+    and then cut to each prompt's own tokens (kept here as a zero-padded tensor and a mask).
+    Native schedule: linspace(1, 1/N, N) shifted by the scheduler (static shift 3 for Z-Image-Turbo;
+    the pipeline also passes a resolution-dependent mu, used only when the config shifts
+    dynamically), then 0.
+    """
+    from diffusers import ZImagePipeline
+
+    return _models()._from_pretrained(ZImagePipeline, "z-image", model_path or Z_IMAGE_ID, Z_IMAGE_ID, dtype)
+
+
+def tiny_z_image(model_path=None, dtype=torch.float32, device="cpu"):
+    """Z-Image at toy size: 2 main and 1 refiner layers of width 32 (2 heads), a 2-layer Qwen3 of width
+    16, a 4x VAE with 16 channels and FLUX.1's scaling; static shift 3 (Z-Image-Turbo's scheduler);
+    seed 0. The transformer's padding tokens, left uninitialised by diffusers, are drawn from the seed."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Model
+
+    m = _models()
+    m._check_no_path("tiny-z-image", model_path)
+    tokenizer = _qwen_tokenizer(128)
+    with m._seeded_build(0, device):
+        text_encoder = _qwen3_encoder(Qwen3Model, len(tokenizer), 16, 2)
+        transformer = ZImageTransformer2DModel(
+            all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=2, n_refiner_layers=1,
+            n_heads=2, n_kv_heads=2, qk_norm=True, cap_feat_dim=16, axes_dims=[8, 4, 4], axes_lens=[256, 32, 32]).eval()
+        with torch.no_grad():
+            transformer.x_pad_token.normal_()
+            transformer.cap_pad_token.normal_()
+        vae = m._small_vae(16, 0.3611, 0.1159)  # FLUX.1's VAE scaling and shift, which Z-Image reuses
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
+    pipe = ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                          transformer=transformer)
+    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+
+
+def _z_shape(pipe, height, width, num_frames):
+    _no_frames(num_frames)
+    f = pipe.vae_scale_factor
+    _check_multiple(height, width, 2 * f)
+    return (pipe.transformer.in_channels, height // f, width // f)
+
+
+def _z_noise(pipe, batch, height, width, num_frames, generator):
+    from diffusers.utils.torch_utils import randn_tensor
+
+    shape = (batch, *_z_shape(pipe, height, width, num_frames))
+    return randn_tensor(shape, generator=generator, device=pipe._execution_device, dtype=torch.float32)
+
+
+def _z_encode(pipe, prompts, negative_prompt, guidance_scale, tokens):
+    def encode(texts):
+        # ZImagePipeline._encode_prompt writes the chat template into the list it is given: pass a copy
+        per_prompt = pipe._encode_prompt(list(texts), device=pipe._execution_device, max_sequence_length=tokens)
+        length = max(len(e) for e in per_prompt)
+        embeds = torch.stack([torch.nn.functional.pad(e, (0, 0, 0, length - len(e))) for e in per_prompt])
+        mask = torch.stack([torch.arange(length, device=embeds.device) < len(e) for e in per_prompt])
+        return {"prompt_embeds": embeds, "prompt_mask": mask}
+
+    out = encode(prompts)
+    return _with_negative(out, encode, negative_prompt, len(prompts), masked=True) if guidance_scale > 1 else out
+
+
+def _z_velocity(pipe, model, x, sigma, embeds, guidance_scale):
+    dtype = pipe.transformer.dtype
+    keys = ["prompt_embeds", "prompt_mask"]
+    text, mask = _cfg_halves(embeds, keys) if guidance_scale > 1 else [embeds[k] for k in keys]
+    if guidance_scale > 1:
+        x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])
+    captions = [e[m].to(dtype) for e, m in zip(text, mask)]  # each prompt's own tokens, as the pipeline passes them
+    out = model(x=list(x.to(dtype).unsqueeze(2).unbind(0)), t=1 - sigma, cap_feats=captions,  # float32 t, as there
+                return_dict=False)[0]
+    pred = torch.stack([o.float() for o in out]).squeeze(2)  # predicts x0 - eps
+    if guidance_scale > 1:
+        pred, _ = _guided(pred, guidance_scale)  # the pipeline's cond + w (cond - uncond), with its w = g - 1
+    return -pred  # eps - x0, our sign
+
+
+@torch.no_grad()
+def _z_decode(pipe, latents):
+    return _models()._decode_kl(pipe.vae, latents)
+
+
+def _z_sigmas(pipe, num_steps, height, width, shift):
+    m = _models()
+    base = torch.linspace(1.0, 1 / num_steps, num_steps).numpy()  # get_default_z_image_sigmas: float32 linspace
+    mu = m.dynamic_shift_mu(pipe.scheduler.config, _image_tokens(pipe, height, width))
+    return m.flow_match_sigmas(pipe.scheduler.config, base, mu=mu, shift=shift)
+
+
+# ----------------------------------------------------------------------------- published configs
+# Transcribed from the hub repos' config.json files (and diffusers' convert_wan_to_diffusers.py /
+# convert_flux2_to_diffusers.py, which write them); {} means the diffusers class defaults, which are the
+# published model. For parameter counts and memory estimates on the meta device (no download):
+# scripts/family_memory.py and tests/test_families.py.
+
+_T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+               feed_forward_proj="gated-gelu")
+_UMT5_XXL = dict(_T5_XXL, vocab_size=256384)  # google/umt5-xxl, Wan's text encoder
+_QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+_QWEN3_8B = dict(_QWEN3_4B, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False)
+_QWEN25_VL_7B = dict(
+    text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4),
+    vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584),
+    vocab_size=152064)
+_CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+               projection_dim=768)
+_CLIP_G = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
+               projection_dim=1280, hidden_act="gelu")
+_WAN_T2V = dict(patch_size=(1, 2, 2), attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096,
+                freq_dim=256, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6)
+_KLEIN = dict(patch_size=1, in_channels=128, attention_head_dim=128, timestep_guidance_channels=256, mlp_ratio=3.0,
+              axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6, guidance_embeds=False)
+_KL_16 = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,  # FLUX.1's VAE (Z-Image)
+              up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+              latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
+              use_post_quant_conv=False)
+
+# name -> component -> (class, config); transformers classes for text encoders, diffusers classes otherwise
+PUBLISHED = {
+    "wan-1.3b": dict(transformer=("WanTransformer3DModel", dict(_WAN_T2V, num_attention_heads=12, ffn_dim=8960,
+                                                                num_layers=30)),
+                     text_encoder=("UMT5EncoderModel", _UMT5_XXL), vae=("AutoencoderKLWan", {})),
+    "wan-14b": dict(transformer=("WanTransformer3DModel", dict(_WAN_T2V, num_attention_heads=40, ffn_dim=13824,
+                                                               num_layers=40)),
+                    text_encoder=("UMT5EncoderModel", _UMT5_XXL), vae=("AutoencoderKLWan", {})),
+    "qwen-image": dict(transformer=("QwenImageTransformer2DModel", {}),
+                       text_encoder=("Qwen2_5_VLForConditionalGeneration", _QWEN25_VL_7B),
+                       vae=("AutoencoderKLQwenImage", {})),
+    "flux2-klein-4b": dict(transformer=("Flux2Transformer2DModel", dict(
+                               _KLEIN, num_layers=5, num_single_layers=20, num_attention_heads=24,
+                               joint_attention_dim=7680)),
+                           text_encoder=("Qwen3ForCausalLM", _QWEN3_4B), vae=("AutoencoderKLFlux2", {})),
+    "flux2-klein-9b": dict(transformer=("Flux2Transformer2DModel", dict(
+                               _KLEIN, num_layers=8, num_single_layers=24, num_attention_heads=32,
+                               joint_attention_dim=12288)),
+                           text_encoder=("Qwen3ForCausalLM", _QWEN3_8B), vae=("AutoencoderKLFlux2", {})),
+    "z-image": dict(transformer=("ZImageTransformer2DModel", {}), text_encoder=("Qwen3Model", _QWEN3_4B),
+                    vae=("AutoencoderKL", _KL_16)),
+    "sd3.5-large": dict(transformer=("SD3Transformer2DModel", dict(
+                            sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64,
+                            num_attention_heads=38, joint_attention_dim=4096, caption_projection_dim=2432,
+                            pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=192, qk_norm="rms_norm")),
+                        text_encoder=("CLIPTextModelWithProjection", _CLIP_L),
+                        text_encoder_2=("CLIPTextModelWithProjection", _CLIP_G),
+                        text_encoder_3=("T5EncoderModel", _T5_XXL), vae=("AutoencoderKL", None)),  # models.SD35_VAE
+}
+
+
+def build_published(name, component, device="meta"):
+    """One component of a PUBLISHED model with random (or, on "meta", no) weights."""
+    import diffusers
+    import transformers
+
+    cls_name, config = PUBLISHED[name][component]
+    if hasattr(diffusers, cls_name):
+        cls = getattr(diffusers, cls_name)
+        config = _models().SD35_VAE if config is None else config  # SD3.5's VAE, defined with the medium model
+        with torch.device(device):
+            return cls(**config)
+    cls = getattr(transformers, cls_name)
+    config_cls = cls.config_class
+    with torch.device(device):
+        return cls(config_cls(**config))
+
+
+# ----------------------------------------------------------------------------- registry
+
+FAMILIES = {
+    "wan": dict(
+        pipeline="WanPipeline", video=True, tokens=512, shape=_wan_shape, noise=_wan_noise, encode=_wan_encode,
+        velocity=_wan_velocity, decode=_wan_decode, sigmas=_wan_sigmas, unused=lambda transformer: [],
+        # Flow-GRPO's train_wan2_1.py list, which on the T2V blocks matches these (attn1 self-, attn2 cross-attention)
+        lora_targets=["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
+                      "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0"]),
+    "qwen-image": dict(
+        pipeline="QwenImagePipeline", video=False, tokens=512, shape=_packed_shape, noise=_qwen_noise,
+        encode=_qwen_encode, velocity=_qwen_velocity, decode=_qwen_decode, sigmas=_qwen_sigmas, unused=_qwen_unused,
+        # Flow-GRPO's train_qwenimage.py: attention of both streams and both MLPs
+        lora_targets=["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                      "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+                      "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]),
+    "flux2-klein": dict(
+        pipeline="Flux2KleinPipeline", video=False, tokens=512, shape=_packed_shape, noise=_klein_noise,
+        encode=_klein_encode, velocity=_klein_velocity, decode=_klein_decode, sigmas=_klein_sigmas,
+        unused=lambda transformer: [],
+        # UniRL's flux2_klein recipes: every linear of the double-stream blocks, and the fused QKV + MLP
+        # projection of the single-stream blocks (their attn.to_out shares a name with the double
+        # blocks' to_out list, which peft cannot wrap)
+        lora_targets=["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                      "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+                      "ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out",
+                      "attn.to_qkv_mlp_proj"]),
+    "z-image": dict(
+        pipeline="ZImagePipeline", video=False, tokens=512, shape=_z_shape, noise=_z_noise, encode=_z_encode,
+        velocity=_z_velocity, decode=_z_decode, sigmas=_z_sigmas, unused=lambda transformer: [],
+        # Flow-Factory's z_image adapter: attention and SwiGLU MLP of every layer
+        lora_targets=["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0",
+                      "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]),
+}

@@ -1,0 +1,77 @@
+"""Parameter counts and a per-GPU memory estimate of LoRA training for the published models (no download).
+
+    python scripts/family_memory.py            # a markdown table
+
+Counts come from families.PUBLISHED built on the meta device. The estimate, per GPU:
+  weights      transformer and text encoders in bf16 (2 bytes), the VAE in bf16 (Wan's in float32, 4 bytes);
+  LoRA + Adam  16 bytes per LoRA parameter (float32 weight, gradient, Adam's two moments), the targets
+               of models.add_lora at the recipe's rank;
+  activations  of one training forward kept for its backward: per block about (15 + 4.25 r) L h bytes
+               per sample in bf16 with flash attention (Korthikanti et al. 2022, arXiv:2205.05198, Sec. 4.1:
+               34 L h for an MLP ratio r = 4, without the attention-score term that flash attention does
+               not store), L the tokens the block attends over, h its width; with gradient checkpointing
+               2 L h per block plus one block's full set. Under training CFG the batch doubles.
+This is an order-of-magnitude guide (about +-30 %): it leaves out the rollout's VAE decode and text
+encoding (transient, before the update) and allocator fragmentation.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import families  # noqa: E402
+import models  # noqa: E402
+
+# name -> (setting, family for LoRA targets, LoRA rank, tokens L per sample, width h, blocks, MLP ratio,
+#          samples per training forward (x2 under CFG), gradient checkpointing, VAE bytes per parameter)
+SETTINGS = {
+    "wan-1.3b": ("wan_ocr_grpo: 240x416, 33 frames, batch 8, CFG", "wan", 32, 9 * 15 * 26, 1536, 30, 8960 / 1536,
+                 16, True, 4),
+    "wan-14b": ("same recipe, 14B by --model-path", "wan", 32, 9 * 15 * 26, 5120, 40, 13824 / 5120, 16, True, 4),
+    "qwen-image": ("qwen_image_pickscore_grpo: 512 px, batch 4, CFG", "qwen-image", 64, 1024 + 64, 3072, 60, 4, 8,
+                   True, 2),
+    "flux2-klein-4b": ("UniRL klein: 512 px, 512 text tokens, batch 1, no CFG", "flux2-klein", 16, 1024 + 512, 3072,
+                       25, 3, 1, False, 2),
+    "flux2-klein-9b": ("same, 9B", "flux2-klein", 16, 1024 + 512, 4096, 32, 3, 1, False, 2),
+    "z-image": ("Flow-Factory z_image: 512 px, batch 1, CFG", "z-image", 64, 1024 + 128, 3840, 32, 8 / 3, 2, False, 2),
+    "sd3.5-large": ("sd3_ocr_grpo at 8B: 512 px, batch 8, CFG", "sd3", 32, 1024 + 205, 2432, 38, 4, 16, False, 2),
+}
+
+
+def lora_parameters(transformer, targets, rank):
+    """r (in + out) for every Linear whose name ends with one of `targets` (peft's suffix match)."""
+    import torch
+    return sum(rank * (m.in_features + m.out_features) for n, m in transformer.named_modules()
+               if isinstance(m, torch.nn.Linear) and any(n == t or n.endswith("." + t) for t in targets))
+
+
+def estimate(name):
+    setting, kind, rank, tokens, width, blocks, mlp, batch, checkpointing, vae_bytes = SETTINGS[name]
+    counts = {c: sum(p.numel() for p in families.build_published(name, c).parameters())
+              for c in families.PUBLISHED[name]}
+    text = sum(v for k, v in counts.items() if k.startswith("text_encoder"))
+    targets = models.LORA_TARGETS.get(kind) or families.FAMILIES[kind]["lora_targets"]
+    lora = lora_parameters(families.build_published(name, "transformer"), targets, rank)
+    weights = 2 * (counts["transformer"] + text) + vae_bytes * counts["vae"]
+    per_block = (15 + 4.25 * mlp) * tokens * width * batch
+    activations = (2 * tokens * width * batch * blocks + per_block) if checkpointing else per_block * blocks
+    return dict(setting=setting, transformer=counts["transformer"], text=text, vae=counts["vae"], lora=lora,
+                weights=weights, adam=16 * lora, activations=activations)
+
+
+def main():
+    gb = 1e9
+    print("| model | setting | transformer | text encoder(s) | VAE | LoRA params | bf16 weights | LoRA + Adam "
+          "| activations | total |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name in SETTINGS:
+        e = estimate(name)
+        total = e["weights"] + e["adam"] + e["activations"]
+        print(f"| {name} | {e['setting']} | {e['transformer'] / 1e9:.2f} B | {e['text'] / 1e9:.2f} B | "
+              f"{e['vae'] / 1e6:.0f} M | {e['lora'] / 1e6:.0f} M | {e['weights'] / gb:.1f} GB | "
+              f"{e['adam'] / gb:.1f} GB | "
+              f"{e['activations'] / gb:.1f} GB | {total / gb:.0f} GB |")
+
+
+if __name__ == "__main__":
+    main()

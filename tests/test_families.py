@@ -1,0 +1,387 @@
+"""The families of families.py against their diffusers pipelines, on the tiny twins (no download).
+
+For each family: an Euler ODE through models.velocity reproduces the pipeline's own __call__ (Wan:
+its first UniPC step, which is an Euler step; the others: the whole trajectory, and the decoded
+pixels); models.sigmas equals the schedule __call__ sets up (its own retrieve_timesteps /
+set_timesteps and shift functions, on the same scheduler config); a rollout scored again by
+sde.sde_step gives the same log-probs bit for bit (the first-update ratio is exactly 1); a LoRA
+written by models.save_lora loads with the pipeline's load_lora_weights and gives the adapted
+velocity. Also the schedules of sd3 and FLUX.1 (models.sigmas) against their pipelines.
+"""
+
+import json
+import math
+import os
+
+import huggingface_hub.constants
+import numpy as np
+import pytest
+import torch
+
+import families
+import models
+import rewards
+import sde
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+PROMPTS = ['a sign that says "hello"', "a red cube on a blue sphere"]
+TINY = ["tiny-wan", "tiny-qwen-image", "tiny-flux2-klein", "tiny-z-image"]
+FRAMES = {"tiny-wan": 5}  # 5 frames -> 2 latent frames
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # these models are too small to gain from threads, and lose a lot on a busy machine
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pipes():
+    return {name: models.load_pipeline(name) for name in TINY}
+
+
+def noise(pipe, name, seed=0, batch=2):
+    generator = torch.Generator().manual_seed(seed)
+    return models.initial_noise(pipe, batch, 64, num_frames=FRAMES.get(name), generator=generator)
+
+
+def euler(pipe, x, sigmas, embeds, guidance_scale):
+    for s, s_next in zip(sigmas[:-1].tolist(), sigmas[1:].tolist()):
+        x = x + (s_next - s) * models.velocity(pipe, x, s, embeds, guidance_scale=guidance_scale).float()
+    return x
+
+
+# ----------------------------------------------------------------------------- against the pipelines
+
+def test_wan_first_step_and_decode_match_the_pipeline(pipes):
+    pipe = pipes["tiny-wan"]
+    x = noise(pipe, "tiny-wan")
+    assert x.shape == (2, 16, 2, 8, 8)  # 8x spatial, 4x temporal compression
+    # One step: UniPC's single step (order 1, into sigma 0) is exactly an Euler step, then the VAE.
+    call = dict(prompt=list(PROMPTS), negative_prompt="", num_inference_steps=1, guidance_scale=4.5, height=64,
+                width=64, num_frames=5, latents=x.clone(), max_sequence_length=models.default_tokens(pipe))
+    expected = pipe(**call, output_type="latent").frames
+    embeds = models.encode_prompts(pipe, PROMPTS, guidance_scale=4.5)
+    with torch.no_grad():
+        ours = euler(pipe, x, models.sigmas(pipe, 1, 64), embeds, 4.5)
+        cond = models.velocity(pipe, x, 0.9, embeds)
+        assert (cond - models.velocity(pipe, x, 0.9, embeds, guidance_scale=4.5)).abs().max() > 1e-3  # CFG is used
+    assert (ours - x).abs().mean() > 0.1
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+    video = models.decode(pipe, ours)
+    assert video.shape == (2, 5, 64, 64, 3) and video.dtype == torch.uint8  # [B, F, H, W, 3]
+    frames = torch.from_numpy(pipe(**call, output_type="np").frames * 255)
+    assert (video.float() - frames).abs().max() <= 1
+    # A first step inside a 4-step schedule (integer timestep floor(1000 s) of a sigma below 1).
+    stop = lambda p, i, t, kw: (setattr(p, "_interrupt", True), kw)[1]
+    first = pipe(**dict(call, num_inference_steps=4), output_type="latent", callback_on_step_end=stop).frames
+    with torch.no_grad():
+        ours_first = euler(pipe, x, models.sigmas(pipe, 4, 64)[:2], embeds, 4.5)
+    torch.testing.assert_close(ours_first, first, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen-image", "tiny-z-image"])
+def test_euler_matches_pipeline(name, pipes):
+    pipe = pipes[name]
+    x = noise(pipe, name)
+    g = 4.0
+    call = dict(prompt=list(PROMPTS), num_inference_steps=4, height=64, width=64, latents=x.clone(),
+                max_sequence_length=models.default_tokens(pipe))
+    if name == "tiny-qwen-image":
+        call.update(negative_prompt="", true_cfg_scale=g)
+    else:
+        call.update(guidance_scale=g - 1)  # Z-Image counts guidance from 0: its w is our g - 1
+    expected = pipe(**call, output_type="latent").images
+    embeds = models.encode_prompts(pipe, PROMPTS, guidance_scale=g)
+    with torch.no_grad():
+        ours = euler(pipe, x, models.sigmas(pipe, 4, 64), embeds, g)
+        guided = models.velocity(pipe, x, 0.6, embeds, guidance_scale=g)
+        assert (models.velocity(pipe, x, 0.6, embeds) - guided).abs().max() > 1e-3  # CFG is used
+    assert (ours - x).abs().mean() > 0.1
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+    call["prompt"] = list(PROMPTS)  # ZImagePipeline writes its chat template into the list it is given
+    images = torch.from_numpy(pipe(**call, output_type="np").images * 255)
+    assert (models.decode(pipe, ours).float() - images).abs().max() <= 1
+
+
+@pytest.mark.parametrize("distilled", [False, True])
+def test_flux2_klein_matches_pipeline(distilled, pipes):
+    pipe = pipes["tiny-flux2-klein"]
+    pipe.register_to_config(is_distilled=distilled)  # the step-distilled models: no guidance at all
+    try:
+        x = noise(pipe, "tiny-flux2-klein")
+        side = 16  # 64 px / 4 (VAE)
+        assert x.shape == (2, side * side // 4, 16)
+        unpacked = x.permute(0, 2, 1).reshape(2, 16, side // 2, side // 2)  # what prepare_latents takes
+        call = dict(prompt=list(PROMPTS), num_inference_steps=4, guidance_scale=4.0, height=64, width=64,
+                    latents=unpacked.clone(), max_sequence_length=models.default_tokens(pipe))
+        expected = pipe(**call, output_type="latent").images  # unpacked, batch-norm undone, unpatchified
+        embeds = models.encode_prompts(pipe, PROMPTS, guidance_scale=4.0)
+        assert ("neg_prompt_embeds" in embeds) != distilled
+        with torch.no_grad():
+            ours = euler(pipe, x, models.sigmas(pipe, 4, 64), embeds, 4.0)
+        assert (ours - x).abs().mean() > 0.1
+        vae = pipe.vae
+        z = ours.permute(0, 2, 1).reshape(2, 16, side // 2, side // 2)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+        z = z * std + vae.bn.running_mean.view(1, -1, 1, 1)
+        torch.testing.assert_close(pipe._unpatchify_latents(z), expected, atol=1e-4, rtol=1e-4)
+        images = torch.from_numpy(pipe(**call, output_type="np").images * 255)
+        assert (models.decode(pipe, ours).float() - images).abs().max() <= 1
+    finally:
+        pipe.register_to_config(is_distilled=False)
+
+
+def test_noise_is_the_pipelines_noise(pipes):
+    for name, pipe in pipes.items():
+        ours = noise(pipe, name, seed=3)
+        g = torch.Generator().manual_seed(3)
+        if name == "tiny-wan":
+            theirs = pipe.prepare_latents(2, 16, 64, 64, 5, torch.float32, "cpu", g)
+        elif name == "tiny-z-image":
+            theirs = pipe.prepare_latents(2, pipe.transformer.in_channels, 64, 64, torch.float32, "cpu", g)
+        else:
+            theirs = pipe.prepare_latents(2, pipe.transformer.config.in_channels // 4, 64, 64, torch.float32, "cpu", g)
+            theirs = theirs[0] if isinstance(theirs, tuple) else theirs
+        assert torch.equal(ours, theirs), name
+
+
+# ----------------------------------------------------------------------------- native schedules
+
+def reference_sigmas(pipe, name, num_steps, resolution):
+    """The sigmas that the pipeline's __call__ sets up, by its own code, on a copy of its scheduler."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+    from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+    from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sigmas
+
+    scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+    config = scheduler.config
+    if name in ("tiny", "tiny-wan"):
+        scheduler.set_timesteps(num_steps)
+        return scheduler.sigmas
+    g = torch.Generator().manual_seed(0)
+    if name == "tiny-z-image":
+        latents = pipe.prepare_latents(1, pipe.transformer.in_channels, resolution, resolution, torch.float32, "cpu", g)
+        tokens = (latents.shape[2] // 2) * (latents.shape[3] // 2)
+        sigmas = get_default_z_image_sigmas(num_steps)
+    else:
+        latents = pipe.prepare_latents(1, pipe.transformer.config.in_channels // 4, resolution, resolution,
+                                       torch.float32, "cpu", g)
+        tokens = (latents[0] if isinstance(latents, tuple) else latents).shape[1]
+        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+    if name == "tiny-flux2-klein":
+        mu = compute_empirical_mu(image_seq_len=tokens, num_steps=num_steps)
+    else:
+        mu = calculate_shift(tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                             config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+    retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
+    return scheduler.sigmas
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-flux"] + TINY)
+def test_schedule_is_the_pipelines(name, pipes):
+    pipe = pipes[name] if name in pipes else models.load_pipeline(name)
+    for num_steps, resolution in [(4, 64), (10, 64), (28, 128), (16, 512)]:
+        if name == "tiny-wan" and resolution > 128:
+            continue
+        ours = models.sigmas(pipe, num_steps, resolution)
+        expected = reference_sigmas(pipe, name, num_steps, resolution)
+        assert ours.dtype == torch.float32 and ours.shape == (num_steps + 1,)
+        assert ours[-1] == 0 and (ours[1:] < ours[:-1]).all()
+        torch.testing.assert_close(ours, expected.float(), atol=0, rtol=0,
+                                   msg=f"{name} {num_steps} steps {resolution} px")
+
+
+def test_schedules_depend_on_what_they_should(pipes):
+    flux = models.load_pipeline("tiny-flux")
+    klein, qwen, z = pipes["tiny-flux2-klein"], pipes["tiny-qwen-image"], pipes["tiny-z-image"]
+    for pipe in (flux, klein, qwen):  # resolution-dependent shifts: more tokens, more noise
+        assert (models.sigmas(pipe, 10, 256)[1:-2] > models.sigmas(pipe, 10, 64)[1:-2]).all()
+    assert models.sigmas(qwen, 10, 64)[-2] == models.sigmas(qwen, 10, 256)[-2] == pytest.approx(0.02)  # shift_terminal
+    torch.testing.assert_close(models.sigmas(z, 10, 256), models.sigmas(z, 10, 64))  # a static shift
+    assert not torch.equal(models.sigmas(klein, 10, 64)[1:5], models.sigmas(klein, 20, 64)[1:5:2])  # mu(N)
+    # klein's empirical mu, transcribed, against the pipeline's function on both branches
+    from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+    for tokens, steps in [(256, 4), (1024, 50), (4096, 28), (4301, 28), (16384, 4)]:
+        assert families.klein_mu(tokens, steps) == pytest.approx(compute_empirical_mu(tokens, steps), rel=1e-12)
+
+
+def test_shift_overrides_static_shifts_only(pipes):
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+    sd3 = models.load_pipeline("tiny")
+    reference = FlowMatchEulerDiscreteScheduler(shift=5.0)
+    reference.set_timesteps(10)
+    torch.testing.assert_close(models.sigmas(sd3, 10, 64, shift=5.0), reference.sigmas, atol=0, rtol=0)
+    wan = UniPCMultistepScheduler.from_config(pipes["tiny-wan"].scheduler.config, flow_shift=5.0)
+    wan.set_timesteps(10)
+    torch.testing.assert_close(models.sigmas(pipes["tiny-wan"], 10, 64, shift=5.0), wan.sigmas, atol=0, rtol=0)
+    z = FlowMatchEulerDiscreteScheduler.from_config(pipes["tiny-z-image"].scheduler.config, shift=5.0)
+    z.set_timesteps(sigmas=np.linspace(1.0, 0.1, 10).astype(np.float32), mu=0.0)
+    torch.testing.assert_close(models.sigmas(pipes["tiny-z-image"], 10, 64, shift=5.0), z.sigmas, atol=1e-7, rtol=0)
+    for name in ("tiny-qwen-image", "tiny-flux2-klein"):
+        with pytest.raises(ValueError, match="drop --shift"):
+            models.sigmas(pipes[name], 10, 64, shift=3.0)
+
+
+# ----------------------------------------------------------------------------- RL plumbing
+
+@pytest.mark.parametrize("name", TINY)
+def test_first_update_ratio_is_exactly_one(name, pipes):
+    """A rollout's stored transitions, scored again with the same velocity, give the same log-probs:
+    the on-policy ratio of the first update is exactly 1 in float32 (train.py asserts it)."""
+    pipe = pipes[name]
+    g = 3.0
+    embeds = models.encode_prompts(pipe, PROMPTS, guidance_scale=g)
+    sigmas = models.sigmas(pipe, 4, 64)
+    x = noise(pipe, name, seed=5)
+
+    def v(x_, s_):
+        return models.velocity(pipe, x_, s_, embeds, guidance_scale=g)
+
+    traj = sde.rollout(v, x, sigmas, sde_steps=[0, 1, 2], generator=torch.Generator().manual_seed(6))
+    assert traj["latents"].shape == (2, 5, *x.shape[1:])
+    sigma_max = sigmas[1].item()
+    with torch.no_grad():
+        for j, k in enumerate(traj["steps"].tolist()):
+            xk = traj["latents"][:, k].contiguous()  # as train.py indexes it (a copy)
+            out = sde.sde_step(v(xk, sigmas[k].item()), xk, sigmas[k].item(), sigmas[k + 1].item(),
+                               prev_sample=traj["latents"][:, k + 1], sigma_max=sigma_max)
+            assert torch.equal(out.log_prob, traj["log_probs"][:, j]), (name, k)
+            assert torch.equal(out.mean, traj["means"][:, j])
+    assert torch.isfinite(traj["log_probs"]).all()
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_lora_roundtrips_through_the_pipelines_loader(name, tmp_path):
+    pipe = models.load_pipeline(name)
+    embeds = models.encode_prompts(pipe, PROMPTS)
+    x = noise(pipe, name, seed=2)
+
+    def v(p):
+        with torch.no_grad():
+            return models.velocity(p, x, 0.5, embeds)
+
+    base = v(pipe)
+    params = models.add_lora(pipe, rank=4, alpha=8)  # alpha != rank: the saved scale must survive loading
+    trainable = {n.rsplit(".lora_", 1)[0] for n, p in pipe.transformer.named_parameters() if p.requires_grad}
+    targets = families.FAMILIES[models.family(pipe)]["lora_targets"]
+    assert all(any(t.endswith("." + target) for t in trainable) for target in targets)  # every target exists
+    torch.testing.assert_close(v(pipe), base)  # LoRA B starts at zero
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            p.normal_(0, 0.2, generator=torch.Generator().manual_seed(i))
+    tuned = v(pipe)
+    assert (tuned - base).abs().max() > 1e-2
+    models.velocity(pipe, x, 0.5, embeds).square().mean().backward()
+    assert all(p.grad is not None for p in params)  # what DDP needs: no trained layer without a gradient
+    with models.reference(pipe):
+        torch.testing.assert_close(v(pipe), base, atol=0, rtol=0)
+    models.save_lora(pipe, tmp_path)
+    fresh = models.load_pipeline(name)
+    fresh.load_lora_weights(tmp_path)
+    torch.testing.assert_close(v(fresh), tuned, atol=1e-5, rtol=1e-5)
+
+
+def test_full_finetune_leaves_out_layers_without_gradient():
+    pipe = models.load_pipeline("tiny-qwen-image")
+    params = models.add_lora(pipe, rank=0, alpha=0)
+    frozen = {n for n, p in pipe.transformer.named_parameters() if not p.requires_grad}
+    assert frozen and all(n.startswith("transformer_blocks.1.") for n in frozen)  # the last block's text output
+    embeds = models.encode_prompts(pipe, PROMPTS)
+    models.velocity(pipe, noise(pipe, "tiny-qwen-image"), 0.5, embeds).square().mean().backward()
+    assert all(p.grad is not None for p in params)
+
+
+def test_video_shapes_frames_and_rewards(pipes):
+    wan = pipes["tiny-wan"]
+    assert models.is_video(wan) and not models.is_video(pipes["tiny-z-image"])
+    assert models.latent_shape(wan, 64, num_frames=33) == (16, 9, 8, 8)
+    assert models.latent_shape(wan, (48, 80), num_frames=1) == (16, 1, 6, 10)  # (height, width)
+    with pytest.raises(ValueError, match="--num-frames 6 must be 4 k \\+ 1"):
+        models.initial_noise(wan, 1, 64, num_frames=6)
+    with pytest.raises(ValueError, match="--num-frames is for video"):
+        models.initial_noise(pipes["tiny-qwen-image"], 1, 64, num_frames=5)
+    with pytest.raises(ValueError, match="square --resolution"):
+        models.latent_shape(pipes["tiny-flux2-klein"], (64, 128))
+    video = models.decode(wan, noise(wan, "tiny-wan"))
+    assert video.shape == (2, 5, 64, 64, 3) and video.float().std() > 1
+    scores = rewards.build_reward("jpeg_compressibility")(video.numpy(), PROMPTS, [{}, {}])["reward"]
+    frame_scores = [rewards.build_reward("jpeg_compressibility")(v.numpy(), PROMPTS[:1] * 5, [{}] * 5)["reward"].mean()
+                    for v in video]
+    torch.testing.assert_close(scores.float(), torch.stack(frame_scores).float())  # a video scores its frames' mean
+
+
+def test_prompt_length_defaults_and_override(pipes):
+    assert models.default_tokens(models.load_pipeline("sd3-random", device="meta")) == 128  # Flow-GRPO's SD3 T5 length
+    wan = pipes["tiny-wan"]
+    assert models.default_tokens(wan) == 32  # 512, capped by the tiny tokenizer's context
+    assert models.encode_prompts(wan, PROMPTS, max_sequence_length=16)["prompt_embeds"].shape == (2, 16, 32)
+    z = pipes["tiny-z-image"]
+    short = models.encode_prompts(z, ["word " * 80], max_sequence_length=24)
+    assert short["prompt_mask"].sum() == 24  # the chat-templated prompt is cut at 24 tokens
+
+
+def test_published_configs_have_the_published_sizes():
+    """The transcribed hub configs build (meta device, no weights) to the sizes their model cards state."""
+    stated = {"wan-1.3b": (1.3e9, 1.5e9), "wan-14b": (13.5e9, 14.5e9), "qwen-image": (19.5e9, 21e9),
+              "flux2-klein-4b": (3.5e9, 4.5e9), "flux2-klein-9b": (8.5e9, 9.5e9), "z-image": (5.8e9, 6.4e9),
+              "sd3.5-large": (8.0e9, 8.2e9)}  # 1.3B, 14B, 20B, 4B, 9B, 6B, 8.1B
+    for name, (lo, hi) in stated.items():
+        transformer = families.build_published(name, "transformer")
+        assert lo < sum(p.numel() for p in transformer.parameters()) < hi, name
+    umt5 = families.build_published("wan-1.3b", "text_encoder")  # umt5-xxl's encoder: 5.7 B
+    assert 5.6e9 < sum(p.numel() for p in umt5.parameters()) < 5.8e9
+
+
+def test_sd35_large_runs_through_sd3():
+    """SD3.5-Large is the sd3 family by --model-path: the same adapter, schedule and LoRA targets."""
+    pipe = models.load_pipeline("sd3-random", device="meta")
+    pipe.register_modules(transformer=families.build_published("sd3.5-large", "transformer").eval())
+    assert models.family(pipe) == "sd3"
+    torch.testing.assert_close(models.sigmas(pipe, 10, 1024), sde.sd3_sigmas(10, shift=3.0))
+    embeds = models.encode_prompts(pipe, PROMPTS, guidance_scale=3.5)
+    x = models.initial_noise(pipe, 2, 1024)
+    assert models.velocity(pipe, x, 0.5, embeds, guidance_scale=3.5).shape == x.shape == (2, 16, 128, 128)
+    linears = {n for n, m in pipe.transformer.named_modules() if isinstance(m, torch.nn.Linear)}
+    for target in models.LORA_TARGETS["sd3"]:  # every block has them (SD3.5-Large has no second attention)
+        assert sum(n.endswith("." + target) for n in linears) >= 37
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_train_runs_two_steps(name, tmp_path, monkeypatch):
+    """`python train.py --model tiny-<family> --steps 2`, shrunk: on-policy ratio 1, finite losses, samples saved
+    (an animated GIF per prompt for video)."""
+    from PIL import Image
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "run"
+    train.main(["--model", name, "--steps", "2", "--num-steps", "4", "--prompts-per-step", "2", "--group-size", "4",
+                "--sample-batch-size", "4", "--train-batch-size", "4", "--log-images-every", "2", "--out", str(out)])
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2] and not any(r.get("skipped") for r in rows)
+    assert rows[0]["first_ratio_dev"] < 1e-5 and all(math.isfinite(r["loss"]) for r in rows)
+    saved = sorted(os.listdir(out / "samples"))
+    if name == "tiny-wan":
+        assert saved == ["000002_0.gif"]  # the first 4 samples are one prompt's group
+        gif = Image.open(out / "samples" / saved[0])
+        assert gif.is_animated and gif.n_frames == 5 and gif.size == (4 * 64, 64 + 28)
+    else:
+        assert saved == ["000002.png"]
+
+
+@pytest.mark.parametrize("name", ["wan", "qwen-image", "flux2-klein", "z-image"])
+def test_offline_hub_model_names_the_flag(name, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    for path in (None, "no-such-org/no-such-model", str(tmp_path)):  # default id, missing id, empty folder
+        with pytest.raises(RuntimeError, match="--model-path") as error:
+            models.load_pipeline(name, path)
+        assert isinstance(error.value.__context__, OSError)
+        assert "\n" not in str(error.value)
+    with pytest.raises(RuntimeError, match="does not exist.*--model-path"):
+        models.load_pipeline(name, str(tmp_path / "missing"))

@@ -1,0 +1,206 @@
+"""Every recipe against the authors' settings, transcribed from their code, so that no recipe drifts silently.
+
+Sources (read at these commits):
+  flow_grpo   github.com/yifan123/flow_grpo at 9745241 (Nov 2025, the merge of GRPO-Guard's pull request #175):
+              config/base.py get_config (defaults), config/grpo.py, config/grpo_guard.py, scripts/train_sd3.py,
+              scripts/train_sd3_fast.py, scripts/train_sd3_GRPO_Guard.py, flow_grpo/ema.py
+  MixGRPO     github.com/Tencent-Hunyuan/MixGRPO at e5cdd6a: scripts/finetune/finetune_flux_grpo_MixGRPO.sh,
+              finetune_flux_grpo_MixGRPO_Flash.sh, fastvideo/train_grpo_flux.py, fastvideo/utils/sampling_utils.py
+  DiffusionNFT github.com/NVlabs/DiffusionNFT at 24af555: config/base.py, config/nft.py, scripts/train_nft_sd3.py,
+              flow_grpo/ema.py
+  AWM         github.com/scxue/advantage_weighted_matching at be51372: advantage_weighted_matching/config/base_awm.py,
+              config/dgx_awm.py, scripts/train_sd3_awm.py, flow_grpo/ema.py
+
+How the authors' knobs map onto train.py's flags:
+  sample.num_image_per_prompt -> --group-size; the 48 (64) in num_batches_per_epoch = 48 / (gpus x batch / images
+  per prompt) -> --prompts-per-step; sample.train_batch_size / train.batch_size -> --sample-batch-size /
+  --train-batch-size; gradient_accumulation_steps = num_batches_per_epoch // 2, i.e. two optimizer steps per
+  epoch -> --minibatches 2; num_inner_epochs -> --updates-per-batch; noise_level -> --eta; train.cfg ->
+  --train-cfg; train.beta -> --kl-beta (Flow-GRPO's form, --kl-form flow-grpo); sample.global_std -> --global-std;
+  train.ema with EMAModuleWrapper(decay=0.9, update_step_interval=8) in train_sd3.py -> --ema-decay 0.9
+  --ema-every 8, and since train_sd3.py steps it after every micro-batch, each due update is applied once per
+  accumulated micro-batch: gradient_accumulation_steps = 2 on general_ocr_sd3's 32 GPUs, 4 on GRPO-Guard's 16
+  -> --ema-repeat 2 / 4; sample.same_latent / MixGRPO --init_same_noise -> --same-noise-per-group;
+  rationorm -> --loss guard;
+  sde_window_size / sde_window_range -> --window-size / --window-range (sde_type "cps" -> --sde cps).
+  MixGRPO: --num_generations -> --group-size; 32 GPUs x --train_batch_size 1 -> --prompts-per-step 32;
+  12 images per GPU / --gradient_accumulation_steps 3 = 4 optimizer steps -> --minibatches 4 of per-GPU micro-batches
+  of 1; --group_size (window) / --prog_overlap_step / --iters_per_group -> --window-size / --window-stride /
+  --iters-per-window; --use_group -> --no-global-std; FSDP over the fp32 transformer -> --lora-rank 0 --fsdp;
+  --dpm_post_compress_ratio -> --flash-ratio; --max_train_steps / --checkpointing_steps -> --steps / --save-every.
+  DiffusionNFT: config.beta -> --nft-beta; decay_type 1 / 2 -> --old-decay nft / nft-ocr; sample.solver "dpm2" ->
+  --sampler dpm2; train.beta -> --kl-beta (velocity space); gradient_step_per_epoch -> --minibatches; its
+  EMAModuleWrapper(decay 0.9, interval 1) stepped after each optimizer step -> --ema-decay 0.9 --ema-every 1
+  --ema-repeat 1; the per-GPU batch of 9 (the bsz search of _get_config on 8 GPUs) -> --sample-batch-size 9.
+  AWM: train.weighting / ghuber_power -> --awm-weighting / --ghuber-power; train_timesteps / time_type /
+  timestep_fraction -> --train-timesteps / --awm-timesteps / --timestep-fraction; train.beta / ema_beta ->
+  --kl-beta / --ema-kl-beta; kl_ema_decay 0.3 'linear' -> --old-decay awm; ema_decay 0.99 stepped once per epoch (one
+  optimizer step) -> --ema-decay 0.99 --ema-every 1 --ema-repeat 1; its SA-Solver -> --sampler dpm2 (a departure).
+  Text: train_sd3.py encodes with max_sequence_length=128; MixGRPO's preprocess_flux_embedding.py with FluxPipeline's
+  default 512. Schedule: SD3.5-M's scheduler shift 3 (the pipeline's own, both authors); MixGRPO samples FLUX with
+  a static shift 3 on linspace(1, 0, 26) (sd3_time_shift in train_grpo_flux.py), which models.sigmas does not
+  offer for FLUX (it applies FluxPipeline's resolution-dependent shift, exp(mu) = 2.22 at 720 px, and refuses
+  --shift there): that row leaves `shift` out and README lists the difference.
+"""
+import glob
+import os
+import shlex
+
+import pytest
+
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "recipes", "*.args")))
+
+# flow_grpo config/grpo.py general_ocr_sd3 over config/base.py get_config, as scripts/train_sd3.py runs it.
+FLOW_GRPO_OCR = dict(
+    model="sd3", resolution=512, shift=3.0, max_sequence_length=128, num_steps=10, eval_steps=40, guidance_scale=4.5,
+    train_cfg=True, sde="flow", eta=0.7,
+    timestep_fraction=0.99, sde_window="all", group_size=24, prompts_per_step=48, sample_batch_size=9,
+    train_batch_size=9, minibatches=2, updates_per_batch=1, loss="grpo", clip_range=1e-4, adv_clip=5.0, kl_beta=0.04,
+    kl_form="flow-grpo", global_std=True, same_noise_per_group=False, lora_rank=32, lora_alpha=64.0, lr=3e-4,
+    weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="fp16", ema_decay=0.9, ema_every=8, ema_repeat=2,
+    eval_every=60,
+    save_every=60, reward="ocr")
+# flow_grpo config/grpo_guard.py general_ocr_sd3_rationorm (scripts/train_sd3_GRPO_Guard.py).
+GUARD_OCR = dict(FLOW_GRPO_OCR, loss="guard", clip_range=2e-6, lr=1e-4, kl_beta=0.0, global_std=False, eval_every=30,
+                 save_every=30, ema_repeat=4)  # 16 GPUs: 8 rollout batches, gradient accumulation 4
+GUARD_OCR.pop("kl_form")  # no KL term
+# MixGRPO scripts/finetune/finetune_flux_grpo_MixGRPO.sh (fastvideo/train_grpo_flux.py, utils/sampling_utils.py).
+MIXGRPO = dict(
+    model="flux", resolution=720, max_sequence_length=512, num_steps=25, guidance_scale=3.5, train_cfg=False,
+    sde="flow", eta=0.7,
+    sde_window="mix", window_size=4, window_stride=1, iters_per_window=25, roll_back=True, flash=False, group_size=12,
+    prompts_per_step=32, same_noise_per_group=True, global_std=False, train_batch_size=1, minibatches=4,
+    updates_per_batch=1, loss="grpo", clip_range=1e-4, adv_clip=5.0, kl_beta=0.0, lora_rank=0, fsdp=True,
+    gradient_checkpointing=True, lr=1e-5, weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="bf16", steps=300,
+    save_every=50)
+# DiffusionNFT config/nft.py sd3_geneval over _get_config and config/base.py (scripts/train_nft_sd3.py).
+NFT_GENEVAL = dict(
+    model="sd3", resolution=512, shift=3.0, max_sequence_length=128, num_steps=10, eval_steps=40, guidance_scale=1.0,
+    sampler="dpm2", timestep_fraction=0.99, group_size=24, prompts_per_step=48, sample_batch_size=9,
+    train_batch_size=9, minibatches=1, updates_per_batch=1, loss="nft", nft_beta=1.0, nft_adaptive=True,
+    old_decay="nft", adv_clip=5.0, kl_beta=1e-4, global_std=True, same_noise_per_group=False, lora_rank=32,
+    lora_alpha=64.0, lr=3e-4, weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="fp16", ema_decay=0.9,
+    ema_every=1, ema_repeat=1, eval_every=10, save_every=30, reward="geneval")
+# AWM config/dgx_awm.py geneval_sd3_no_cfg_1node over config/base_awm.py (scripts/train_sd3_awm.py).
+AWM_GENEVAL = dict(
+    model="sd3", resolution=512, shift=3.0, max_sequence_length=128, num_steps=14, eval_steps=40, guidance_scale=1.0,
+    sampler="dpm2", timestep_fraction=0.9, group_size=24, prompts_per_step=72, sample_batch_size=6,
+    train_batch_size=3, minibatches=1, updates_per_batch=1, loss="awm", awm_weighting="ghuber", ghuber_power=0.25,
+    train_timesteps=6, awm_timesteps="discrete_wo_init", clip_range=1.0, adv_clip=5.0, kl_beta=1e-3, ema_kl_beta=1.0,
+    old_decay="awm", global_std=True, same_noise_per_group=False, lora_rank=32, lora_alpha=64.0, lr=3e-4,
+    weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="fp16", ema_decay=0.99, ema_every=1, ema_repeat=1,
+    eval_every=50, save_every=50, reward="geneval")
+
+TABLE = {
+    "sd3_ocr_grpo.args": ("flow_grpo config/grpo.py general_ocr_sd3", FLOW_GRPO_OCR),
+    "sd3_pickscore_grpo.args": ("flow_grpo config/grpo.py pickscore_sd3",
+                                dict(FLOW_GRPO_OCR, kl_beta=0.01, reward="pickscore")),
+    "sd3_fast_nocfg_cps.args": ("flow_grpo config/grpo.py pickscore_sd3_fast_nocfg (scripts/train_sd3_fast.py)",
+                                {**{k: v for k, v in FLOW_GRPO_OCR.items()
+                                    if k not in ("timestep_fraction", "kl_form")},
+                                 **dict(guidance_scale=1.0, train_cfg=False, sde="cps", eta=0.8, sde_window="fast",
+                                        window_size=3, window_range=[0, 5], group_size=18, prompts_per_step=64,
+                                        clip_range=1e-5, kl_beta=0.0, reward="pickscore")}),
+    "sd3_guard_ocr.args": ("flow_grpo config/grpo_guard.py general_ocr_sd3_rationorm", GUARD_OCR),
+    "sd3_guard_pickscore.args": ("flow_grpo config/grpo_guard.py pickscore_hps_sd3_ratio_norm",
+                                 dict(GUARD_OCR, clip_range=4e-6, reward="pickscore")),
+    "flux_mixgrpo.args": ("MixGRPO scripts/finetune/finetune_flux_grpo_MixGRPO.sh", MIXGRPO),
+    "flux_mixgrpo_flash.args": ("MixGRPO scripts/finetune/finetune_flux_grpo_MixGRPO_Flash.sh",
+                                dict(MIXGRPO, iters_per_window=20, flash=True, flash_ratio=0.4)),
+    # scripts/train_wan2_1.py: one GPU, 2 batches of 8 videos, an optimizer step after each (accumulation 1); its KL
+    # divides by the transition std itself (wan_pipeline_with_logprob.py returns std_dev_t and sqrt(-dt)): exact.
+    "wan_ocr_grpo.args": ("flow_grpo config/grpo.py general_ocr_wan2_1 (scripts/train_wan2_1.py)", dict(
+        model="wan", resolution=[240, 416], num_frames=33, num_steps=20, eval_steps=50, guidance_scale=4.5,
+        train_cfg=True, timestep_fraction=0.99, sde_window="all", group_size=4, prompts_per_step=4,
+        sample_batch_size=8, train_batch_size=8, minibatches=2, updates_per_batch=1, loss="grpo", clip_range=1e-3,
+        adv_clip=5.0, kl_beta=0.004, kl_form="exact", global_std=False, same_noise_per_group=False, lora_rank=32,
+        lora_alpha=64.0, lr=1e-4, weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="bf16", ema_decay=0.9,
+        ema_every=8, ema_repeat=1, eval_every=30, save_every=60, max_sequence_length=512, reward="ocr")),
+    # scripts/train_qwenimage.py (LoraConfig r=64, alpha 128); EMA off (train.ema False).
+    "qwen_image_pickscore_grpo.args": ("flow_grpo config/grpo.py pickscore_qwenimage (train_qwenimage.py)", dict(
+        model="qwen-image", resolution=512, num_steps=10, eval_steps=50, guidance_scale=4.0, train_cfg=True,
+        sde="flow", eta=1.2, sde_window="fast", window_size=2, window_range=[0, 5], group_size=16,
+        prompts_per_step=32, same_noise_per_group=False, sample_batch_size=4, train_batch_size=4, minibatches=2,
+        updates_per_batch=1, loss="grpo", clip_range=1e-4, adv_clip=5.0, kl_beta=0.0, global_std=True, lora_rank=64,
+        lora_alpha=128.0, lr=3e-4, weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="bf16", ema_decay=0.0,
+        gradient_checkpointing=True, eval_every=30, save_every=30, reward="pickscore")),
+    # Not published runs, but built on a published config whose every other setting they keep.
+    "sd3_nft_geneval.args": ("DiffusionNFT config/nft.py sd3_geneval", NFT_GENEVAL),
+    "sd3_nft_pickscore.args": ("DiffusionNFT config/nft.py sd3_pickscore", dict(NFT_GENEVAL, reward="pickscore")),
+    "sd3_nft_ocr.args": ("DiffusionNFT config/nft.py sd3_ocr",
+                         dict(NFT_GENEVAL, reward="ocr", nft_beta=0.1, old_decay="nft-ocr", minibatches=2)),
+    "sd3_awm_geneval.args": ("AWM config/dgx_awm.py geneval_sd3_no_cfg_1node", AWM_GENEVAL),
+    "sd3_awm_ocr.args": ("AWM config/dgx_awm.py ocr_sd3_no_cfg_1node",
+                         dict(AWM_GENEVAL, reward="ocr", kl_beta=0.003, eval_every=20, save_every=20)),
+    "sd3_awm_pickscore.args": ("AWM config/dgx_awm.py pickscore_sd3_no_cfg_1node",
+                               dict(AWM_GENEVAL, reward="pickscore", kl_beta=1e-4, prompts_per_step=24,
+                                    train_batch_size=2, awm_timesteps="discrete")),
+    "sd3_hps_grpo.args": ("flow_grpo config/grpo.py pickscore_sd3, HPSv2.1 reward",
+                          dict(FLOW_GRPO_OCR, kl_beta=0.01, reward="hps")),
+    "sd3_ocr_pickscore_mix.args": ("flow_grpo config/grpo.py general_ocr_sd3, OCR 0.8 + PickScore 0.2 reward",
+                                   dict(FLOW_GRPO_OCR, reward="ocr=0.8,pickscore=0.2")),
+}
+# Recipes with no authors' configuration to check against, and why.
+UNCHECKED = {
+    "sd3_flowdppo_pickscore.args": "FlowDPPO: no authors' code among the sources",
+    "sd3_bench.args": "the throughput anchor of bench.py, not a training recipe",
+}
+# What each published run's optimizer sees: (optimizer steps per sampled batch, samples per optimizer step).
+OPTIMIZER = {
+    "sd3_ocr_grpo.args": (2, 576), "sd3_pickscore_grpo.args": (2, 576), "sd3_fast_nocfg_cps.args": (2, 576),
+    "sd3_guard_ocr.args": (2, 576), "sd3_guard_pickscore.args": (2, 576),
+    "flux_mixgrpo.args": (4, 96), "flux_mixgrpo_flash.args": (4, 96),  # 32 GPUs x 3 images per optimizer step
+    "wan_ocr_grpo.args": (2, 8), "qwen_image_pickscore_grpo.args": (2, 256),
+    "sd3_nft_geneval.args": (1, 1152), "sd3_nft_pickscore.args": (1, 1152), "sd3_nft_ocr.args": (2, 576),
+    "sd3_awm_geneval.args": (1, 1728), "sd3_awm_ocr.args": (1, 1728), "sd3_awm_pickscore.args": (1, 576),
+}
+GPUS = {"wan_ocr_grpo.args": (1,), **{f"sd3_{loss}_{task}.args": (8,) for loss in ("nft", "awm")
+                                       for task in ("geneval", "pickscore", "ocr")}}  # where not 8, 16 and 32
+
+
+def stated_flags(recipe):
+    """The flag names a recipe file sets itself (not inherited from a preset), as argparse dests."""
+    with open(os.path.join(ROOT, "recipes", recipe)) as f:
+        tokens = [t for line in f for t in shlex.split(line, comments=True)]
+    return {t[2:].replace("-", "_").removeprefix("no_") for t in tokens if t.startswith("--")}
+
+
+def test_every_recipe_is_in_the_table_or_says_why_not():
+    assert set(TABLE) | set(UNCHECKED) == set(RECIPES)
+    assert not set(TABLE) & set(UNCHECKED)
+
+
+@pytest.mark.parametrize("recipe", sorted(TABLE))
+def test_recipe_matches_the_authors_settings(recipe, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    source, expected = TABLE[recipe]
+    _, args = train.parse_args([f"@recipes/{recipe}"])
+    stated = stated_flags(recipe)
+    for key, value in expected.items():
+        got = getattr(args, key)
+        got = list(got) if isinstance(got, tuple) else got
+        assert got == (pytest.approx(value) if isinstance(value, float) else value), f"{recipe}: {key} vs {source}"
+        # Stated in the file: a change of train.py's presets or defaults cannot move it.
+        assert key in stated or key == "model", f"{recipe} must state --{key.replace('_', '-')} ({source})"
+    if recipe in OPTIMIZER:
+        samples = args.prompts_per_step * args.group_size
+        steps = args.minibatches * args.updates_per_batch
+        assert (steps, samples // args.minibatches) == OPTIMIZER[recipe], source
+    # A beta means nothing without its KL's scale: the row names it (the forward-process losses have one form, the
+    # mean squared velocity difference).
+    if args.kl_beta > 0 and args.loss not in train.FORWARD_LOSSES:
+        assert "kl_form" in expected, f"{recipe}: which KL form did {source} use?"
+
+
+@pytest.mark.parametrize("recipe", sorted(TABLE))
+def test_recipe_divides_over_the_authors_gpu_counts(recipe):
+    """Flow-GRPO's configs name 32 GPUs (16 for GRPO-Guard, 4 and 8 in variants; Wan one), MixGRPO's 4 nodes x 8."""
+    _, args = train.parse_args([f"@recipes/{recipe}"])
+    samples = args.prompts_per_step * args.group_size
+    for gpus in GPUS.get(recipe, (8, 16, 32)):
+        per_gpu = samples // gpus
+        assert samples % gpus == 0 and per_gpu % args.sample_batch_size == 0, gpus
+        assert per_gpu % (args.train_batch_size * args.minibatches) == 0, gpus
