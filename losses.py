@@ -161,6 +161,9 @@ def guard_loss(log_prob, old_log_prob, mean, old_mean, std, dt, adv, *, clip_ran
         log r_hat = (log_prob - old_log_prob) c + mean_dims(delta^2) / (2 c)  (= mean(noise delta))
     which is centred on 0 at every step when x' was drawn from pi_old. The clipped surrogate of r_hat
     is then divided by -dt (gradient reweight), so that steps contribute comparably.
+    Departure: the authors' code (flow_grpo train_sd3.py, the ratio-norm branch) averages the bias term
+    with `.mean(dim=tuple(range(1, log_prob.ndim)))` on a [B] tensor, i.e. over the whole batch; here it
+    is each sample's own, which is what centres each sample's ratio on 1 (the derivation above).
     """
     _check(log_prob, old_log_prob, adv)
     adv = adv.float() if adv_clip is None else adv.float().clamp(-adv_clip, adv_clip)

@@ -542,14 +542,14 @@ def flow_match_sigmas(config, base, *, mu=None, shift=None):
     (scheduling_flow_match_euler_discrete.py), computed in float32 as there: float32 [N + 1], 1 -> 0.
 
     Dynamic configs shift by mu: exponential exp(mu) / (exp(mu) + 1/t - 1) (FLUX, arXiv:2403.03206
-    applied per resolution) or linear mu / (mu + 1/t - 1); static ones by config.shift, or by `shift`
-    (--shift), which only a static config accepts. shift_terminal then stretches the schedule so that
-    its last nonzero sigma equals it (LTX-Video's rule, as diffusers applies it)."""
+    applied per resolution) or linear mu / (mu + 1/t - 1); static ones by config.shift. `shift` (--shift)
+    replaces either with that static shift (MixGRPO samples FLUX.1 with a static shift of 3 on this same
+    grid). shift_terminal then stretches the schedule so that its last nonzero sigma equals it (LTX-Video's
+    rule, as diffusers applies it)."""
     t = np.asarray(base).astype(np.float32)
-    if config.get("use_dynamic_shifting", False):
-        if shift is not None:
-            raise ValueError("--shift sets a static shift, but this model's schedule shifts with the resolution "
-                             "(use_dynamic_shifting in its scheduler config): drop --shift")
+    if shift is not None:
+        t = sde.time_shift(t, shift)
+    elif config.get("use_dynamic_shifting", False):
         if config.get("time_shift_type", "exponential") == "exponential":
             t = math.exp(mu) / (math.exp(mu) + (1 / t - 1))
         else:
@@ -571,8 +571,7 @@ def sigmas(pipe, num_steps, resolution, *, shift=None):
     sd3: sde.sd3_sigmas(num_steps, shift) with the scheduler's shift (3 for SD3.5). flux: FluxPipeline's
     linspace(1, 1/N, N) with its resolution-dependent exponential shift (dynamic_shift_mu of the image
     tokens, the scheduler's base/max shift). The families: their pipelines' (families.py docstrings).
-    shift: replaces the static shift of families that have one (sd3, wan, z-image); an error for the
-    resolution-dependent ones."""
+    shift: a static shift in place of the family's own (sd3, wan, z-image) or of its resolution-dependent one."""
     if num_steps < 1:
         raise ValueError(f"--num-steps must be at least 1, got {num_steps}")
     if shift is not None and shift <= 0:

@@ -210,7 +210,7 @@ def test_schedules_depend_on_what_they_should(pipes):
         assert families.klein_mu(tokens, steps) == pytest.approx(compute_empirical_mu(tokens, steps), rel=1e-12)
 
 
-def test_shift_overrides_static_shifts_only(pipes):
+def test_shift_overrides_every_schedule(pipes):
     from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
     sd3 = models.load_pipeline("tiny")
@@ -223,9 +223,16 @@ def test_shift_overrides_static_shifts_only(pipes):
     z = FlowMatchEulerDiscreteScheduler.from_config(pipes["tiny-z-image"].scheduler.config, shift=5.0)
     z.set_timesteps(sigmas=np.linspace(1.0, 0.1, 10).astype(np.float32), mu=0.0)
     torch.testing.assert_close(models.sigmas(pipes["tiny-z-image"], 10, 64, shift=5.0), z.sigmas, atol=1e-7, rtol=0)
-    for name in ("tiny-qwen-image", "tiny-flux2-klein"):
-        with pytest.raises(ValueError, match="drop --shift"):
-            models.sigmas(pipes[name], 10, 64, shift=3.0)
+    # On a resolution-dependent schedule --shift is a static shift of the same grid (MixGRPO's FLUX.1 schedule:
+    # sd3_time_shift(3, linspace(1, 0, N + 1)) in its train_grpo_flux.py).
+    for name in ("tiny-flux", "tiny-qwen-image", "tiny-flux2-klein"):
+        t = torch.linspace(1, 0, 11, dtype=torch.float64)
+        static = (3 * t / (1 + 2 * t)).float()
+        got = models.sigmas(pipes[name] if name in pipes else models.load_pipeline(name), 10, 64, shift=3.0)
+        if name == "tiny-qwen-image":  # its config stretches the end to shift_terminal 0.02
+            static = 1 - (1 - static) / ((1 - static[-2]) / (1 - 0.02))
+            static[-1] = 0
+        torch.testing.assert_close(got, static, atol=1e-6, rtol=0)
 
 
 # ----------------------------------------------------------------------------- RL plumbing

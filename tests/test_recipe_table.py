@@ -38,9 +38,8 @@ How the authors' knobs map onto train.py's flags:
   optimizer step) -> --ema-decay 0.99 --ema-every 1 --ema-repeat 1; its SA-Solver -> --sampler dpm2 (a departure).
   Text: train_sd3.py encodes with max_sequence_length=128; MixGRPO's preprocess_flux_embedding.py with FluxPipeline's
   default 512. Schedule: SD3.5-M's scheduler shift 3 (the pipeline's own, both authors); MixGRPO samples FLUX with
-  a static shift 3 on linspace(1, 0, 26) (sd3_time_shift in train_grpo_flux.py), which models.sigmas does not
-  offer for FLUX (it applies FluxPipeline's resolution-dependent shift, exp(mu) = 2.22 at 720 px, and refuses
-  --shift there): that row leaves `shift` out and README lists the difference.
+  a static shift 3 on linspace(1, 0, 26) (sd3_time_shift in train_grpo_flux.py), which --shift 3 gives in place
+  of FluxPipeline's resolution-dependent shift (exp(mu) = 2.22 at 720 px).
 """
 import glob
 import os
@@ -69,7 +68,8 @@ GUARD_OCR = dict(FLOW_GRPO_OCR, loss="guard", clip_range=2e-6, lr=1e-4, kl_beta=
 GUARD_OCR.pop("kl_form")  # no KL term
 # MixGRPO scripts/finetune/finetune_flux_grpo_MixGRPO.sh (fastvideo/train_grpo_flux.py, utils/sampling_utils.py).
 MIXGRPO = dict(
-    model="flux", resolution=720, max_sequence_length=512, num_steps=25, guidance_scale=3.5, train_cfg=False,
+    model="flux", resolution=720, max_sequence_length=512, num_steps=25, shift=3.0, guidance_scale=3.5,
+    train_cfg=False,
     sde="flow", eta=0.7,
     sde_window="mix", window_size=4, window_stride=1, iters_per_window=25, roll_back=True, flash=False, group_size=12,
     prompts_per_step=32, same_noise_per_group=True, global_std=False, train_batch_size=1, minibatches=4,
