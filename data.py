@@ -49,7 +49,8 @@ def load_prompts(path, *, input_key="input", metadata_key="metadata"):
         raise ValueError(f"{path}: unknown prompt file type {ext or '(no extension)'!r}; "
                          f"use .jsonl (one JSON object per line, like {_EXAMPLE_ROW}) or .txt (one prompt per line)")
     if os.path.isdir(path):
-        raise FileNotFoundError(f"{path}: is a folder, not a prompt file; pass the path of a .jsonl or .txt file inside it")
+        raise FileNotFoundError(f"{path}: is a folder, not a prompt file; "
+                                "pass the path of a .jsonl or .txt file inside it")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: prompt file not found; check the path "
                                 f"(the repository ships sets in prompts/, e.g. prompts/tiny.txt)")
@@ -57,7 +58,8 @@ def load_prompts(path, *, input_key="input", metadata_key="metadata"):
         raw = f.read()
     if raw.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte-order mark written by some editors
         raw = raw[3:]
-    lines = raw.split(b"\n")  # split bytes, not text: str.splitlines also breaks at U+2028, which JSON allows inside strings
+    # Split bytes, not text: str.splitlines also breaks at U+2028, which JSON allows inside strings.
+    lines = raw.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()  # the trailing newline ends the last row; it is not a row of its own
 
@@ -130,7 +132,8 @@ def _no_rows_message(path, ext, num_lines, skipped, input_key, metadata_key, oth
     bad_meta = f"{metadata_key!r} not an object"
     if bad_meta in skipped:
         return (f"{path}: every row with a prompt has a non-object under metadata key {metadata_key!r}; "
-                f"pass --metadata-key naming an object field, or make {metadata_key!r} an object like {{\"rm_type\": \"ocr\"}}")
+                f"pass --metadata-key naming an object field, or make {metadata_key!r} an object like "
+                f"{{\"rm_type\": \"ocr\"}}")
     counts = ", ".join(f"{n} {reason}" for reason, n in skipped.items())
     return (f"{path}: no valid row ({counts}); each line must be a JSON object with a non-empty string "
             f"under {input_key!r}, like {_EXAMPLE_ROW}, or use a .txt file with one prompt per line")
@@ -194,7 +197,8 @@ def rank_samples(prompt_ids, *, group_size, rank, world_size):
                          f"got group_size={group_size}, rank={rank}, world_size={world_size}")
     if num_samples % world_size:
         raise ValueError(f"prompts per step x group size = {len(prompt_ids)} x {group_size} = {num_samples} samples "
-                         f"do not split evenly over {world_size} ranks; pick sizes whose product is a multiple of the world size")
+                         f"do not split evenly over {world_size} ranks; pick sizes whose product is a multiple of "
+                         "the world size")
     per_rank = num_samples // world_size
     sample_prompt_ids = [pid for pid in prompt_ids for _ in range(group_size)]  # [P * G]
     group_ids = [g for g in range(len(prompt_ids)) for _ in range(group_size)]  # [P * G]

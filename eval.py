@@ -67,12 +67,14 @@ def score(reward_fn, images, prompts, metadata):
 def load_weights(pipe, path, *, use_ema=False):
     """Copy a train.py checkpoint's trained weights (or their EMA) into a pipeline prepared with the same LoRA rank."""
     from safetensors.torch import load_file
-    name = "ema.safetensors" if use_ema and os.path.isfile(os.path.join(path, "ema.safetensors")) else "trainable.safetensors"
+    has_ema = os.path.isfile(os.path.join(path, "ema.safetensors"))
+    name = "ema.safetensors" if use_ema and has_ema else "trainable.safetensors"
     weights = load_file(os.path.join(path, name))
     params = dict(pipe.transformer.named_parameters())
     missing = [k for k in weights if k not in params]
     if missing:
-        raise SystemExit(f"error: {path} does not match this model ({len(missing)} unknown tensors, e.g. {missing[0]}); "
+        raise SystemExit(f"error: {path} does not match this model ({len(missing)} unknown tensors, "
+                         f"e.g. {missing[0]}); "
                          "evaluate it with the --model it was trained with")
     with torch.no_grad():
         for k, t in weights.items():
@@ -176,11 +178,13 @@ def plot_run(run_dir, out=None):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--plot", metavar="RUN_DIR", help="only plot the curves of a run folder")
     p.add_argument("--model", default="tiny", choices=list(models.MODELS))
     p.add_argument("--model-path", default=None, help="hub id or local folder of the base pipeline")
-    p.add_argument("--checkpoints", nargs="*", default=[], help="train.py checkpoint folders (<run>/checkpoints/<step>)")
+    p.add_argument("--checkpoints", nargs="*", default=[],
+                   help="train.py checkpoint folders (<run>/checkpoints/<step>)")
     p.add_argument("--ema", action=argparse.BooleanOptionalAction, default=True,
                    help="score a checkpoint's EMA weights where it has them (as train.py evaluates and exports)")
     p.add_argument("--prompts", default="prompts/tiny.txt", help="held-out prompts (.txt or .jsonl)")
@@ -211,7 +215,8 @@ def main(argv=None):
     ranks = set()  # the checkpoints are checked before any model loads
     for ckpt in args.checkpoints:
         if not os.path.isfile(os.path.join(ckpt, "state.json")):
-            raise SystemExit(f"error: {ckpt} is not a complete checkpoint (no state.json); pass <run>/checkpoints/<step>")
+            raise SystemExit(f"error: {ckpt} is not a complete checkpoint (no state.json); "
+                             "pass <run>/checkpoints/<step>")
         if (problem := checkpoints.verify(ckpt)) is not None:
             raise SystemExit(f"error: checkpoint {ckpt} cannot be trusted: {problem}; evaluate another step of the run")
         with open(os.path.join(ckpt, "state.json")) as f:
@@ -227,7 +232,9 @@ def main(argv=None):
     except (ValueError, OSError, RuntimeError, ImportError) as e:
         raise SystemExit(f"error: {e}")
     models.add_lora(pipe, rank, alpha)
-    base = {k: v.detach().clone() for k, v in pipe.transformer.state_dict().items()} if rank == 0 and args.checkpoints else None
+    base = None  # a full fine-tune's checkpoints replace every weight: keep the base to restore between them
+    if rank == 0 and args.checkpoints:
+        base = {k: v.detach().clone() for k, v in pipe.transformer.state_dict().items()}
 
     kw = dict(resolution=args.resolution, num_steps=args.eval_steps, guidance_scale=args.guidance_scale,
               seed=args.seed, batch_size=args.batch_size, device=device, shift=args.shift,

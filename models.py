@@ -120,7 +120,8 @@ def _clip_bpe():
 def _byte_alphabet():
     """The 256 printable characters that byte-level BPE uses for the bytes, in CLIP's (= GPT-2's)
     vocabulary order: printable Latin-1 bytes as themselves, the others as code points after 255."""
-    byte_ids = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    byte_ids = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                + list(range(ord("®"), ord("ÿ") + 1)))
     chars, extra = byte_ids[:], 0
     for b in range(256):
         if b not in byte_ids:
@@ -210,13 +211,15 @@ def _from_pretrained(cls, name, path, default_id, dtype):
 
     local = os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path)
     if local and not os.path.isdir(os.path.expanduser(path)):
-        raise RuntimeError(f"model folder {path!r} for {name!r} does not exist; pass a downloaded diffusers folder of {default_id} with --model-path")
+        raise RuntimeError(f"model folder {path!r} for {name!r} does not exist; pass a downloaded diffusers folder "
+                           f"of {default_id} with --model-path")
     try:
         return cls.from_pretrained(os.path.expanduser(path), torch_dtype=dtype)
     except (OSError, HFValidationError) as e:  # offline, gated without a token, not cached, not a pipeline
         raise RuntimeError(
             f"cannot load {name!r} from {path!r} ({type(e).__name__}: offline, gated without a token, or not a "
-            f"diffusers pipeline folder); download {default_id} where the hub is reachable (`hf download {default_id}`) "
+            f"diffusers pipeline folder); download {default_id} where the hub is reachable "
+            f"(`hf download {default_id}`) "
             f"and pass the local folder with --model-path"
         ) from None
 
@@ -244,7 +247,8 @@ def tiny(model_path=None, dtype=torch.float32, device="cpu"):
         text_encoder_2 = _clip_encoder(48, 2, 4, 96)
         transformer = SD3Transformer2DModel(
             sample_size=32, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=16,
-            num_attention_heads=4, joint_attention_dim=96,  # CLIP 32 + 48 = 80, zero-padded to 96 as SD3 pads 2048 to 4096
+            # CLIP 32 + 48 = 80, zero-padded to 96 as SD3 pads 2048 to 4096
+            num_attention_heads=4, joint_attention_dim=96,
             caption_projection_dim=64, pooled_projection_dim=80, out_channels=16, pos_embed_max_size=32,
             dual_attention_layers=(0,), qk_norm="rms_norm",
         ).eval()
@@ -288,7 +292,8 @@ def sd3_random(model_path=None, dtype=torch.float32, device="cpu"):
     """SD3.5-medium's transformer (2.2 B parameters) and VAE at full size with random weights,
     and one-layer text encoders of the real widths (CLIP-L 768, CLIP-G 1280, T5-XXL 4096, so the
     transformer sees 77 + 128 text tokens, as Flow-GRPO encodes SD3.5). Built directly on `device`."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
+                           StableDiffusion3Pipeline)
 
     _check_no_path("sd3-random", model_path)
     tokenizer_3 = _t5_tokenizer(SD3_T5_TOKENS)
@@ -631,7 +636,8 @@ def reference(pipe):
     reference of the KL penalty. Trainability flags are restored on exit."""
     transformer = pipe.transformer
     if not _has_lora(transformer):
-        raise RuntimeError("reference() needs a LoRA adapter, and full fine-tuning (LoRA rank 0) keeps no frozen copy; train with a LoRA rank > 0 or without the KL penalty (beta 0)")
+        raise RuntimeError("reference() needs a LoRA adapter, and full fine-tuning (LoRA rank 0) keeps no frozen "
+                           "copy; train with a LoRA rank > 0 or without the KL penalty (beta 0)")
     flags = [(p, p.requires_grad) for p in transformer.parameters()]
     transformer.disable_adapters()
     try:
@@ -674,7 +680,8 @@ def save_lora(pipe, folder):
 
     transformer = pipe.transformer
     if not _has_lora(transformer):
-        raise RuntimeError("save_lora() needs a LoRA adapter; a full fine-tune (LoRA rank 0) is saved with pipe.transformer.save_pretrained(folder)")
+        raise RuntimeError("save_lora() needs a LoRA adapter; a full fine-tune (LoRA rank 0) is saved with "
+                           "pipe.transformer.save_pretrained(folder)")
     type(pipe).save_lora_weights(
         folder,
         transformer_lora_layers=get_peft_model_state_dict(transformer),
@@ -692,10 +699,12 @@ def tiny_pickscore(folder, *, seed=0, image_size=32, patch_size=8):
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
     tokenizer = clip_tokenizer()
-    images = CLIPImageProcessor(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size})
+    images = CLIPImageProcessor(size={"shortest_edge": image_size},
+                                crop_size={"height": image_size, "width": image_size})
     CLIPProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(folder)
     config = CLIPConfig(
-        text_config=dict(vocab_size=49408, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        text_config=dict(vocab_size=49408, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2,
                          max_position_embeddings=77, bos_token_id=49406, eos_token_id=49407, pad_token_id=49407),
         vision_config=dict(image_size=image_size, patch_size=patch_size, hidden_size=32, intermediate_size=64,
                            num_hidden_layers=2, num_attention_heads=2),
@@ -713,7 +722,8 @@ def tiny_hps(folder, *, seed=0, image_size=32, patch_size=8):
 
     name = f"tiny-hps-{image_size}-{patch_size}"
     config = {"embed_dim": 16,
-              "vision_cfg": {"image_size": image_size, "layers": 2, "width": 32, "head_width": 16, "patch_size": patch_size},
+              "vision_cfg": {"image_size": image_size, "layers": 2, "width": 32, "head_width": 16,
+                             "patch_size": patch_size},
               "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2}}
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, name + ".json"), "w") as f:

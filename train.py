@@ -152,7 +152,8 @@ def parse_args(argv=None):
                    help="image side in pixels, or HEIGHTxWIDTH (sd3, wan, z-image)")
     p.add_argument("--num-frames", type=POSITIVE_INT, default=None,
                    help="video models (wan): frames per sample, 4 k + 1 (default: the pipeline's 81)")
-    p.add_argument("--fps", type=POSITIVE_INT, default=16, help="video models: frames per second of the saved sample GIFs")
+    p.add_argument("--fps", type=POSITIVE_INT, default=16,
+                   help="video models: frames per second of the saved sample GIFs")
     p.add_argument("--lora-rank", type=NONNEG_INT, default=None, help="LoRA rank; 0 trains the full transformer")
     p.add_argument("--lora-alpha", type=NONNEG, default=None,
                    help="LoRA alpha (scale = alpha / rank; default: the preset's, else the rank)")
@@ -196,7 +197,8 @@ def parse_args(argv=None):
                    help="--sde-window fast: the window lies in steps LO .. HI - 1 (Flow-GRPO's sde_window_range; "
                         "its start is drawn from LO .. HI - --window-size); default 0 and --num-steps - 1")
     p.add_argument("--window-stride", type=POSITIVE_INT, default=1, help="steps the mix window slides each time")
-    p.add_argument("--iters-per-window", type=POSITIVE_INT, default=25, help="training steps before the mix window slides")
+    p.add_argument("--iters-per-window", type=POSITIVE_INT, default=25,
+                   help="training steps before the mix window slides")
     p.add_argument("--roll-back", action=argparse.BooleanOptionalAction, default=False,
                    help="mix window returns to step 0 after reaching the end")
     p.add_argument("--flash", action=argparse.BooleanOptionalAction, default=False,
@@ -217,8 +219,10 @@ def parse_args(argv=None):
                    help="every image of a prompt's group starts from the same noise x_T (MixGRPO's --init_same_noise; "
                         "Flow-GRPO's same_latent); the SDE noise still differs")
     # reward
-    p.add_argument("--reward", default=None, help='reward spec: a name or weighted mix, e.g. "ocr=0.8,pickscore=0.2"; choices: ' + ", ".join(rewards.REWARDS))
-    p.add_argument("--reward-key", default="reward", help="which reward entry trains (a component name or the weighted total 'reward')")
+    p.add_argument("--reward", default=None, help='reward spec: a name or weighted mix, e.g. "ocr=0.8,pickscore=0.2"; '
+                   "choices: " + ", ".join(rewards.REWARDS))
+    p.add_argument("--reward-key", default="reward",
+                   help="which reward entry trains (a component name or the weighted total 'reward')")
     rewards.add_arguments(p)  # the reward options, declared and defaulted in rewards.py
     # loss
     p.add_argument("--loss", default="grpo", choices=LOSSES,
