@@ -98,33 +98,43 @@ def save_grid(path, columns, names, prompts, tables):
     grid.save(path)
 
 
-def captioned_row(images, prompts, values):
-    """uint8 [m, H, W, 3] -> one PIL image: the samples side by side, each captioned 'prompt | reward'."""
-    from PIL import Image, ImageDraw
+def captioned_row(images, captions, *, min_side=128):
+    """uint8 [m, H, W, 3] -> one PIL image: the samples side by side, each with its caption (lines: prompt,
+    score, verdict) wrapped under it. Images smaller than min_side are enlarged (nearest neighbour, whole
+    multiples) so that a 32 px sample and its caption stay readable."""
+    import textwrap
+    from PIL import Image, ImageDraw, ImageFont
     h, w = images.shape[1:3]
-    cap = 28
-    grid = Image.new("RGB", (w * len(images), h + cap), "white")
+    scale = max(1, -(-min_side // min(h, w)))  # ceil
+    tile_h, tile_w = h * scale, w * scale
+    font = ImageFont.load_default(size=max(12, min(16, tile_w // 10)))
+    chars = max(8, int(tile_w / (0.55 * font.size)))  # characters per caption line
+    wrapped = ["\n".join(line for part in str(c).split("\n") for line in textwrap.wrap(part, chars) or [""])
+               for c in captions]
+    line_h = font.size + 3
+    cap = 4 + line_h * max(text.count("\n") + 1 for text in wrapped)
+    grid = Image.new("RGB", (tile_w * len(images), tile_h + cap), "white")
     draw = ImageDraw.Draw(grid)
     for i, img in enumerate(images):
-        grid.paste(Image.fromarray(img), (i * w, 0))
-        draw.text((i * w + 2, h + 2), f"{prompts[i][:max(4, w // 7)]}", fill="black")
-        draw.text((i * w + 2, h + 14), f"| {values[i]:.4f}", fill="black")
+        grid.paste(Image.fromarray(img).resize((tile_w, tile_h), Image.NEAREST), (i * tile_w, 0))
+        draw.multiline_text((i * tile_w + 3, tile_h + 2), wrapped[i], fill="black", font=font, spacing=3)
     return grid
 
 
-def save_sample_grid(path, images, prompts, values, n=8, fps=16):
-    """Up to n training samples captioned 'prompt | reward' (train.py's samples/): images as one PNG row;
-    videos [N, F, H, W, 3] as one animated GIF per prompt (<path stem>_<k>.gif, that prompt's samples
-    side by side, at fps frames per second). Returns the paths written."""
+def save_sample_grid(path, images, captions, n=8, fps=16):
+    """Up to n training samples with their captions (train.py's samples/): images as one PNG row;
+    videos [N, F, H, W, 3] as one animated GIF per caption's first line, the prompt (<path stem>_<k>.gif,
+    that prompt's samples side by side, at fps frames per second). Returns the paths written."""
     images = images[:n].numpy()
+    captions = captions[:len(images)]
     if images.ndim == 4:
-        captioned_row(images, prompts, values).save(path)
+        captioned_row(images, captions).save(path)
         return [path]
     paths = []
-    for k, prompt in enumerate(dict.fromkeys(prompts[:len(images)])):
+    prompts = [str(c).split("\n")[0] for c in captions]
+    for k, prompt in enumerate(dict.fromkeys(prompts)):
         ids = [i for i in range(len(images)) if prompts[i] == prompt]
-        frames = [captioned_row(images[ids, f], [prompt] * len(ids), [values[i] for i in ids])
-                  for f in range(images.shape[1])]
+        frames = [captioned_row(images[ids, f], [captions[i] for i in ids]) for f in range(images.shape[1])]
         paths.append(os.path.splitext(path)[0] + f"_{k}.gif")
         frames[0].save(paths[-1], save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0)
     return paths

@@ -766,9 +766,10 @@ def main(argv=None):
                       f"ratio {info.get('ratio_mean', float('nan')):.5f} | "
                       f"clipfrac {info.get('clipfrac', float('nan')):.3f} | "
                       f"approx_kl {info.get('approx_kl', float('nan')):.2e} | {info['seconds']:.1f}s")
-            if args.log_images_every and step % args.log_images_every == 0:
+            if args.log_images_every and step % args.log_images_every == 0:  # prompt, reward and verdict per sample
+                captions = sample_captions(my_prompts, scores, args.reward_key, len(first_images))
                 evaluation.save_sample_grid(os.path.join(args.out, "samples", f"{step:06d}.png"), first_images,
-                                            my_prompts, train_reward.tolist(), fps=args.fps)
+                                            captions, fps=args.fps)
             warn_divergence(info, args)
         # Held-out ODE samples, fixed noise. Under FSDP every forward is collective: all ranks sample, rank 0 scores.
         # With --ema-decay the EMA weights are evaluated, as Flow-GRPO does.
@@ -978,6 +979,17 @@ def check_rm_types(path, prompts, metadata):
                 rewards.parse_spec(meta["rm_type"])
             except ValueError as e:
                 raise SystemExit(f"error: {path}, prompt {i + 1} ({prompts[i][:40]!r}): metadata rm_type: {e}")
+
+
+def sample_captions(prompts, scores, reward_key, n):
+    """Captions of the first n samples: the prompt, the trained reward and, for GenEval, the official verdict."""
+    captions = []
+    for i in range(n):
+        line = f"{reward_key} {scores[reward_key][i].item():.3f}"
+        if "geneval_correct" in scores:
+            line += " | " + ("correct" if scores["geneval_correct"][i] > 0.5 else "wrong")
+        captions.append(f"{prompts[i]}\n{line}")
+    return captions
 
 
 def warn_divergence(info, args):
