@@ -761,7 +761,9 @@ def main(argv=None):
         step += 1
         log_metrics(info)
         if is_main:
+            accuracy = info.get("reward/geneval_correct_mean")  # GenEval: the share of samples officially correct
             bar.write(f"step {step:5d} | reward {info['reward_mean']:+.4f} +- {info['reward_std']:.4f} | "
+                      + (f"accuracy {accuracy:.3f} | " if accuracy is not None else "") +
                       f"loss {info.get('loss', float('nan')):+.5f} | "
                       f"ratio {info.get('ratio_mean', float('nan')):.5f} | "
                       f"clipfrac {info.get('clipfrac', float('nan')):.3f} | "
