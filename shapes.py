@@ -1,0 +1,514 @@
+"""A world where prompt following can be measured exactly: coloured shapes on a grey background.
+
+GenEval (Ghosh et al. 2023) scores a text-to-image model by detecting the objects its images show
+and checking counts, colours and relative positions against the prompt's metadata. Here the
+objects are simple shapes, so the detector can be exact and the whole loop runs on a CPU:
+
+    prompt_rows(tag)               GenEval's six prompt templates over this world's shapes and colours
+    layout(metadata, size, rng)    object list satisfying a prompt's metadata (positions by GenEval's rule)
+    draw(objects, size)            the scene, anti-aliased (4 x 4 supersampled), uint8 [size, size, 3]
+    render(metadata, size, rng)    draw(layout(...)): pretraining data
+    detect(images)                 per image, GenEval-style detections {class, score, box, mask, color}
+
+Prompt metadata is GenEval's JSONL format (prompts/evaluation_metadata.jsonl of djghosh13/geneval):
+`tag`, `include`: [{class, count, color?, position?: [relation, index]}], `exclude`: [{class, count}],
+with this world's shape names as classes and GenEval's colour words.
+"""
+
+import itertools
+import math
+
+import numpy as np
+
+SHAPES = ("circle", "square", "triangle")
+# A subset of GenEval's ten colour words that stays apart after a small model's blur; the
+# background is a grey that is none of them (GenEval's colour crops use #999 for the same reason).
+COLORS = {
+    "red": (225, 30, 30),
+    "yellow": (240, 215, 30),
+    "green": (30, 170, 50),
+    "blue": (30, 70, 225),
+    "white": (245, 245, 245),
+    "black": (15, 15, 15),
+}
+BACKGROUND = (128, 128, 128)
+TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+NUMBERS = ("zero", "one", "two", "three", "four")
+RELATIONS = ("left of", "right of", "above", "below")
+POSITION_THRESHOLD = 0.1  # GenEval evaluate_images.py: the margin, as a fraction of the two box sizes
+
+
+# ----------------------------------------------------------------------------- prompts
+
+def with_article(word):
+    """GenEval create_prompts.py: 'an' before a vowel, else 'a'."""
+    return f"an {word}" if word[0] in "aeiou" else f"a {word}"
+
+
+def plural(word):
+    """GenEval create_prompts.py: 'es' after an s, else 's'."""
+    return word + "es" if word.endswith("s") else word + "s"
+
+
+def prompt_rows(tag):
+    """Every prompt of one GenEval task type in this world, as rows {"prompt", "metadata"}.
+
+    The templates and metadata are those of GenEval's prompts/create_prompts.py: two objects are
+    always of different classes, counts are 2-4 with an exclude clause at count + 1, colour
+    attribution uses two different colours, and a position prompt names the target object second
+    ("a circle left of a square": include [square, circle with position ["left of", 0]]).
+    """
+    colors = list(COLORS)
+    rows = []
+    if tag == "single_object":
+        for a in SHAPES:
+            rows.append((f"a photo of {with_article(a)}", [{"class": a, "count": 1}], []))
+    elif tag == "two_object":
+        for a, b in itertools.permutations(SHAPES, 2):
+            rows.append((f"a photo of {with_article(a)} and {with_article(b)}",
+                         [{"class": a, "count": 1}, {"class": b, "count": 1}], []))
+    elif tag == "counting":
+        for a, n in itertools.product(SHAPES, (2, 3, 4)):
+            rows.append((f"a photo of {NUMBERS[n]} {plural(a)}", [{"class": a, "count": n}], [{"class": a, "count": n + 1}]))
+    elif tag == "colors":
+        for a, c in itertools.product(SHAPES, colors):
+            rows.append((f"a photo of {with_article(c)} {a}", [{"class": a, "count": 1, "color": c}], []))
+    elif tag == "position":
+        for (a, b), rel in itertools.product(itertools.permutations(SHAPES, 2), RELATIONS):
+            rows.append((f"a photo of {with_article(a)} {rel} {with_article(b)}",
+                         [{"class": b, "count": 1}, {"class": a, "count": 1, "position": [rel, 0]}], []))
+    elif tag == "color_attr":
+        for (a, b), (ca, cb) in itertools.product(itertools.permutations(SHAPES, 2), itertools.permutations(colors, 2)):
+            rows.append((f"a photo of {with_article(ca)} {a} and {with_article(cb)} {b}",
+                         [{"class": a, "count": 1, "color": ca}, {"class": b, "count": 1, "color": cb}], []))
+    else:
+        raise ValueError(f"unknown GenEval tag {tag!r}; choose one of {', '.join(TAGS)}")
+    return [{"prompt": p, "metadata": {"tag": tag, "include": inc, "exclude": exc}} for p, inc, exc in rows]
+
+
+# ----------------------------------------------------------------------------- scenes
+
+def relations(a, b):
+    """GenEval's relative_position(a, b) (evaluate_images.py): the relations that hold of object a
+    with respect to b, for boxes [x1, y1, x2, y2]. Both offsets are shrunk by 0.1 x the summed box
+    sizes, then normalised by the centre distance; a direction holds beyond 0.5 (y grows downward)."""
+    ca = np.array([(a[0] + a[2]) / 2, (a[1] + a[3]) / 2])
+    cb = np.array([(b[0] + b[2]) / 2, (b[1] + b[3]) / 2])
+    size = np.array([a[2] - a[0] + b[2] - b[0], a[3] - a[1] + b[3] - b[1]])
+    offset = ca - cb
+    revised = np.sign(offset) * np.maximum(np.abs(offset) - POSITION_THRESHOLD * size, 0)
+    if np.all(np.abs(revised) < 1e-3):
+        return set()
+    dx, dy = revised / np.linalg.norm(offset)
+    return {rel for rel, holds in (("left of", dx < -0.5), ("right of", dx > 0.5), ("above", dy < -0.5), ("below", dy > 0.5)) if holds}
+
+
+def object_box(obj):
+    """The box [x1, y1, x2, y2] (float pixels) of a drawn object {shape, color, cx, cy, size}."""
+    h = obj["size"] / 2
+    return [obj["cx"] - h, obj["cy"] - h, obj["cx"] + h, obj["cy"] + h]
+
+
+SIZE_RANGE = {1: (12, 16), 2: (11, 15), 3: (10, 13), 4: (9, 12)}  # object side in px of a 32 px image, by objects in the scene
+GAP = 2.0  # px (of 32) between the boxes of two objects, so that same-coloured objects never touch
+MARGIN = 1.0  # px (of 32) between a box and the image border
+
+
+def layout(metadata, size, rng, *, max_tries=1000):
+    """Objects [{shape, color, cx, cy, size}] (pixel units of a `size` image) that satisfy `metadata`.
+
+    Each include clause gives `count` objects of its class, with its colour or a random one;
+    nothing else is drawn, so exclude clauses hold too. Sizes depend on how many objects share the
+    image (SIZE_RANGE). A position clause holds by GenEval's rule with a clear margin: the asked
+    relation, and no other, holds after the boxes grow by 2 px on every side (so a small model that
+    is a few pixels off still draws the relation). Objects keep GAP apart and MARGIN from the border.
+    """
+    include = metadata.get("include") or []
+    if not include:
+        raise ValueError("metadata has no include clause; a scene needs at least one object ({'class': 'circle', 'count': 1})")
+    objects, position = [], None
+    for index, clause in enumerate(include):
+        if clause["class"] not in SHAPES:
+            raise ValueError(f"unknown class {clause['class']!r}; this world has {', '.join(SHAPES)}")
+        if clause.get("color") is not None and clause["color"] not in COLORS:
+            raise ValueError(f"unknown colour {clause['color']!r}; this world has {', '.join(COLORS)}")
+        if clause.get("position"):
+            position = (clause["position"][0], index, clause["position"][1])
+        for _ in range(int(clause["count"])):
+            color = clause.get("color") or list(COLORS)[rng.integers(len(COLORS))]
+            objects.append({"shape": clause["class"], "color": color, "clause": index})
+    if not 1 <= len(objects) <= 4:
+        raise ValueError(f"a scene holds 1-4 objects, the metadata asks for {len(objects)}")
+    scale = size / 32
+    lo, hi = SIZE_RANGE[len(objects)]
+    for _ in range(max_tries):
+        placed = []
+        for obj in objects:  # one at a time, each with a few tries to keep clear of the ones placed
+            side = rng.uniform(lo, hi) * scale
+            half = side / 2 + MARGIN * scale
+            for _ in range(50):
+                new = dict(obj, size=side, cx=rng.uniform(half, size - half), cy=rng.uniform(half, size - half))
+                if _apart(placed + [new], GAP * scale):
+                    placed.append(new)
+                    break
+        if len(placed) < len(objects):
+            continue
+        if position is not None:
+            rel, i, j = position
+            first = lambda k: next(o for o in placed if o["clause"] == k)  # noqa: E731 (one object per clause here)
+            grow = 2 * scale
+            a = [v + d for v, d in zip(object_box(first(i)), (-grow, -grow, grow, grow))]
+            b = [v + d for v, d in zip(object_box(first(j)), (-grow, -grow, grow, grow))]
+            if relations(a, b) != {rel} or relations(object_box(first(i)), object_box(first(j))) != {rel}:
+                continue
+        return [{k: v for k, v in o.items() if k != "clause"} for o in placed]
+    raise RuntimeError(f"no layout found for {metadata} in {max_tries} tries")
+
+
+def _apart(objects, gap):
+    for a, b in itertools.combinations(objects, 2):
+        ba, bb = object_box(a), object_box(b)
+        if ba[0] < bb[2] + gap and bb[0] < ba[2] + gap and ba[1] < bb[3] + gap and bb[1] < ba[3] + gap:
+            return False
+    return True
+
+
+SUPERSAMPLE = 4
+
+
+def coverage(obj, size, supersample=SUPERSAMPLE):
+    """Fraction of each pixel of a `size` image that the object covers: float [size, size].
+
+    Each pixel is the mean of supersample x supersample point tests (only pixels near the object are tested)."""
+    cx, cy, h = obj["cx"], obj["cy"], obj["size"] / 2
+    out = np.zeros((size, size))
+    x0, x1 = max(int(cx - h) - 1, 0), min(int(cx + h) + 2, size)  # pixel window around the object
+    y0, y1 = max(int(cy - h) - 1, 0), min(int(cy + h) + 2, size)
+    if x0 >= x1 or y0 >= y1:
+        return out
+    x = (np.arange(x0 * supersample, x1 * supersample) + 0.5)[None, :] / supersample  # sub-pixel centres
+    y = (np.arange(y0 * supersample, y1 * supersample) + 0.5)[:, None] / supersample
+    if obj["shape"] == "circle":
+        inside = (x - cx) ** 2 + (y - cy) ** 2 <= h * h
+    elif obj["shape"] == "square":
+        inside = (np.abs(x - cx) <= h) & (np.abs(y - cy) <= h)
+    elif obj["shape"] == "triangle":  # apex up, base down: |x - cx| <= half-width at that height
+        t = (y - (cy - h)) / (2 * h)  # 0 at the apex, 1 at the base
+        inside = (t >= 0) & (t <= 1) & (np.abs(x - cx) <= h * t)
+    else:
+        raise ValueError(f"unknown shape {obj['shape']!r}; this world has {', '.join(SHAPES)}")
+    out[y0:y1, x0:x1] = inside.reshape(y1 - y0, supersample, x1 - x0, supersample).mean(axis=(1, 3))
+    return out
+
+
+def draw(objects, size=32):
+    """The scene: background, then each object painted over it by its pixel coverage -> uint8 [size, size, 3]."""
+    image = np.empty((size, size, 3), dtype=np.float64)
+    image[:] = BACKGROUND
+    for obj in objects:
+        alpha = coverage(obj, size)[..., None]
+        image = image * (1 - alpha) + np.array(COLORS[obj["color"]], dtype=np.float64) * alpha
+    return np.round(image).astype(np.uint8)
+
+
+def render(metadata, size=32, rng=None):
+    """A scene that satisfies `metadata` (GenEval JSONL fields) -> uint8 [size, size, 3]."""
+    rng = rng if rng is not None else np.random.default_rng()
+    return draw(layout(metadata, size, rng), size)
+
+
+# ----------------------------------------------------------------------------- detector
+
+def unmix(images):
+    """Each pixel as background + alpha x (palette colour - background), for its best-fitting colour.
+
+    A small model's blur mixes an object's colour with the background along their edges; fitting
+    that mixture (least squares in RGB, alpha clipped to [0, 1]) names the colour of an edge pixel
+    correctly where the nearest palette colour would not (half red, half grey is nearer brown than
+    red). Returns (color index int [B, H, W], alpha float [B, H, W], residual float [B, H, W]).
+    """
+    x = np.asarray(images, dtype=np.float32) - np.array(BACKGROUND, dtype=np.float32)  # [B, H, W, 3]
+    d = np.array(list(COLORS.values()), dtype=np.float32) - np.array(BACKGROUND, dtype=np.float32)  # [K, 3]
+    alpha = np.clip(x @ d.T / (d * d).sum(1), 0, 1)  # [B, H, W, K]
+    residual = ((x[..., None, :] - alpha[..., None] * d) ** 2).sum(-1)  # [B, H, W, K]
+    best = residual.argmin(-1)
+    take = lambda a: np.take_along_axis(a, best[..., None], -1)[..., 0]  # noqa: E731
+    return best, take(alpha), take(residual)
+
+
+def components(labels):
+    """8-connected components of equal non-negative labels: int [B, H, W] -> component ids [B, H, W]
+    (-1 where labels < 0; ids are the smallest flat index in the component). Min-label propagation,
+    vectorised over the batch; it stops when no id changes (at most the longest path in a component)."""
+    b, h, w = labels.shape
+    ids = np.where(labels >= 0, np.arange(h * w).reshape(1, h, w), -1).astype(np.int64)
+    ids = np.broadcast_to(ids, (b, h, w)).copy()
+    big = h * w
+    pad_l = np.pad(labels, ((0, 0), (1, 1), (1, 1)), constant_values=-1)
+    shifts = [(dy, dx) for dy in (-1, 0, 1) for dx in (-1, 0, 1) if (dy, dx) != (0, 0)]
+    same = [pad_l[:, 1 + dy:1 + dy + h, 1 + dx:1 + dx + w] == labels for dy, dx in shifts]
+    while True:
+        pad_i = np.pad(np.where(ids < 0, big, ids), ((0, 0), (1, 1), (1, 1)), constant_values=big)
+        new = ids.copy()
+        for (dy, dx), ok in zip(shifts, same):
+            neighbour = pad_i[:, 1 + dy:1 + dy + h, 1 + dx:1 + dx + w]
+            new = np.where(ok & (labels >= 0), np.minimum(new, neighbour), new)
+        if np.array_equal(new, ids):
+            return ids
+        ids = new
+
+
+def fit_templates(alpha):
+    """Soft IoU of an object's coverage map with each shape of the same area and centroid.
+
+    alpha: float [H, W], the object's coverage (0 outside it). A shape is fitted in closed form:
+    its side from the area (circle 2 sqrt(A / pi), square sqrt(A), triangle sqrt(2 A)) and its centre
+    from the centroid (a triangle's centroid lies a sixth of its height below its box centre). Blur
+    keeps both, so the fit does not drift with a small model's softness. The template is drawn with
+    the renderer's own anti-aliasing, so a rendered object matches its template almost exactly.
+    Returns {shape: soft IoU = sum(min(alpha, t)) / sum(max(alpha, t))}.
+    """
+    h, w = alpha.shape
+    area = alpha.sum()
+    ys, xs = np.mgrid[0:h, 0:w] + 0.5
+    cx, cy = (alpha * xs).sum() / area, (alpha * ys).sum() / area
+    sides = {"circle": 2 * math.sqrt(area / math.pi), "square": math.sqrt(area), "triangle": math.sqrt(2 * area)}
+    ious = {}
+    for shape, side in sides.items():
+        centre_y = cy - side / 6 if shape == "triangle" else cy
+        sharp = coverage({"shape": shape, "cx": cx, "cy": centre_y, "size": side}, max(h, w))[:h, :w]
+        ious[shape] = max(float(np.minimum(alpha, t).sum() / np.maximum(alpha, t).sum())
+                          for t in (_blur(sharp, s * max(h, w) / 32) for s in BLURS))
+    return ious
+
+
+BLURS = (0.0, 0.5, 0.8, 1.1, 1.4)  # Gaussian std (px of a 32 px image) tried for each template: the best one counts
+
+
+def _blur(image, sigma):
+    """Separable Gaussian blur of a 2-D array (zero outside), as K_y @ image @ K_x^T."""
+    if sigma <= 0:
+        return image
+    def matrix(n):
+        d = np.arange(n)[:, None] - np.arange(n)[None, :]
+        return np.exp(-d ** 2 / (2 * sigma ** 2)) / math.sqrt(2 * math.pi * sigma ** 2)
+    return matrix(image.shape[0]) @ image @ matrix(image.shape[1]).T
+
+
+def classify(ious):
+    """Template IoUs -> (class, score in [0, 1]): the best template, scored by how well it fits
+    (IoU from IOU_RANGE[0] to IOU_RANGE[1] maps to 0..1) and by its lead over the second best
+    (full score from a lead of MARGIN_FULL); a blob between two shapes, or two shapes merged, scores low."""
+    (best, first), (_, second) = sorted(ious.items(), key=lambda kv: -kv[1])[:2]
+    fit = np.clip((first - IOU_RANGE[0]) / (IOU_RANGE[1] - IOU_RANGE[0]), 0, 1)
+    lead = np.clip((first - second) / MARGIN_FULL, 0, 1)
+    return best, float(fit * lead)
+
+
+IOU_RANGE = (0.6, 0.85)
+MARGIN_FULL = 0.08
+MIN_AREA = 0.02  # components under this fraction of the image are specks, not objects (the smallest object is ~0.045)
+
+
+def _dilate(mask):
+    padded = np.pad(mask, 1)
+    h, w = mask.shape
+    return np.any([padded[1 + dy:1 + dy + h, 1 + dx:1 + dx + w] for dy in (-1, 0, 1) for dx in (-1, 0, 1)], axis=0)
+
+
+def detect(images):
+    """GenEval-style detections of uint8 images [B, H, W, 3] (or one [H, W, 3]).
+
+    Returns, per image, a list of {"class", "score", "box": [x1, y1, x2, y2] (pixels, x2 and y2
+    exclusive, as mmdet's mask2bbox), "mask": bool [H, W], "color"}, best score first. Pixels are
+    unmixed into palette colour + coverage (`unmix`); pixels covered at least half form 8-connected
+    components of one colour (the masks); each component's coverage, over its mask grown by a pixel,
+    is matched against the three shapes (`fit_templates`, `classify`). Components under MIN_AREA of
+    the image are dropped and those up to twice that scaled down, so a speck of noise is no object.
+    """
+    images = np.asarray(images)
+    if images.ndim == 3:
+        images = images[None]
+    if images.ndim != 4 or images.shape[-1] != 3:
+        raise ValueError(f"detect takes uint8 images [B, H, W, 3], got shape {images.shape}")
+    best, alpha, _ = unmix(images)
+    labels = np.where(alpha >= 0.5, best, -1)
+    ids = components(labels)
+    names = list(COLORS)
+    b, h, w = labels.shape
+    out = []
+    for i in range(b):
+        found = []
+        uniq, counts = np.unique(ids[i][ids[i] >= 0], return_counts=True)
+        for cid, area in zip(uniq, counts):
+            if area < MIN_AREA * h * w:
+                continue
+            mask = ids[i] == cid
+            k = labels[i].flat[cid]
+            soft = np.where(_dilate(mask) & (best[i] == k), alpha[i], 0.0)
+            name, score = classify(fit_templates(soft))
+            score *= min((area / (h * w) - MIN_AREA) / MIN_AREA, 1.0)
+            ys, xs = np.nonzero(mask)
+            box = [int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1]
+            found.append({"class": name, "score": score, "box": box, "mask": mask, "color": names[k]})
+        out.append(sorted(found, key=lambda d: -d["score"]))
+    return out
+
+
+# ----------------------------------------------------------------------------- the pretrained model
+# A StableDiffusion3Pipeline at toy size that works in pixel space: the "latent" is the 32 x 32 RGB
+# image itself (in [-1, 1]), so the VAE slot holds an identity. Trained from scratch by
+# scripts/pretrain_shapes.py; the weights ship in weights/shapes.safetensors.
+
+WEIGHTS = "weights/shapes.safetensors"
+RESOLUTION = 32
+TOKENS = 16  # CLIP context: the longest prompt of this world is 12 tokens with its start and end
+TRANSFORMER = dict(  # SD3 MMDiT: 8 x 8 patches of 4 x 4 pixels, 6 joint blocks of width 128 (4 heads x 32)
+    sample_size=RESOLUTION, patch_size=4, in_channels=3, out_channels=3, num_layers=6, attention_head_dim=32,
+    num_attention_heads=4, joint_attention_dim=128, caption_projection_dim=128, pooled_projection_dim=128,
+    pos_embed_max_size=RESOLUTION // 4, qk_norm="rms_norm",
+)
+TEXT_ENCODER = dict(hidden=64, layers=3, heads=4, ffn=256)  # each of the two CLIP encoders; 64 + 64 = joint width 128
+
+
+def _pixel_space(device):
+    """The VAE slot of a pixel-space pipeline: decode is the identity on [-1, 1] images.
+
+    It carries the config fields the SD3 pipeline and models.decode read (a single block, so
+    vae_scale_factor = 1; scaling 1 and shift 0, so latents are the images) and one buffer, so that
+    .device and .dtype follow .to() as for a real VAE.
+    """
+    import types
+
+    import torch
+
+    class PixelSpace(torch.nn.Module):
+        config = types.SimpleNamespace(block_out_channels=(3,), latent_channels=3, scaling_factor=1.0, shift_factor=0.0)
+
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("anchor", torch.zeros(()), persistent=False)
+
+        device = property(lambda self: self.anchor.device)
+        dtype = property(lambda self: self.anchor.dtype)
+
+        def encode(self, images):  # images in [-1, 1] -> latents, for symmetry with AutoencoderKL users
+            return images
+
+        def decode(self, latents, return_dict=True):
+            return (latents,) if not return_dict else types.SimpleNamespace(sample=latents)
+
+    return PixelSpace().to(device)
+
+
+def tokenizer():
+    """CLIP's BPE tokenizer (models.clip_tokenizer) with this model's 16-token context."""
+    import models
+
+    tok = models.clip_tokenizer()
+    tok.model_max_length = TOKENS
+    return tok
+
+
+def build_pipeline(*, seed=0, device="cpu"):
+    """The `shapes` StableDiffusion3Pipeline with weights drawn from `seed` (before any training)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    import models
+
+    def clip():
+        t = TEXT_ENCODER
+        config = CLIPTextConfig(
+            vocab_size=49408, hidden_size=t["hidden"], intermediate_size=t["ffn"], num_hidden_layers=t["layers"],
+            num_attention_heads=t["heads"], max_position_embeddings=TOKENS, projection_dim=t["hidden"],
+            bos_token_id=49406, eos_token_id=49407, pad_token_id=49407,
+        )
+        return CLIPTextModelWithProjection(config).eval()
+
+    with models._seeded_build(seed, device):
+        text_encoder, text_encoder_2 = clip(), clip()
+        transformer = SD3Transformer2DModel(**TRANSFORMER).eval()
+    return StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=_pixel_space(device),
+        text_encoder=text_encoder, tokenizer=tokenizer(), text_encoder_2=text_encoder_2, tokenizer_2=tokenizer(),
+        text_encoder_3=None, tokenizer_3=None,
+    )
+
+
+EMBEDDINGS = ("text_encoder.text_model.embeddings.token_embedding.weight",
+              "text_encoder_2.text_model.embeddings.token_embedding.weight")
+
+
+def trained_state(pipe):
+    """The weights that pretraining changes, by component-prefixed name. The token embedding tables
+    (49408 x 64 each, 25 MB) keep only the rows of the tokens this world's prompts use: the others
+    are never trained and come back from the seeded initialisation when the weights are loaded."""
+    ids = vocabulary_ids()
+    state = {}
+    for name in ("transformer", "text_encoder", "text_encoder_2"):
+        for key, value in getattr(pipe, name).state_dict().items():
+            full = f"{name}.{key}"
+            state[full] = value[ids] if full in EMBEDDINGS else value
+    return state
+
+
+def vocabulary_ids():
+    """Token ids of every word the prompts of this world use (with the start/end tokens), sorted."""
+    import torch
+
+    tok = tokenizer()
+    ids = set()
+    for tag in TAGS:
+        for row in prompt_rows(tag):
+            ids.update(tok(row["prompt"]).input_ids)
+    ids.update(tok("").input_ids)
+    return torch.tensor(sorted(ids))
+
+
+def save_weights(pipe, path):
+    """Write trained_state(pipe) in float16 (half the size; the model runs in float32) to a safetensors file."""
+    import os
+
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().to("cpu").half().contiguous() for k, v in trained_state(pipe).items()}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    save_file(state, path, metadata={"vocabulary_ids": ",".join(map(str, vocabulary_ids().tolist()))})
+
+
+def load_weights(pipe, path):
+    """Copy weights written by save_weights into a pipeline from build_pipeline."""
+    import os
+
+    import torch
+    from safetensors import safe_open
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no shapes weights there; the repository ships {WEIGHTS} "
+                                f"(git checkout it) and scripts/pretrain_shapes.py writes new ones")
+    with safe_open(path, "pt") as f:
+        ids = torch.tensor([int(i) for i in f.metadata()["vocabulary_ids"].split(",")])
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    expected = trained_state(pipe)
+    if set(state) != set(expected):
+        raise ValueError(f"{path} does not hold shapes weights of this architecture "
+                         f"({len(set(state) ^ set(expected))} names differ); write them with scripts/pretrain_shapes.py")
+    with torch.no_grad():
+        for name in ("transformer", "text_encoder", "text_encoder_2"):
+            for key, value in getattr(pipe, name).state_dict(keep_vars=True).items():
+                full = f"{name}.{key}"
+                if full in EMBEDDINGS:
+                    value[ids] = state[full].to(value.dtype)
+                else:
+                    value.copy_(state[full])
+    return pipe
+
+
+def pipeline(weights=WEIGHTS, *, device="cpu"):
+    """The pretrained `shapes` pipeline (models.MODELS["shapes"]): built from the config above, weights loaded."""
+    import os
+
+    if not os.path.isabs(weights) and not os.path.exists(weights):
+        weights = os.path.join(os.path.dirname(os.path.abspath(__file__)), weights)  # relative to the repository
+    return load_weights(build_pipeline(device=device), weights)
