@@ -8,6 +8,9 @@ Prompt files come in two formats:
                     {"input": "A logo saying \\"Miles\\"", "metadata": {"rm_type": "ocr"}}
 
 `metadata` is optional; its `rm_type` picks the reward for that one prompt (see rewards.py).
+With `metadata_key=""` the whole row is the metadata: GenEval's own files (evaluation_metadata.jsonl,
+Flow-GRPO's train_metadata.jsonl: {"tag": ..., "include": [...], "prompt": ...}) load as they are
+with `input_key="prompt", metadata_key=""`.
 
 Sampling is stateless. The prompt stream of a run is perm(epoch 0) ++ perm(epoch 1) ++ ..., each
 permutation seeded from (seed, epoch), and optimizer step s takes items [s P, (s + 1) P) of it, so
@@ -32,10 +35,10 @@ def load_prompts(path, *, input_key="input", metadata_key="metadata"):
     """Read a `.jsonl` or `.txt` prompt file -> (prompts: list[str], metadata: list[dict]).
 
     Prompts are stripped of surrounding whitespace. A JSONL row's metadata is the object under
-    `metadata_key`; missing or null gives {}. Rows that are blank, not UTF-8, not valid JSON, not
-    a JSON object, without a non-empty string under `input_key`, or with metadata that is not an
-    object are skipped and reported in one warning (path, count per reason, first line number).
-    A trailing newline does not make a blank row.
+    `metadata_key` (missing or null gives {}), or the whole row when `metadata_key` is "". Rows
+    that are blank, not UTF-8, not valid JSON, not a JSON object, without a non-empty string under
+    `input_key`, or with metadata that is not an object are skipped and reported in one warning
+    (path, count per reason, first line number). A trailing newline does not make a blank row.
 
     Raises ValueError (unknown extension, no valid row) or FileNotFoundError (missing file),
     each with a one-line message that names the path and the fix.
@@ -103,7 +106,7 @@ def _parse_row(line, ext, input_key, metadata_key, other_keys):
                 if isinstance(value, str) and value.strip():
                     other_keys[key] = other_keys.get(key, 0) + 1
         return f"no prompt under {input_key!r}", None, None
-    meta = row.get(metadata_key)
+    meta = row.get(metadata_key) if metadata_key else row
     if meta is None:
         meta = {}
     if not isinstance(meta, dict):

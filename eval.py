@@ -3,6 +3,8 @@
     python eval.py --model tiny --prompts prompts/tiny.txt --reward jpeg_compressibility \
         --checkpoints runs/default/checkpoints/60 --out runs/default/eval
     python eval.py --plot runs/default                      # reward and loss curves -> runs/default/curves.png
+    python eval.py --model sd3 --prompts prompts/geneval_test.jsonl --input-key prompt --max-prompts 553 \
+        --reward geneval --resolution 512 --guidance-scale 4.5 --checkpoints ...   # GenEval per tag and overall
 
 Every prompt gets the same initial noise in every column (seeded by --seed and the prompt's index), so
 the columns of the grid and of the table differ only by the weights. The base model is always the
@@ -16,6 +18,7 @@ import os
 import torch
 
 import data
+import geneval
 import models
 import rewards
 import sde
@@ -44,9 +47,17 @@ def sample_images(pipe, prompts, *, resolution, num_steps, guidance_scale, seed=
 
 
 def score(reward_fn, images, prompts, metadata):
-    """Mean of every reward entry (nan-aware: rm_type overrides leave other components NaN)."""
+    """Mean of every reward entry (nan-aware: rm_type overrides leave other components NaN).
+
+    GenEval: the geneval_<tag> means are the per-tag accuracies; geneval_overall is their mean
+    (the official number) and geneval_mean_over_images the mean of geneval_correct.
+    """
     result = reward_fn(images, prompts, metadata)
-    return {k: torch.nanmean(v.float()).item() for k, v in result.items() if k != "failed"}
+    means = {k: torch.nanmean(v.float()).item() for k, v in result.items() if k != "failed"}
+    if "geneval_correct" in result:
+        overall = geneval.summary_of_scores(result)
+        means.update(geneval_overall=overall["overall"], geneval_mean_over_images=overall["mean_over_images"])
+    return means
 
 
 def load_weights(pipe, path, *, use_ema=False):
@@ -115,6 +126,8 @@ def main(argv=None):
     p.add_argument("--checkpoints", nargs="*", default=[], help="train.py checkpoint folders (<run>/checkpoints/<step>)")
     p.add_argument("--ema", action="store_true", help="use the checkpoints' EMA weights where saved")
     p.add_argument("--prompts", default="prompts/tiny.txt", help="held-out prompts (.txt or .jsonl)")
+    p.add_argument("--input-key", default="input", help="JSONL key of the prompt (GenEval files: prompt)")
+    p.add_argument("--metadata-key", default="metadata", help="JSONL key of the metadata; '' takes the whole row")
     p.add_argument("--max-prompts", type=int, default=16, help="first N prompts of the file")
     p.add_argument("--reward", default="jpeg_compressibility", help="reward spec, as train.py --reward")
     p.add_argument("--resolution", type=int, default=64, help="image side in pixels")
@@ -123,14 +136,15 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=8, help="images per forward")
     p.add_argument("--seed", type=int, default=0, help="noise seed (per prompt)")
     p.add_argument("--out", default="runs/eval", help="folder for summary.json and grid.png")
+    geneval.add_arguments(p)
     args = p.parse_args(argv)
     if args.plot:
         return plot_run(args.plot)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    prompts, metadata = data.load_prompts(args.prompts)
+    prompts, metadata = data.load_prompts(args.prompts, input_key=args.input_key, metadata_key=args.metadata_key)
     prompts, metadata = prompts[:args.max_prompts], metadata[:args.max_prompts]
-    reward_fn = rewards.build_reward(args.reward, device=device)
+    reward_fn = rewards.build_reward(args.reward, device=device, **{k: getattr(args, k) for k in geneval.options()})
     pipe = models.load_pipeline(args.model, args.model_path, device=device)
     ranks = set()
     for ckpt in args.checkpoints:

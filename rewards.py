@@ -17,6 +17,7 @@
 | `custom_api`             | the same loop with your own request/response hooks       | yours                    |
 | `remote`                 | a reward server you run, one POST per batch              | yours                    |
 | `custom`                 | your function (`--custom-rm-path module.function`)       | yours                    |
+| `geneval`                | GenEval verdict from detections (geneval.py)             | [0, 1]; partial <= 1     |
 
 Conventions shared by every scorer:
 
@@ -71,6 +72,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+import geneval  # light at import: its models load inside geneval.reward
+from geneval import geneval_judge  # noqa: F401  (rewards.geneval_judge, as DESIGN.md names it)
+
 log = logging.getLogger(__name__)
 
 
@@ -91,7 +95,7 @@ OPTIONS = (
     "rm_url", "remote_batch_size", "remote_max_concurrency",
     "custom_rm_path", "custom_rm_args",
     "reward_retries", "reward_timeout", "reward_backoff", "reward_on_error",
-)
+) + geneval.options()  # declared once, in geneval.add_arguments
 
 
 # ----------------------------------------------------------------------------- images
@@ -779,7 +783,8 @@ def build_reward(spec, *, device="cpu", **options):
                 part, part_failed, extras = _as_scores(
                     scorer(name)(images[idx], [prompts[i] for i in idx], [metadata[i] for i in idx]), len(idx), name)
                 for key, values in [(name, part)] + list(extras.items()):
-                    bad = ~torch.isfinite(values) & ~part_failed
+                    # extra entries may be NaN where they do not apply (GenEval's per-tag accuracies), never inf
+                    bad = (~torch.isfinite(values) if key == name else values.isinf()) & ~part_failed
                     if bad.any():
                         j = int(bad.nonzero()[0])
                         raise NonFiniteReward(f"reward {name!r} ({key}) gave {values[j].item()} for sample {idx[j]}")
@@ -803,6 +808,11 @@ def build_reward(spec, *, device="cpu", **options):
     return reward_fn
 
 
+def geneval_reward(*, device="cpu", **options):
+    """GenEval (geneval.reward); options left unset take the defaults of geneval.add_arguments."""
+    return geneval.reward(device=device, **{**geneval.defaults(), **options})
+
+
 REWARDS = {
     "pickscore": pickscore,
     "hps": hps,
@@ -813,4 +823,5 @@ REWARDS = {
     "custom_api": custom_api,
     "remote": remote,
     "custom": custom,
+    "geneval": geneval_reward,
 }

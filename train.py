@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 import data
 import eval as evaluation
+import geneval
 import losses
 import models
 import rewards
@@ -101,7 +102,7 @@ def parse_args(argv=None):
     p.add_argument("--prompts", default=None, help="training prompts: .txt (one per line) or .jsonl")
     p.add_argument("--eval-prompts", default=None, help="held-out prompts for --eval-every (default: none)")
     p.add_argument("--input-key", default="input", help="JSONL key of the prompt")
-    p.add_argument("--metadata-key", default="metadata", help="JSONL key of the per-sample metadata (rm_type, ...)")
+    p.add_argument("--metadata-key", default="metadata", help="JSONL key of the per-sample metadata (rm_type, ...); '' takes the whole row (GenEval's files)")
     p.add_argument("--no-shuffle", action="store_true", help="keep file order instead of a seeded permutation per epoch")
     # sampling
     p.add_argument("--num-steps", type=int, default=None, help="denoising steps of a training rollout")
@@ -146,6 +147,7 @@ def parse_args(argv=None):
     p.add_argument("--reward-timeout", type=float, default=60.0, help="seconds per reward service request")
     p.add_argument("--reward-backoff", type=float, default=1.0, help="seconds before the first retry; doubles each time")
     p.add_argument("--reward-on-error", default="raise", choices=["raise", "skip"], help="after the retries: stop the run, or drop the affected groups from the update")
+    geneval.add_arguments(p)  # --geneval-* (detector, checkpoints, which score trains)
     # loss
     p.add_argument("--loss", default="grpo", choices=["grpo", "guard", "flowdppo"], help="GRPO (PPO clip), GRPO-Guard (RatioNorm), FlowDPPO (KL-ADV mask)")
     p.add_argument("--clip-range", type=float, default=None, help="PPO clip range of the ratio (log-probs are means over latent dims, hence ~1e-4 on hub models)")

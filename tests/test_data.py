@@ -65,6 +65,18 @@ def test_custom_keys(tmp_path):
     assert metadata == [{"rm_type": "pickscore"}, {}]
 
 
+def test_empty_metadata_key_takes_the_whole_row(tmp_path):
+    # GenEval's own files: the prompt and its clauses side by side in one flat object per line
+    rows = [{"tag": "single_object", "include": [{"class": "cat", "count": 1}], "prompt": "a photo of a cat"},
+            {"tag": "counting", "include": [{"class": "bus", "count": 2}], "exclude": [{"class": "bus", "count": 3}],
+             "prompt": "a photo of two buses"}]
+    path = write(tmp_path, "evaluation_metadata.jsonl", "\n".join(json.dumps(r) for r in rows))
+    prompts, metadata, caught = load_quiet(path, input_key="prompt", metadata_key="")
+    assert caught == [] and prompts == ["a photo of a cat", "a photo of two buses"]
+    assert metadata == rows
+    assert load_quiet(path, input_key="prompt")[1] == [{}, {}]  # the default key finds no metadata in flat rows
+
+
 def test_bad_rows_skipped_with_one_warning(tmp_path):
     lines = ['{"input": "good one"}',
              "",                               # 2 blank

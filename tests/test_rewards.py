@@ -452,14 +452,14 @@ def test_rm_type_override_splits_and_reassembles():
                 {"rm_type": "jpeg_incompressibility"}]
     reward = build_reward("custom", custom_rm_path="test_rewards.brightness")
     out = reward(images, prompts, metadata)
-    bright = images.reshape(5, -1).mean(1) / 255
-    jpeg = rewards.jpeg_incompressibility()(images, prompts, metadata)
+    bright = (images.reshape(5, -1).mean(1) / 255).tolist()  # plain floats: approx compares numbers, not tensors
+    jpeg = rewards.jpeg_incompressibility()(images, prompts, metadata).tolist()
     assert CALLS == [(3, ["p0", "p2", "p3"])]  # one batched call, original order
     nan = float("nan")
     assert out["custom"].tolist() == pytest.approx([bright[0], nan, bright[2], bright[3], nan], rel=1e-5, nan_ok=True)
     assert out["jpeg_incompressibility"].tolist() == pytest.approx([nan, jpeg[1], jpeg[2], nan, jpeg[4]], rel=1e-5, nan_ok=True)
     want = [bright[0], jpeg[1], 0.5 * bright[2] + 0.5 * jpeg[2], bright[3], jpeg[4]]
-    assert out["reward"].tolist() == pytest.approx([float(w) for w in want], rel=1e-5)
+    assert out["reward"].tolist() == pytest.approx(want, rel=1e-5)
     assert torch.isfinite(out["reward"]).all()
 
 
