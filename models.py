@@ -25,6 +25,8 @@ checks all of this against `StableDiffusion3Pipeline.__call__` and `FluxPipeline
 | `tiny-flux`  | the same for the FLUX architecture (CLIP + tiny T5)                                 |
 | `sd3-random` | the SD3.5-medium transformer and VAE at full size with random weights and tiny    |
 |              | text encoders of the right widths, for `bench.py` (no download)                    |
+| `shapes`     | pretrained in this repository on scenes of coloured shapes (shapes.py): SD3        |
+|              | architecture in pixel space at 32 px, weights shipped in weights/                  |
 
 Departures from the diffusers defaults, and why:
 1. A pipeline without a T5 encoder (`tiny`) gets no T5 tokens, where diffusers would append
@@ -274,6 +276,16 @@ def sd3_random(model_path=None, dtype=torch.float32, device="cpu"):
         text_encoder=text_encoder, tokenizer=clip_tokenizer(), text_encoder_2=text_encoder_2,
         tokenizer_2=clip_tokenizer(), text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3,
     )
+    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+
+
+def shapes_model(model_path=None, dtype=torch.float32, device="cpu"):
+    """The pretrained model of the shapes world (shapes.py): SD3 architecture in pixel space at 32 px,
+    built from shapes.TRANSFORMER / TEXT_ENCODER with the shipped weights/shapes.safetensors, or the
+    safetensors file given as --model-path (written by scripts/pretrain_shapes.py)."""
+    import shapes
+
+    pipe = shapes.pipeline(model_path or shapes.WEIGHTS, device=device)
     return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
 
 
@@ -532,6 +544,7 @@ def tiny_hps(folder, *, seed=0, image_size=32, patch_size=8):
 
 MODELS = {
     "tiny": tiny,
+    "shapes": shapes_model,
     "tiny-flux": tiny_flux,
     "sd3": sd3,
     "sd3-random": sd3_random,

@@ -35,7 +35,6 @@ BACKGROUND = (128, 128, 128)
 TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
 NUMBERS = ("zero", "one", "two", "three", "four")
 RELATIONS = ("left of", "right of", "above", "below")
-POSITION_THRESHOLD = 0.1  # GenEval evaluate_images.py: the margin, as a fraction of the two box sizes
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -88,21 +87,6 @@ def prompt_rows(tag):
 
 # ----------------------------------------------------------------------------- scenes
 
-def relations(a, b):
-    """GenEval's relative_position(a, b) (evaluate_images.py): the relations that hold of object a
-    with respect to b, for boxes [x1, y1, x2, y2]. Both offsets are shrunk by 0.1 x the summed box
-    sizes, then normalised by the centre distance; a direction holds beyond 0.5 (y grows downward)."""
-    ca = np.array([(a[0] + a[2]) / 2, (a[1] + a[3]) / 2])
-    cb = np.array([(b[0] + b[2]) / 2, (b[1] + b[3]) / 2])
-    size = np.array([a[2] - a[0] + b[2] - b[0], a[3] - a[1] + b[3] - b[1]])
-    offset = ca - cb
-    revised = np.sign(offset) * np.maximum(np.abs(offset) - POSITION_THRESHOLD * size, 0)
-    if np.all(np.abs(revised) < 1e-3):
-        return set()
-    dx, dy = revised / np.linalg.norm(offset)
-    return {rel for rel, holds in (("left of", dx < -0.5), ("right of", dx > 0.5), ("above", dy < -0.5), ("below", dy > 0.5)) if holds}
-
-
 def object_box(obj):
     """The box [x1, y1, x2, y2] (float pixels) of a drawn object {shape, color, cx, cy, size}."""
     h = obj["size"] / 2
@@ -139,6 +123,8 @@ def layout(metadata, size, rng, *, max_tries=1000):
             objects.append({"shape": clause["class"], "color": color, "clause": index})
     if not 1 <= len(objects) <= 4:
         raise ValueError(f"a scene holds 1-4 objects, the metadata asks for {len(objects)}")
+    from geneval import relative_position
+
     scale = size / 32
     lo, hi = SIZE_RANGE[len(objects)]
     for _ in range(max_tries):
@@ -159,7 +145,7 @@ def layout(metadata, size, rng, *, max_tries=1000):
             grow = 2 * scale
             a = [v + d for v, d in zip(object_box(first(i)), (-grow, -grow, grow, grow))]
             b = [v + d for v, d in zip(object_box(first(j)), (-grow, -grow, grow, grow))]
-            if relations(a, b) != {rel} or relations(object_box(first(i)), object_box(first(j))) != {rel}:
+            if relative_position(a, b) != {rel} or relative_position(object_box(first(i)), object_box(first(j))) != {rel}:
                 continue
         return [{k: v for k, v in o.items() if k != "clause"} for o in placed]
     raise RuntimeError(f"no layout found for {metadata} in {max_tries} tries")
@@ -236,28 +222,6 @@ def unmix(images):
     return best, take(alpha), take(residual)
 
 
-def components(labels):
-    """8-connected components of equal non-negative labels: int [B, H, W] -> component ids [B, H, W]
-    (-1 where labels < 0; ids are the smallest flat index in the component). Min-label propagation,
-    vectorised over the batch; it stops when no id changes (at most the longest path in a component)."""
-    b, h, w = labels.shape
-    ids = np.where(labels >= 0, np.arange(h * w).reshape(1, h, w), -1).astype(np.int64)
-    ids = np.broadcast_to(ids, (b, h, w)).copy()
-    big = h * w
-    pad_l = np.pad(labels, ((0, 0), (1, 1), (1, 1)), constant_values=-1)
-    shifts = [(dy, dx) for dy in (-1, 0, 1) for dx in (-1, 0, 1) if (dy, dx) != (0, 0)]
-    same = [pad_l[:, 1 + dy:1 + dy + h, 1 + dx:1 + dx + w] == labels for dy, dx in shifts]
-    while True:
-        pad_i = np.pad(np.where(ids < 0, big, ids), ((0, 0), (1, 1), (1, 1)), constant_values=big)
-        new = ids.copy()
-        for (dy, dx), ok in zip(shifts, same):
-            neighbour = pad_i[:, 1 + dy:1 + dy + h, 1 + dx:1 + dx + w]
-            new = np.where(ok & (labels >= 0), np.minimum(new, neighbour), new)
-        if np.array_equal(new, ids):
-            return ids
-        ids = new
-
-
 def fit_templates(alpha):
     """Soft IoU of an object's coverage map with each shape of the same area and centroid.
 
@@ -331,26 +295,27 @@ def detect(images):
         images = images[None]
     if images.ndim != 4 or images.shape[-1] != 3:
         raise ValueError(f"detect takes uint8 images [B, H, W, 3], got shape {images.shape}")
+    from scipy.ndimage import label
+
     best, alpha, _ = unmix(images)
-    labels = np.where(alpha >= 0.5, best, -1)
-    ids = components(labels)
     names = list(COLORS)
-    b, h, w = labels.shape
+    b, h, w = alpha.shape
     out = []
     for i in range(b):
         found = []
-        uniq, counts = np.unique(ids[i][ids[i] >= 0], return_counts=True)
-        for cid, area in zip(uniq, counts):
-            if area < MIN_AREA * h * w:
-                continue
-            mask = ids[i] == cid
-            k = labels[i].flat[cid]
-            soft = np.where(_dilate(mask) & (best[i] == k), alpha[i], 0.0)
-            name, score = classify(fit_templates(soft))
-            score *= min((area / (h * w) - MIN_AREA) / MIN_AREA, 1.0)
-            ys, xs = np.nonzero(mask)
-            box = [int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1]
-            found.append({"class": name, "score": score, "box": box, "mask": mask, "color": names[k]})
+        for k, color in enumerate(names):
+            ids, n = label((best[i] == k) & (alpha[i] >= 0.5), structure=np.ones((3, 3)))  # 8-connected
+            for cid in range(1, n + 1):
+                mask = ids == cid
+                area = mask.sum()
+                if area < MIN_AREA * h * w:
+                    continue
+                soft = np.where(_dilate(mask) & (best[i] == k), alpha[i], 0.0)
+                name, score = classify(fit_templates(soft))
+                score *= min((area / (h * w) - MIN_AREA) / MIN_AREA, 1.0)
+                ys, xs = np.nonzero(mask)
+                box = [int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1]
+                found.append({"class": name, "score": score, "box": box, "mask": mask, "color": color})
         out.append(sorted(found, key=lambda d: -d["score"]))
     return out
 
@@ -512,3 +477,128 @@ def pipeline(weights=WEIGHTS, *, device="cpu"):
     if not os.path.isabs(weights) and not os.path.exists(weights):
         weights = os.path.join(os.path.dirname(os.path.abspath(__file__)), weights)  # relative to the repository
     return load_weights(build_pipeline(device=device), weights)
+
+
+# ----------------------------------------------------------------------------- prompt files and evaluation
+
+TEST_FRACTION = 1 / 3  # of each tag's prompts held out; all single-object prompts are held out (see split)
+ROWS_PER_TAG = {"train": 120, "test": 60}
+
+
+def split(seed=0):
+    """(train rows, test rows): disjoint prompts, each tag cycled to ROWS_PER_TAG rows so that tags
+    weigh the same in training and the overall accuracy equals the mean over images.
+
+    As Flow-GRPO's GenEval training set, which was filtered against GenEval's test prompts and so
+    holds none of its single-object prompts (the test set has one per class), every single-object
+    prompt is held out; of the other tags a seeded third is, spread over the classes, colours,
+    counts and relations (in rounds, each taking rows whose values are new to the round). Repeated test rows are sampled with
+    different noise (eval.seeded_noise seeds by row index), as Flow-GRPO repeats each test prompt 4 times.
+    """
+    rng = np.random.default_rng(seed)
+    train, test = [], []
+    for tag in TAGS:
+        rows = prompt_rows(tag)
+        order = rng.permutation(len(rows)).tolist()
+        held = len(rows) if tag == "single_object" else max(1, round(len(rows) * TEST_FRACTION))
+        chosen = []
+        while len(chosen) < held:  # rounds; a round takes rows that bring only classes / colours / counts / relations new to it
+            seen = set()
+            for i in order:
+                features = _features(rows[i]["metadata"])
+                if len(chosen) < held and i not in chosen and not features & seen:
+                    chosen.append(i)
+                    seen |= features
+        test.append([rows[i] for i in sorted(chosen)])
+        train.append([rows[i] for i in range(len(rows)) if i not in chosen])
+    cycle = lambda rows, n: [rows[i % len(rows)] for i in range(n)] if rows else []  # noqa: E731
+    return ([r for rows in train for r in cycle(rows, ROWS_PER_TAG["train"])],
+            [r for rows in test for r in cycle(rows, ROWS_PER_TAG["test"])])
+
+
+def _features(metadata):
+    """What a prompt varies: its classes, colours, relations and counts above one."""
+    return {(key, str(clause.get(key))) for clause in metadata["include"] for key in ("class", "count", "color", "position")
+            if clause.get(key) not in (None, 1)}
+
+
+def write_prompts(folder="prompts", seed=0):
+    """Write prompts/shapes_train.jsonl and prompts/shapes_test.jsonl (read with --input-key prompt)."""
+    import json
+    import os
+
+    for name, rows in zip(("train", "test"), split(seed)):
+        path = os.path.join(folder, f"shapes_{name}.jsonl")
+        with open(path, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        print(f"wrote {path}: {len(rows)} rows, {len({r['prompt'] for r in rows})} distinct prompts")
+
+
+def evaluate(pipe, prompts, metadata, *, num_steps=10, guidance_scale=2.0, shift=3.0, seed=0, batch_size=64):
+    """GenEval accuracy of `pipe` on prompts (ODE samples, eval.sample_images) judged by geneval's
+    official rule on this world's detections -> (geneval.summary dict, images uint8 [N, H, W, 3])."""
+    import eval as evaluation
+    import geneval
+
+    images = evaluation.sample_images(pipe, list(prompts), resolution=RESOLUTION, num_steps=num_steps,
+                                      guidance_scale=guidance_scale, seed=seed, batch_size=batch_size, shift=shift)
+    detections = detect(images.numpy())
+    correct = [geneval.geneval_judge(m, d)["correct"] for m, d in zip(metadata, detections)]
+    return geneval.summary([m["tag"] for m in metadata], correct), images
+
+
+def main(argv=None):
+    import argparse
+    import time
+
+    p = argparse.ArgumentParser(description="The shapes world: write its prompt files, or evaluate a model on them.")
+    p.add_argument("--write-prompts", action="store_true", help="write prompts/shapes_train.jsonl and shapes_test.jsonl")
+    p.add_argument("--eval", action="store_true", help="print per-tag and overall GenEval accuracy of the weights")
+    p.add_argument("--weights", default=WEIGHTS, help="safetensors file written by scripts/pretrain_shapes.py")
+    p.add_argument("--prompts", default="prompts/shapes_test.jsonl", help="JSONL rows {prompt, metadata}")
+    p.add_argument("--num-steps", type=int, default=10, help="ODE steps")
+    p.add_argument("--guidance-scale", type=float, default=2.0, help="CFG scale")
+    p.add_argument("--shift", type=float, default=3.0, help="time shift of the sigma schedule")
+    p.add_argument("--seeds", type=int, default=1, help="passes over the prompts, each with its own noise seed")
+    p.add_argument("--grid", default=None, help="also save the first 64 samples as a PNG grid here")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    args = p.parse_args(argv)
+    if args.write_prompts:
+        write_prompts()
+    if not args.eval:
+        return None if args.write_prompts else p.error("nothing to do: pass --write-prompts or --eval")
+
+    import torch
+
+    import data
+    import geneval
+
+    torch.set_num_threads(args.threads)
+    prompts, metadata = data.load_prompts(args.prompts, input_key="prompt")
+    pipe = pipeline(args.weights)
+    start, tags, correct, first = time.time(), [], [], None
+    for seed in range(args.seeds):
+        result, images = evaluate(pipe, prompts, metadata, num_steps=args.num_steps, guidance_scale=args.guidance_scale,
+                                  shift=args.shift, seed=seed)
+        first = images if first is None else first
+        detections = detect(images.numpy())
+        tags += [m["tag"] for m in metadata]
+        correct += [geneval.geneval_judge(m, d)["correct"] for m, d in zip(metadata, detections)]
+    result = geneval.summary(tags, correct)
+    print(f"{args.weights}: {len(correct)} images, {args.num_steps} steps, CFG {args.guidance_scale}, "
+          f"shift {args.shift} ({time.time() - start:.0f} s)")
+    for tag in TAGS:
+        print(f"  {tag:<14} {result.get(tag, float('nan')):.3f}")
+    print(f"  {'overall':<14} {result['overall']:.3f}")
+    if args.grid:
+        from PIL import Image
+
+        n = min(64, len(first))
+        grid = first[:n].reshape(n // 8, 8, *first.shape[1:]).permute(0, 2, 1, 3, 4).reshape(n // 8 * first.shape[1], -1, 3)
+        Image.fromarray(grid.numpy()).resize((grid.shape[1] * 4, grid.shape[0] * 4), Image.NEAREST).save(args.grid)
+    return result
+
+
+if __name__ == "__main__":
+    main()
