@@ -401,34 +401,27 @@ def build_pipeline(*, seed=0, device="cpu"):
     )
 
 
-EMBEDDINGS = ("text_encoder.text_model.embeddings.token_embedding.weight",
-              "text_encoder_2.text_model.embeddings.token_embedding.weight")
+FROZEN = "text_model.embeddings.token_embedding"  # CLIP's 49408-row token table stays at its seeded values
 
 
 def trained_state(pipe):
-    """The weights that pretraining changes, by component-prefixed name. The token embedding tables
-    (49408 x 64 each, 25 MB) keep only the rows of the tokens this world's prompts use: the others
-    are never trained and come back from the seeded initialisation when the weights are loaded."""
-    ids = vocabulary_ids()
-    state = {}
+    """The weights that pretraining trains, by component-prefixed name: the transformer and both text
+    encoders except their token-embedding tables. Those (49408 x 64 each, 25 MB in float32) stay at
+    their seeded initialisation: the tokens of this world's prompts get distinct random vectors that the
+    encoder layers learn to read, and the file need not carry 49 382 rows that no prompt uses."""
+    return {f"{name}.{key}": value for name in ("transformer", "text_encoder", "text_encoder_2")
+            for key, value in getattr(pipe, name).state_dict().items() if not key.startswith(FROZEN)}
+
+
+def trainable_parameters(pipe):
+    """The parameters of trained_state, with requires_grad set (the token tables frozen)."""
+    params = []
     for name in ("transformer", "text_encoder", "text_encoder_2"):
-        for key, value in getattr(pipe, name).state_dict().items():
-            full = f"{name}.{key}"
-            state[full] = value[ids] if full in EMBEDDINGS else value
-    return state
-
-
-def vocabulary_ids():
-    """Token ids of every word the prompts of this world use (with the start/end tokens), sorted."""
-    import torch
-
-    tok = tokenizer()
-    ids = set()
-    for tag in TAGS:
-        for row in prompt_rows(tag):
-            ids.update(tok(row["prompt"]).input_ids)
-    ids.update(tok("").input_ids)
-    return torch.tensor(sorted(ids))
+        for key, param in getattr(pipe, name).named_parameters():
+            param.requires_grad_(not key.startswith(FROZEN))
+            if param.requires_grad:
+                params.append(param)
+    return params
 
 
 def save_weights(pipe, path):
@@ -439,34 +432,27 @@ def save_weights(pipe, path):
 
     state = {k: v.detach().to("cpu").half().contiguous() for k, v in trained_state(pipe).items()}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    save_file(state, path, metadata={"vocabulary_ids": ",".join(map(str, vocabulary_ids().tolist()))})
+    save_file(state, path)
 
 
 def load_weights(pipe, path):
-    """Copy weights written by save_weights into a pipeline from build_pipeline."""
+    """Copy weights written by save_weights into a pipeline from build_pipeline (same seed)."""
     import os
 
     import torch
-    from safetensors import safe_open
+    from safetensors.torch import load_file
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no shapes weights there; the repository ships {WEIGHTS} "
                                 f"(git checkout it) and scripts/pretrain_shapes.py writes new ones")
-    with safe_open(path, "pt") as f:
-        ids = torch.tensor([int(i) for i in f.metadata()["vocabulary_ids"].split(",")])
-        state = {k: f.get_tensor(k) for k in f.keys()}
+    state = load_file(path)
     expected = trained_state(pipe)
     if set(state) != set(expected):
         raise ValueError(f"{path} does not hold shapes weights of this architecture "
                          f"({len(set(state) ^ set(expected))} names differ); write them with scripts/pretrain_shapes.py")
     with torch.no_grad():
-        for name in ("transformer", "text_encoder", "text_encoder_2"):
-            for key, value in getattr(pipe, name).state_dict(keep_vars=True).items():
-                full = f"{name}.{key}"
-                if full in EMBEDDINGS:
-                    value[ids] = state[full].to(value.dtype)
-                else:
-                    value.copy_(state[full])
+        for key, value in expected.items():
+            value.copy_(state[key])
     return pipe
 
 
@@ -536,16 +522,16 @@ def write_prompts(folder="prompts", seed=0):
 
 
 def evaluate(pipe, prompts, metadata, *, num_steps=10, guidance_scale=2.0, shift=3.0, seed=0, batch_size=64):
-    """GenEval accuracy of `pipe` on prompts (ODE samples, eval.sample_images) judged by geneval's
-    official rule on this world's detections -> (geneval.summary dict, images uint8 [N, H, W, 3])."""
+    """GenEval verdicts of `pipe` on prompts: ODE samples (eval.sample_images, noise seeded by `seed`
+    and the row index) judged by geneval's official rule on this world's detections.
+    Returns (correct: list of 0/1 floats, images uint8 [N, H, W, 3]); geneval.summary makes the table."""
     import eval as evaluation
     import geneval
 
     images = evaluation.sample_images(pipe, list(prompts), resolution=RESOLUTION, num_steps=num_steps,
                                       guidance_scale=guidance_scale, seed=seed, batch_size=batch_size, shift=shift)
     detections = detect(images.numpy())
-    correct = [geneval.geneval_judge(m, d)["correct"] for m, d in zip(metadata, detections)]
-    return geneval.summary([m["tag"] for m in metadata], correct), images
+    return [geneval.geneval_judge(m, d)["correct"] for m, d in zip(metadata, detections)], images
 
 
 def main(argv=None):
@@ -561,7 +547,7 @@ def main(argv=None):
     p.add_argument("--guidance-scale", type=float, default=2.0, help="CFG scale")
     p.add_argument("--shift", type=float, default=3.0, help="time shift of the sigma schedule")
     p.add_argument("--seeds", type=int, default=1, help="passes over the prompts, each with its own noise seed")
-    p.add_argument("--grid", default=None, help="also save the first 64 samples as a PNG grid here")
+    p.add_argument("--grid", default=None, help="also save 8 samples of each tag as a PNG grid here")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     args = p.parse_args(argv)
     if args.write_prompts:
@@ -579,24 +565,24 @@ def main(argv=None):
     pipe = pipeline(args.weights)
     start, tags, correct, first = time.time(), [], [], None
     for seed in range(args.seeds):
-        result, images = evaluate(pipe, prompts, metadata, num_steps=args.num_steps, guidance_scale=args.guidance_scale,
-                                  shift=args.shift, seed=seed)
+        verdicts, images = evaluate(pipe, prompts, metadata, num_steps=args.num_steps,
+                                    guidance_scale=args.guidance_scale, shift=args.shift, seed=seed)
         first = images if first is None else first
-        detections = detect(images.numpy())
         tags += [m["tag"] for m in metadata]
-        correct += [geneval.geneval_judge(m, d)["correct"] for m, d in zip(metadata, detections)]
+        correct += verdicts
     result = geneval.summary(tags, correct)
     print(f"{args.weights}: {len(correct)} images, {args.num_steps} steps, CFG {args.guidance_scale}, "
           f"shift {args.shift} ({time.time() - start:.0f} s)")
     for tag in TAGS:
         print(f"  {tag:<14} {result.get(tag, float('nan')):.3f}")
     print(f"  {'overall':<14} {result['overall']:.3f}")
-    if args.grid:
+    if args.grid:  # one row of 8 samples per tag
         from PIL import Image
 
-        n = min(64, len(first))
-        grid = first[:n].reshape(n // 8, 8, *first.shape[1:]).permute(0, 2, 1, 3, 4).reshape(n // 8 * first.shape[1], -1, 3)
-        Image.fromarray(grid.numpy()).resize((grid.shape[1] * 4, grid.shape[0] * 4), Image.NEAREST).save(args.grid)
+        rows = [[i for i, m in enumerate(metadata) if m["tag"] == tag][:8] for tag in TAGS]
+        grid = np.concatenate([np.concatenate([first[i].numpy() for i in row], 1) for row in rows if len(row) == 8], 0)
+        Image.fromarray(grid).resize((grid.shape[1] * 4, grid.shape[0] * 4), Image.NEAREST).save(args.grid)
+        print(f"wrote {args.grid}")
     return result
 
 

@@ -7,10 +7,11 @@ Each step renders a batch of scenes for captions drawn from GenEval's six templa
 (shapes.prompt_rows, all tags equally often, then a uniform prompt of the tag), noises them along
 the rectified-flow path and regresses the velocity (SD3, Esser et al. 2024, eq. 1-3 with the
 rectified-flow choice): x_s = (1 - s) x0 + s eps, target eps - x0, s from the logit-normal
-distribution (SD3 Sec. 3.1, m = 0, s = 1). The transformer and both CLIP text encoders train
-jointly; 10 % of captions are dropped to "" so that classifier-free guidance works (Ho & Salimans
-2022). The prediction goes through models.velocity, the same call the RL code samples with, so the
-timestep convention (SD3 takes t = 1000 s) cannot drift. Weights are an EMA of the trained ones.
+distribution (SD3 Sec. 3.1, m = 0, s = 1). The transformer and both CLIP text encoders (all but
+their token tables, see shapes.trained_state) train jointly; 10 % of captions are dropped to "" so
+that classifier-free guidance works (Ho & Salimans 2022). The prediction goes through
+models.velocity, the same call the RL code samples with, so the timestep convention (SD3 takes
+t = 1000 s) cannot drift. The saved weights are an exponential moving average of the trained ones.
 
 The run is a pure function of --seed and the thread count: rendering uses one NumPy generator,
 noise and timesteps one torch generator, and torch runs on --threads threads (matmul reductions
@@ -43,6 +44,17 @@ def batch(rng, size, *, tags, dropout):
     return captions, x
 
 
+def save_ema(pipe, params, ema, path):
+    """Write the EMA weights with shapes.save_weights, leaving the trained ones in place."""
+    with torch.no_grad():
+        trained = [q.detach().clone() for q in params]
+        for e, q in zip(ema, params):
+            q.copy_(e)
+        shapes.save_weights(pipe, path)
+        for t, q in zip(trained, params):
+            q.copy_(t)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=7000, help="optimizer steps")
@@ -57,6 +69,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2, help="torch threads (the weights depend on it in the last bits)")
     p.add_argument("--out", default=shapes.WEIGHTS, help="safetensors file written at the end")
     p.add_argument("--log-every", type=int, default=100, help="steps between log lines")
+    p.add_argument("--save-every", type=int, default=0, help="steps between extra EMA snapshots <out>-<step>.safetensors (0: none)")
     args = p.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1:
         raise SystemExit("error: --steps and --batch-size must be positive")
@@ -65,12 +78,7 @@ def main(argv=None):
     rng = np.random.default_rng(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     pipe = shapes.build_pipeline(seed=args.seed)
-    modules = [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
-    params = [q for m in modules for q in m.parameters()]
-    for q in params:
-        q.requires_grad_(True)
-    # Plain Adam (no weight decay): token embeddings of words no prompt uses get no gradient and must
-    # stay at their seeded values, which is what lets shapes.save_weights leave them out of the file.
+    params = shapes.trainable_parameters(pipe)  # transformer and text encoders; the token tables stay seeded
     opt = torch.optim.Adam(params, lr=args.lr, betas=(0.9, 0.99))
     ema = [q.detach().clone() for q in params]
     print(f"shapes pretraining: {sum(q.numel() for q in params) / 1e6:.2f} M parameters "
@@ -111,10 +119,10 @@ def main(argv=None):
                   f"eta {(args.steps - step - 1) * wall / (step + 1) / 60:.1f} min", flush=True)
             window = []
 
-    with torch.no_grad():
-        for e, q in zip(ema, params):
-            q.copy_(e)
-    shapes.save_weights(pipe, args.out)
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+            save_ema(pipe, params, ema, f"{os.path.splitext(args.out)[0]}-{step + 1}.safetensors")
+
+    save_ema(pipe, params, ema, args.out)
     wall, cpu = time.time() - start_wall, time.process_time() - start_cpu
     print(f"wrote {args.out} ({os.path.getsize(args.out) / 1e6:.2f} MB) after {wall / 60:.1f} min wall, "
           f"{cpu / 60:.1f} min cpu", flush=True)
