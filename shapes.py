@@ -405,12 +405,13 @@ FROZEN = "text_model.embeddings.token_embedding"  # CLIP's 49408-row token table
 
 
 def trained_state(pipe):
-    """The weights that pretraining trains, by component-prefixed name: the transformer and both text
-    encoders except their token-embedding tables. Those (49408 x 64 each, 25 MB in float32) stay at
-    their seeded initialisation: the tokens of this world's prompts get distinct random vectors that the
-    encoder layers learn to read, and the file need not carry 49 382 rows that no prompt uses."""
+    """The weights that pretraining trains, by component-prefixed name: the parameters of the transformer
+    and both text encoders (buffers such as the sin-cos position table are rebuilt), except the token
+    tables. Those (49408 x 64 each, 25 MB in float32) stay at their seeded initialisation: the tokens of
+    this world's prompts get distinct random vectors that the encoder layers learn to read, and the
+    file need not carry 49 382 rows that no prompt uses."""
     return {f"{name}.{key}": value for name in ("transformer", "text_encoder", "text_encoder_2")
-            for key, value in getattr(pipe, name).state_dict().items() if not key.startswith(FROZEN)}
+            for key, value in getattr(pipe, name).named_parameters() if not key.startswith(FROZEN)}
 
 
 def trainable_parameters(pipe):
@@ -536,6 +537,7 @@ def evaluate(pipe, prompts, metadata, *, num_steps=10, guidance_scale=2.0, shift
 
 def main(argv=None):
     import argparse
+    import os
     import time
 
     p = argparse.ArgumentParser(description="The shapes world: write its prompt files, or evaluate a model on them.")
@@ -555,6 +557,7 @@ def main(argv=None):
     if not args.eval:
         return None if args.write_prompts else p.error("nothing to do: pass --write-prompts or --eval")
 
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as scripts/pretrain_shapes.py: no spinning on a shared machine
     import torch
 
     import data
