@@ -222,28 +222,64 @@ def unmix(images):
     return best, take(alpha), take(residual)
 
 
-def fit_templates(alpha):
-    """Soft IoU of an object's coverage map with each shape of the same area and centroid.
+def template(shape, cx, cy, w, h, size, supersample=SUPERSAMPLE):
+    """Coverage [size, size] of a shape stretched to a w x h box centred at (cx, cy): an ellipse, a
+    rectangle or an apex-up triangle. The detector's templates; scenes are drawn by `coverage`."""
+    out = np.zeros((size, size))
+    x0, x1 = max(int(cx - w / 2) - 1, 0), min(int(cx + w / 2) + 2, size)
+    y0, y1 = max(int(cy - h / 2) - 1, 0), min(int(cy + h / 2) + 2, size)
+    if x0 >= x1 or y0 >= y1:
+        return out
+    dx = (np.arange(x0 * supersample, x1 * supersample) + 0.5)[None, :] / supersample - cx
+    dy = (np.arange(y0 * supersample, y1 * supersample) + 0.5)[:, None] / supersample - cy
+    if shape == "circle":
+        inside = (dx / (w / 2)) ** 2 + (dy / (h / 2)) ** 2 <= 1
+    elif shape == "square":
+        inside = (np.abs(dx) <= w / 2) & (np.abs(dy) <= h / 2)
+    else:
+        t = dy / h + 0.5  # 0 at the apex, 1 at the base
+        inside = (t >= 0) & (t <= 1) & (np.abs(dx) <= w / 2 * t)
+    out[y0:y1, x0:x1] = inside.reshape(y1 - y0, supersample, x1 - x0, supersample).mean(axis=(1, 3))
+    return out
 
-    alpha: float [H, W], the object's coverage (0 outside it). A shape is fitted in closed form:
-    its side from the area (circle 2 sqrt(A / pi), square sqrt(A), triangle sqrt(2 A)) and its centre
-    from the centroid (a triangle's centroid lies a sixth of its height below its box centre). Blur
-    keeps both, so the fit does not drift with a small model's softness. The template is drawn with
-    the renderer's own anti-aliasing, so a rendered object matches its template almost exactly.
-    Returns {shape: soft IoU = sum(min(alpha, t)) / sum(max(alpha, t))}.
+
+def fit_templates(alpha):
+    """How well an object's coverage map matches each shape: {shape: (soft IoU, aspect)}.
+
+    alpha: float [H, W], the object's coverage (0 outside it); soft IoU = sum(min(alpha, t)) /
+    sum(max(alpha, t)) with the template t of the shape, fitted in closed form two ways:
+    1. square box from the area (circle 2 sqrt(A / pi), square sqrt(A), triangle sqrt(2 A)), which blur keeps;
+    2. free width and height from the second moments, so a stretched or squashed shape still matches its
+       kind (a disc of diameter d has variance d^2 / 16 per axis, a square of side s s^2 / 12, a
+       triangle of base b and height h b^2 / 24 across and h^2 / 18 along); for each blur tried, its
+       variance and a pixel's 1/12 are taken off first.
+    The centre is the centroid (a triangle's lies a sixth of its height below its box centre). Each
+    template is tried sharp and blurred by each of BLURS, so a small model's softness costs little.
+    The best fit counts; aspect is its short side / long side (1 for every object this world draws).
     """
     h, w = alpha.shape
+    size = max(h, w)
     area = alpha.sum()
     ys, xs = np.mgrid[0:h, 0:w] + 0.5
     cx, cy = (alpha * xs).sum() / area, (alpha * ys).sum() / area
-    sides = {"circle": 2 * math.sqrt(area / math.pi), "square": math.sqrt(area), "triangle": math.sqrt(2 * area)}
-    ious = {}
-    for shape, side in sides.items():
-        centre_y = cy - side / 6 if shape == "triangle" else cy
-        sharp = coverage({"shape": shape, "cx": cx, "cy": centre_y, "size": side}, max(h, w))[:h, :w]
-        ious[shape] = max(float(np.minimum(alpha, t).sum() / np.maximum(alpha, t).sum())
-                          for t in (_blur(sharp, s * max(h, w) / 32) for s in BLURS))
-    return ious
+    var_x, var_y = (alpha * (xs - cx) ** 2).sum() / area, (alpha * (ys - cy) ** 2).sum() / area
+    side = {"circle": 2 * math.sqrt(area / math.pi), "square": math.sqrt(area), "triangle": math.sqrt(2 * area)}
+    per_var = {"circle": (16, 16), "square": (12, 12), "triangle": (24, 18)}  # box side^2 / variance, across and along
+    best = {}
+    for shape in SHAPES:
+        for blur in BLURS:
+            sigma = blur * size / 32
+            boxes = [(side[shape], side[shape])]
+            vx, vy = var_x - 1 / 12 - sigma ** 2, var_y - 1 / 12 - sigma ** 2
+            if vx > 0.25 and vy > 0.25:
+                boxes.append((math.sqrt(per_var[shape][0] * vx), math.sqrt(per_var[shape][1] * vy)))
+            for bw, bh in boxes:
+                centre_y = cy - bh / 6 if shape == "triangle" else cy
+                t = _blur(template(shape, cx, centre_y, bw, bh, size)[:h, :w], sigma)
+                iou = float(np.minimum(alpha, t).sum() / np.maximum(alpha, t).sum())
+                if iou > best.get(shape, (-1.0, 0.0))[0]:
+                    best[shape] = (iou, min(bw, bh) / max(bw, bh))
+    return best
 
 
 BLURS = (0.0, 0.5, 0.8, 1.1, 1.4)  # Gaussian std (px of a 32 px image) tried for each template: the best one counts
@@ -253,22 +289,26 @@ def _blur(image, sigma):
     """Separable Gaussian blur of a 2-D array (zero outside), as K_y @ image @ K_x^T."""
     if sigma <= 0:
         return image
+
     def matrix(n):
         d = np.arange(n)[:, None] - np.arange(n)[None, :]
         return np.exp(-d ** 2 / (2 * sigma ** 2)) / math.sqrt(2 * math.pi * sigma ** 2)
     return matrix(image.shape[0]) @ image @ matrix(image.shape[1]).T
 
 
-def classify(ious):
-    """Template IoUs -> (class, score in [0, 1]): the best template, scored by how well it fits
-    (IoU from IOU_RANGE[0] to IOU_RANGE[1] maps to 0..1) and by its lead over the second best
-    (full score from a lead of MARGIN_FULL); a blob between two shapes, or two shapes merged, scores low."""
-    (best, first), (_, second) = sorted(ious.items(), key=lambda kv: -kv[1])[:2]
+def classify(fits):
+    """Template fits {shape: (IoU, aspect)} -> (class, score in [0, 1]): the best-fitting shape, scored
+    by how well it fits (IoU from IOU_RANGE[0] to IOU_RANGE[1] maps to 0..1), by its lead over the
+    second best (full from MARGIN_FULL) and by its aspect (ASPECT_RANGE maps to 0..1). A blob between
+    two shapes, or two objects merged into one, scores low."""
+    (best, (first, aspect)), (_, (second, _)) = sorted(fits.items(), key=lambda kv: -kv[1][0])[:2]
     fit = np.clip((first - IOU_RANGE[0]) / (IOU_RANGE[1] - IOU_RANGE[0]), 0, 1)
     lead = np.clip((first - second) / MARGIN_FULL, 0, 1)
-    return best, float(fit * lead)
+    stretch = np.clip((aspect - ASPECT_RANGE[0]) / (ASPECT_RANGE[1] - ASPECT_RANGE[0]), 0, 1)
+    return best, float(fit * lead * stretch)
 
 
+ASPECT_RANGE = (0.5, 0.75)
 IOU_RANGE = (0.6, 0.85)
 MARGIN_FULL = 0.08
 MIN_AREA = 0.02  # components under this fraction of the image are specks, not objects (the smallest object is ~0.045)
