@@ -68,7 +68,8 @@ def prompt_rows(tag):
                          [{"class": a, "count": 1}, {"class": b, "count": 1}], []))
     elif tag == "counting":
         for a, n in itertools.product(SHAPES, (2, 3, 4)):
-            rows.append((f"a photo of {NUMBERS[n]} {plural(a)}", [{"class": a, "count": n}], [{"class": a, "count": n + 1}]))
+            rows.append((f"a photo of {NUMBERS[n]} {plural(a)}", [{"class": a, "count": n}],
+                         [{"class": a, "count": n + 1}]))
     elif tag == "colors":
         for a, c in itertools.product(SHAPES, colors):
             rows.append((f"a photo of {with_article(c)} {a}", [{"class": a, "count": 1, "color": c}], []))
@@ -93,7 +94,8 @@ def object_box(obj):
     return [obj["cx"] - h, obj["cy"] - h, obj["cx"] + h, obj["cy"] + h]
 
 
-SIZE_RANGE = {1: (12, 16), 2: (11, 15), 3: (10, 13), 4: (9, 12)}  # object side in px of a 32 px image, by objects in the scene
+# object side in px of a 32 px image, by the number of objects in the scene
+SIZE_RANGE = {1: (12, 16), 2: (11, 15), 3: (10, 13), 4: (9, 12)}
 GAP = 2.0  # px (of 32) between the boxes of two objects, so that same-coloured objects never touch
 MARGIN = 1.0  # px (of 32) between a box and the image border
 
@@ -109,7 +111,8 @@ def layout(metadata, size, rng, *, max_tries=1000):
     """
     include = metadata.get("include") or []
     if not include:
-        raise ValueError("metadata has no include clause; a scene needs at least one object ({'class': 'circle', 'count': 1})")
+        raise ValueError("metadata has no include clause; a scene needs at least one object "
+                         "({'class': 'circle', 'count': 1})")
     objects, position = [], None
     for index, clause in enumerate(include):
         if clause["class"] not in SHAPES:
@@ -145,7 +148,8 @@ def layout(metadata, size, rng, *, max_tries=1000):
             grow = 2 * scale
             a = [v + d for v, d in zip(object_box(first(i)), (-grow, -grow, grow, grow))]
             b = [v + d for v, d in zip(object_box(first(j)), (-grow, -grow, grow, grow))]
-            if relative_position(a, b) != {rel} or relative_position(object_box(first(i)), object_box(first(j))) != {rel}:
+            plain = relative_position(object_box(first(i)), object_box(first(j)))
+            if relative_position(a, b) != {rel} or plain != {rel}:
                 continue
         return [{k: v for k, v in o.items() if k != "clause"} for o in placed]
     raise RuntimeError(f"no layout found for {metadata} in {max_tries} tries")
@@ -490,7 +494,8 @@ def load_weights(pipe, path):
     expected = trained_state(pipe)
     if set(state) != set(expected):
         raise ValueError(f"{path} does not hold shapes weights of this architecture "
-                         f"({len(set(state) ^ set(expected))} names differ); write them with scripts/pretrain_shapes.py")
+                         f"({len(set(state) ^ set(expected))} names differ); "
+                         "write them with scripts/pretrain_shapes.py")
     with torch.no_grad():
         for key, value in expected.items():
             value.copy_(state[key])
@@ -516,11 +521,12 @@ def split(seed=0):
     """(train rows, test rows): disjoint prompts, each tag cycled to ROWS_PER_TAG rows so that tags
     weigh the same in training and the overall accuracy equals the mean over images.
 
-    As Flow-GRPO's GenEval training set, which was filtered against GenEval's test prompts and so
-    holds none of its single-object prompts (the test set has one per class), every single-object
-    prompt is held out; of the other tags a seeded third is, spread over the classes, colours,
-    counts and relations (in rounds, each taking rows whose values are new to the round). Repeated test rows are sampled with
-    different noise (eval.seeded_noise seeds by row index), as Flow-GRPO repeats each test prompt 4 times.
+    Every single-object prompt is held out, as in Flow-GRPO's GenEval training set: it was filtered
+    against GenEval's test prompts (dataset/geneval_filter_test.py), which hold a single-object prompt
+    for each class, so none can remain. Of the other tags a seeded third is held out, spread over the
+    classes, colours, counts and relations (in rounds, each taking rows whose values are new to the
+    round). Repeated test rows are sampled with different noise (eval.seeded_noise seeds by row
+    index), as Flow-GRPO repeats each GenEval test prompt 4 times.
     """
     rng = np.random.default_rng(seed)
     train, test = [], []
@@ -529,7 +535,7 @@ def split(seed=0):
         order = rng.permutation(len(rows)).tolist()
         held = len(rows) if tag == "single_object" else max(1, round(len(rows) * TEST_FRACTION))
         chosen = []
-        while len(chosen) < held:  # rounds; a round takes rows that bring only classes / colours / counts / relations new to it
+        while len(chosen) < held:  # rounds; a round takes rows whose classes, colours, counts, relations are new to it
             seen = set()
             for i in order:
                 features = _features(rows[i]["metadata"])
@@ -545,8 +551,8 @@ def split(seed=0):
 
 def _features(metadata):
     """What a prompt varies: its classes, colours, relations and counts above one."""
-    return {(key, str(clause.get(key))) for clause in metadata["include"] for key in ("class", "count", "color", "position")
-            if clause.get(key) not in (None, 1)}
+    return {(key, str(clause.get(key))) for clause in metadata["include"]
+            for key in ("class", "count", "color", "position") if clause.get(key) not in (None, 1)}
 
 
 def write_prompts(folder="prompts", seed=0):
@@ -581,7 +587,8 @@ def main(argv=None):
     import time
 
     p = argparse.ArgumentParser(description="The shapes world: write its prompt files, or evaluate a model on them.")
-    p.add_argument("--write-prompts", action="store_true", help="write prompts/shapes_train.jsonl and shapes_test.jsonl")
+    p.add_argument("--write-prompts", action="store_true",
+                   help="write prompts/shapes_train.jsonl and prompts/shapes_test.jsonl")
     p.add_argument("--eval", action="store_true", help="print per-tag and overall GenEval accuracy of the weights")
     p.add_argument("--weights", default=WEIGHTS, help="safetensors file written by scripts/pretrain_shapes.py")
     p.add_argument("--prompts", default="prompts/shapes_test.jsonl", help="JSONL rows {prompt, metadata}")
@@ -597,7 +604,7 @@ def main(argv=None):
     if not args.eval:
         return None if args.write_prompts else p.error("nothing to do: pass --write-prompts or --eval")
 
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as scripts/pretrain_shapes.py: no spinning on a shared machine
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as scripts/pretrain_shapes.py: no spinning when shared
     import torch
 
     import data
