@@ -32,6 +32,8 @@ against their pipelines by `tests/test_families.py`.
 | `tiny-wan`, `tiny-qwen-image`, `tiny-flux2-klein`, `tiny-z-image` | the same for each family    |
 | `sd3-random`  | the SD3.5-medium transformer and VAE at full size with random weights and tiny   |
 |               | text encoders of the right widths, for `bench.py` (no download)                   |
+| `shapes`      | pretrained in this repository on scenes of coloured shapes (shapes.py): SD3        |
+|               | architecture in pixel space at 32 px, weights shipped in weights/                  |
 
 Text length (max_sequence_length, the default of encode_prompts; capped by a tiny tokenizer's
 context): sd3 128 T5 tokens after the 77 CLIP ones, as Flow-GRPO encodes SD3 prompts
@@ -64,8 +66,8 @@ import sde
 
 SD3_ID = "stabilityai/stable-diffusion-3.5-medium"
 # Image sides must be multiples of VAE down-sampling x transformer patch; checked before a model loads.
-RESOLUTION_MULTIPLE = {"tiny": 8, "tiny-flux": 8, "sd3": 16, "sd3-random": 16, "flux": 16, "wan": 16, "tiny-wan": 16,
-                       "qwen-image": 16, "tiny-qwen-image": 8, "flux2-klein": 16, "tiny-flux2-klein": 8,
+RESOLUTION_MULTIPLE = {"tiny": 8, "tiny-flux": 8, "shapes": 4, "sd3": 16, "sd3-random": 16, "flux": 16,
+                       "wan": 16, "tiny-wan": 16, "qwen-image": 16, "tiny-qwen-image": 8, "flux2-klein": 16, "tiny-flux2-klein": 8,
                        "z-image": 16, "tiny-z-image": 8}
 FLUX_ID = "black-forest-labs/FLUX.1-dev"
 SD3_T5_TOKENS = 128  # Flow-GRPO's T5 context for SD3 (scripts/train_sd3.py; diffusers' default is 256)
@@ -308,6 +310,16 @@ def sd3_random(model_path=None, dtype=torch.float32, device="cpu"):
         text_encoder=text_encoder, tokenizer=clip_tokenizer(), text_encoder_2=text_encoder_2,
         tokenizer_2=clip_tokenizer(), text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3,
     )
+    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+
+
+def shapes_model(model_path=None, dtype=torch.float32, device="cpu"):
+    """The pretrained model of the shapes world (shapes.py): SD3 architecture in pixel space at 32 px,
+    built from shapes.TRANSFORMER / TEXT_ENCODER with the shipped weights/shapes.safetensors, or the
+    safetensors file given as --model-path (written by scripts/pretrain_shapes.py)."""
+    import shapes
+
+    pipe = shapes.pipeline(model_path or shapes.WEIGHTS, device=device)
     return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
 
 
@@ -739,6 +751,7 @@ def tiny_hps(folder, *, seed=0, image_size=32, patch_size=8):
 
 MODELS = {
     "tiny": tiny,
+    "shapes": shapes_model,
     "tiny-flux": tiny_flux,
     "sd3": sd3,
     "sd3-random": sd3_random,

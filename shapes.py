@@ -1,0 +1,640 @@
+"""A world where prompt following can be measured exactly: coloured shapes on a grey background.
+
+GenEval (Ghosh et al. 2023) scores a text-to-image model by detecting the objects its images show
+and checking counts, colours and relative positions against the prompt's metadata. Here the
+objects are simple shapes, so the detector can be exact and the whole loop runs on a CPU:
+
+    prompt_rows(tag)               GenEval's six prompt templates over this world's shapes and colours
+    layout(metadata, size, rng)    object list satisfying a prompt's metadata (positions by GenEval's rule)
+    draw(objects, size)            the scene, anti-aliased (4 x 4 supersampled), uint8 [size, size, 3]
+    render(metadata, size, rng)    draw(layout(...)): pretraining data
+    detect(images)                 per image, GenEval-style detections {class, score, box, mask, color}
+
+Prompt metadata is GenEval's JSONL format (prompts/evaluation_metadata.jsonl of djghosh13/geneval):
+`tag`, `include`: [{class, count, color?, position?: [relation, index]}], `exclude`: [{class, count}],
+with this world's shape names as classes and GenEval's colour words.
+"""
+
+import itertools
+import math
+
+import numpy as np
+
+SHAPES = ("circle", "square", "triangle")
+# A subset of GenEval's ten colour words that stays apart after a small model's blur; the
+# background is a grey that is none of them (GenEval's colour crops use #999 for the same reason).
+COLORS = {
+    "red": (225, 30, 30),
+    "yellow": (240, 215, 30),
+    "green": (30, 170, 50),
+    "blue": (30, 70, 225),
+    "white": (245, 245, 245),
+    "black": (15, 15, 15),
+}
+BACKGROUND = (128, 128, 128)
+TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+NUMBERS = ("zero", "one", "two", "three", "four")
+RELATIONS = ("left of", "right of", "above", "below")
+
+
+# ----------------------------------------------------------------------------- prompts
+
+def with_article(word):
+    """GenEval create_prompts.py: 'an' before a vowel, else 'a'."""
+    return f"an {word}" if word[0] in "aeiou" else f"a {word}"
+
+
+def plural(word):
+    """GenEval create_prompts.py: 'es' after an s, else 's'."""
+    return word + "es" if word.endswith("s") else word + "s"
+
+
+def prompt_rows(tag):
+    """Every prompt of one GenEval task type in this world, as rows {"prompt", "metadata"}.
+
+    The templates and metadata are those of GenEval's prompts/create_prompts.py: two objects are
+    always of different classes, counts are 2-4 with an exclude clause at count + 1, colour
+    attribution uses two different colours, and a position prompt names the target object second
+    ("a circle left of a square": include [square, circle with position ["left of", 0]]).
+    """
+    colors = list(COLORS)
+    rows = []
+    if tag == "single_object":
+        for a in SHAPES:
+            rows.append((f"a photo of {with_article(a)}", [{"class": a, "count": 1}], []))
+    elif tag == "two_object":
+        for a, b in itertools.permutations(SHAPES, 2):
+            rows.append((f"a photo of {with_article(a)} and {with_article(b)}",
+                         [{"class": a, "count": 1}, {"class": b, "count": 1}], []))
+    elif tag == "counting":
+        for a, n in itertools.product(SHAPES, (2, 3, 4)):
+            rows.append((f"a photo of {NUMBERS[n]} {plural(a)}", [{"class": a, "count": n}],
+                         [{"class": a, "count": n + 1}]))
+    elif tag == "colors":
+        for a, c in itertools.product(SHAPES, colors):
+            rows.append((f"a photo of {with_article(c)} {a}", [{"class": a, "count": 1, "color": c}], []))
+    elif tag == "position":
+        for (a, b), rel in itertools.product(itertools.permutations(SHAPES, 2), RELATIONS):
+            rows.append((f"a photo of {with_article(a)} {rel} {with_article(b)}",
+                         [{"class": b, "count": 1}, {"class": a, "count": 1, "position": [rel, 0]}], []))
+    elif tag == "color_attr":
+        for (a, b), (ca, cb) in itertools.product(itertools.permutations(SHAPES, 2), itertools.permutations(colors, 2)):
+            rows.append((f"a photo of {with_article(ca)} {a} and {with_article(cb)} {b}",
+                         [{"class": a, "count": 1, "color": ca}, {"class": b, "count": 1, "color": cb}], []))
+    else:
+        raise ValueError(f"unknown GenEval tag {tag!r}; choose one of {', '.join(TAGS)}")
+    return [{"prompt": p, "metadata": {"tag": tag, "include": inc, "exclude": exc}} for p, inc, exc in rows]
+
+
+# ----------------------------------------------------------------------------- scenes
+
+def object_box(obj):
+    """The box [x1, y1, x2, y2] (float pixels) of a drawn object {shape, color, cx, cy, size}."""
+    h = obj["size"] / 2
+    return [obj["cx"] - h, obj["cy"] - h, obj["cx"] + h, obj["cy"] + h]
+
+
+# object side in px of a 32 px image, by the number of objects in the scene
+SIZE_RANGE = {1: (12, 16), 2: (11, 15), 3: (10, 13), 4: (9, 12)}
+GAP = 2.0  # px (of 32) between the boxes of two objects, so that same-coloured objects never touch
+MARGIN = 1.0  # px (of 32) between a box and the image border
+
+
+def layout(metadata, size, rng, *, max_tries=1000):
+    """Objects [{shape, color, cx, cy, size}] (pixel units of a `size` image) that satisfy `metadata`.
+
+    Each include clause gives `count` objects of its class, with its colour or a random one;
+    nothing else is drawn, so exclude clauses hold too. Sizes depend on how many objects share the
+    image (SIZE_RANGE). A position clause holds by GenEval's rule with a clear margin: the asked
+    relation, and no other, holds after the boxes grow by 2 px on every side (so a small model that
+    is a few pixels off still draws the relation). Objects keep GAP apart and MARGIN from the border.
+    """
+    include = metadata.get("include") or []
+    if not include:
+        raise ValueError("metadata has no include clause; a scene needs at least one object "
+                         "({'class': 'circle', 'count': 1})")
+    objects, position = [], None
+    for index, clause in enumerate(include):
+        if clause["class"] not in SHAPES:
+            raise ValueError(f"unknown class {clause['class']!r}; this world has {', '.join(SHAPES)}")
+        if clause.get("color") is not None and clause["color"] not in COLORS:
+            raise ValueError(f"unknown colour {clause['color']!r}; this world has {', '.join(COLORS)}")
+        if clause.get("position"):
+            position = (clause["position"][0], index, clause["position"][1])
+        for _ in range(int(clause["count"])):
+            color = clause.get("color") or list(COLORS)[rng.integers(len(COLORS))]
+            objects.append({"shape": clause["class"], "color": color, "clause": index})
+    if not 1 <= len(objects) <= 4:
+        raise ValueError(f"a scene holds 1-4 objects, the metadata asks for {len(objects)}")
+    from geneval import relative_position
+
+    scale = size / 32
+    lo, hi = SIZE_RANGE[len(objects)]
+    for _ in range(max_tries):
+        placed = []
+        for obj in objects:  # one at a time, each with a few tries to keep clear of the ones placed
+            side = rng.uniform(lo, hi) * scale
+            half = side / 2 + MARGIN * scale
+            for _ in range(50):
+                new = dict(obj, size=side, cx=rng.uniform(half, size - half), cy=rng.uniform(half, size - half))
+                if _apart(placed + [new], GAP * scale):
+                    placed.append(new)
+                    break
+        if len(placed) < len(objects):
+            continue
+        if position is not None:
+            rel, i, j = position
+            first = lambda k: next(o for o in placed if o["clause"] == k)  # noqa: E731 (one object per clause here)
+            grow = 2 * scale
+            a = [v + d for v, d in zip(object_box(first(i)), (-grow, -grow, grow, grow))]
+            b = [v + d for v, d in zip(object_box(first(j)), (-grow, -grow, grow, grow))]
+            plain = relative_position(object_box(first(i)), object_box(first(j)))
+            if relative_position(a, b) != {rel} or plain != {rel}:
+                continue
+        return [{k: v for k, v in o.items() if k != "clause"} for o in placed]
+    raise RuntimeError(f"no layout found for {metadata} in {max_tries} tries")
+
+
+def _apart(objects, gap):
+    for a, b in itertools.combinations(objects, 2):
+        ba, bb = object_box(a), object_box(b)
+        if ba[0] < bb[2] + gap and bb[0] < ba[2] + gap and ba[1] < bb[3] + gap and bb[1] < ba[3] + gap:
+            return False
+    return True
+
+
+SUPERSAMPLE = 4
+
+
+def coverage(obj, size, supersample=SUPERSAMPLE):
+    """Fraction of each pixel of a `size` image that the object covers: float [size, size].
+
+    Each pixel is the mean of supersample x supersample point tests (only pixels near the object are tested)."""
+    cx, cy, h = obj["cx"], obj["cy"], obj["size"] / 2
+    out = np.zeros((size, size))
+    x0, x1 = max(int(cx - h) - 1, 0), min(int(cx + h) + 2, size)  # pixel window around the object
+    y0, y1 = max(int(cy - h) - 1, 0), min(int(cy + h) + 2, size)
+    if x0 >= x1 or y0 >= y1:
+        return out
+    x = (np.arange(x0 * supersample, x1 * supersample) + 0.5)[None, :] / supersample  # sub-pixel centres
+    y = (np.arange(y0 * supersample, y1 * supersample) + 0.5)[:, None] / supersample
+    if obj["shape"] == "circle":
+        inside = (x - cx) ** 2 + (y - cy) ** 2 <= h * h
+    elif obj["shape"] == "square":
+        inside = (np.abs(x - cx) <= h) & (np.abs(y - cy) <= h)
+    elif obj["shape"] == "triangle":  # apex up, base down: |x - cx| <= half-width at that height
+        t = (y - (cy - h)) / (2 * h)  # 0 at the apex, 1 at the base
+        inside = (t >= 0) & (t <= 1) & (np.abs(x - cx) <= h * t)
+    else:
+        raise ValueError(f"unknown shape {obj['shape']!r}; this world has {', '.join(SHAPES)}")
+    out[y0:y1, x0:x1] = inside.reshape(y1 - y0, supersample, x1 - x0, supersample).mean(axis=(1, 3))
+    return out
+
+
+def draw(objects, size=32):
+    """The scene: background, then each object painted over it by its pixel coverage -> uint8 [size, size, 3]."""
+    image = np.empty((size, size, 3), dtype=np.float64)
+    image[:] = BACKGROUND
+    for obj in objects:
+        alpha = coverage(obj, size)[..., None]
+        image = image * (1 - alpha) + np.array(COLORS[obj["color"]], dtype=np.float64) * alpha
+    return np.round(image).astype(np.uint8)
+
+
+def render(metadata, size=32, rng=None):
+    """A scene that satisfies `metadata` (GenEval JSONL fields) -> uint8 [size, size, 3]."""
+    rng = rng if rng is not None else np.random.default_rng()
+    return draw(layout(metadata, size, rng), size)
+
+
+# ----------------------------------------------------------------------------- detector
+
+def unmix(images):
+    """Each pixel as background + alpha x (palette colour - background), for its best-fitting colour.
+
+    A small model's blur mixes an object's colour with the background along their edges; fitting
+    that mixture (least squares in RGB, alpha clipped to [0, 1]) names the colour of an edge pixel
+    correctly where the nearest palette colour would not (half red, half grey is nearer brown than
+    red). Returns (color index int [B, H, W], alpha float [B, H, W], residual float [B, H, W]).
+    """
+    x = np.asarray(images, dtype=np.float32) - np.array(BACKGROUND, dtype=np.float32)  # [B, H, W, 3]
+    d = np.array(list(COLORS.values()), dtype=np.float32) - np.array(BACKGROUND, dtype=np.float32)  # [K, 3]
+    alpha = np.clip(x @ d.T / (d * d).sum(1), 0, 1)  # [B, H, W, K]
+    residual = ((x[..., None, :] - alpha[..., None] * d) ** 2).sum(-1)  # [B, H, W, K]
+    best = residual.argmin(-1)
+    take = lambda a: np.take_along_axis(a, best[..., None], -1)[..., 0]  # noqa: E731
+    return best, take(alpha), take(residual)
+
+
+def template(shape, cx, cy, w, h, size, supersample=SUPERSAMPLE):
+    """Coverage [size, size] of a shape stretched to a w x h box centred at (cx, cy): an ellipse, a
+    rectangle or an apex-up triangle. The detector's templates; scenes are drawn by `coverage`."""
+    out = np.zeros((size, size))
+    x0, x1 = max(int(cx - w / 2) - 1, 0), min(int(cx + w / 2) + 2, size)
+    y0, y1 = max(int(cy - h / 2) - 1, 0), min(int(cy + h / 2) + 2, size)
+    if x0 >= x1 or y0 >= y1:
+        return out
+    dx = (np.arange(x0 * supersample, x1 * supersample) + 0.5)[None, :] / supersample - cx
+    dy = (np.arange(y0 * supersample, y1 * supersample) + 0.5)[:, None] / supersample - cy
+    if shape == "circle":
+        inside = (dx / (w / 2)) ** 2 + (dy / (h / 2)) ** 2 <= 1
+    elif shape == "square":
+        inside = (np.abs(dx) <= w / 2) & (np.abs(dy) <= h / 2)
+    else:
+        t = dy / h + 0.5  # 0 at the apex, 1 at the base
+        inside = (t >= 0) & (t <= 1) & (np.abs(dx) <= w / 2 * t)
+    out[y0:y1, x0:x1] = inside.reshape(y1 - y0, supersample, x1 - x0, supersample).mean(axis=(1, 3))
+    return out
+
+
+def fit_templates(alpha):
+    """How well an object's coverage map matches each shape: {shape: (soft IoU, aspect)}.
+
+    alpha: float [H, W], the object's coverage (0 outside it); soft IoU = sum(min(alpha, t)) /
+    sum(max(alpha, t)) with the template t of the shape, fitted in closed form two ways:
+    1. square box from the area (circle 2 sqrt(A / pi), square sqrt(A), triangle sqrt(2 A)), which blur keeps;
+    2. free width and height from the second moments, so a stretched or squashed shape still matches its
+       kind (a disc of diameter d has variance d^2 / 16 per axis, a square of side s s^2 / 12, a
+       triangle of base b and height h b^2 / 24 across and h^2 / 18 along); for each blur tried, its
+       variance and a pixel's 1/12 are taken off first.
+    The centre is the centroid (a triangle's lies a sixth of its height below its box centre). Each
+    template is tried sharp and blurred by each of BLURS, so a small model's softness costs little.
+    The best fit counts; aspect is its short side / long side (1 for every object this world draws).
+    """
+    h, w = alpha.shape
+    size = max(h, w)
+    area = alpha.sum()
+    ys, xs = np.mgrid[0:h, 0:w] + 0.5
+    cx, cy = (alpha * xs).sum() / area, (alpha * ys).sum() / area
+    var_x, var_y = (alpha * (xs - cx) ** 2).sum() / area, (alpha * (ys - cy) ** 2).sum() / area
+    side = {"circle": 2 * math.sqrt(area / math.pi), "square": math.sqrt(area), "triangle": math.sqrt(2 * area)}
+    per_var = {"circle": (16, 16), "square": (12, 12), "triangle": (24, 18)}  # box side^2 / variance, across and along
+    best = {}
+    for shape in SHAPES:
+        for blur in BLURS:
+            sigma = blur * size / 32
+            boxes = [(side[shape], side[shape])]
+            vx, vy = var_x - 1 / 12 - sigma ** 2, var_y - 1 / 12 - sigma ** 2
+            if vx > 0.25 and vy > 0.25:
+                boxes.append((math.sqrt(per_var[shape][0] * vx), math.sqrt(per_var[shape][1] * vy)))
+            for bw, bh in boxes:
+                centre_y = cy - bh / 6 if shape == "triangle" else cy
+                t = _blur(template(shape, cx, centre_y, bw, bh, size)[:h, :w], sigma)
+                iou = float(np.minimum(alpha, t).sum() / np.maximum(alpha, t).sum())
+                if iou > best.get(shape, (-1.0, 0.0))[0]:
+                    best[shape] = (iou, min(bw, bh) / max(bw, bh))
+    return best
+
+
+BLURS = (0.0, 0.5, 0.8, 1.1, 1.4)  # Gaussian std (px of a 32 px image) tried for each template: the best one counts
+
+
+def _blur(image, sigma):
+    """Separable Gaussian blur of a 2-D array (zero outside), as K_y @ image @ K_x^T."""
+    if sigma <= 0:
+        return image
+
+    def matrix(n):
+        d = np.arange(n)[:, None] - np.arange(n)[None, :]
+        return np.exp(-d ** 2 / (2 * sigma ** 2)) / math.sqrt(2 * math.pi * sigma ** 2)
+    return matrix(image.shape[0]) @ image @ matrix(image.shape[1]).T
+
+
+def classify(fits):
+    """Template fits {shape: (IoU, aspect)} -> (class, score in [0, 1]): the best-fitting shape, scored
+    by how well it fits (IoU from IOU_RANGE[0] to IOU_RANGE[1] maps to 0..1), by its lead over the
+    second best (full from MARGIN_FULL) and by its aspect (ASPECT_RANGE maps to 0..1). A blob between
+    two shapes, or two objects merged into one, scores low."""
+    (best, (first, aspect)), (_, (second, _)) = sorted(fits.items(), key=lambda kv: -kv[1][0])[:2]
+    fit = np.clip((first - IOU_RANGE[0]) / (IOU_RANGE[1] - IOU_RANGE[0]), 0, 1)
+    lead = np.clip((first - second) / MARGIN_FULL, 0, 1)
+    stretch = np.clip((aspect - ASPECT_RANGE[0]) / (ASPECT_RANGE[1] - ASPECT_RANGE[0]), 0, 1)
+    return best, float(fit * lead * stretch)
+
+
+ASPECT_RANGE = (0.5, 0.75)
+IOU_RANGE = (0.6, 0.85)
+MARGIN_FULL = 0.08
+MIN_AREA = 0.02  # components under this fraction of the image are specks, not objects (the smallest object is ~0.045)
+
+
+def _dilate(mask):
+    padded = np.pad(mask, 1)
+    h, w = mask.shape
+    return np.any([padded[1 + dy:1 + dy + h, 1 + dx:1 + dx + w] for dy in (-1, 0, 1) for dx in (-1, 0, 1)], axis=0)
+
+
+def detect(images):
+    """GenEval-style detections of uint8 images [B, H, W, 3] (or one [H, W, 3]).
+
+    Returns, per image, a list of {"class", "score", "box": [x1, y1, x2, y2] (pixels, x2 and y2
+    exclusive, as mmdet's mask2bbox), "mask": bool [H, W], "color"}, best score first. Pixels are
+    unmixed into palette colour + coverage (`unmix`); pixels covered at least half form 8-connected
+    components of one colour (the masks); each component's coverage, over its mask grown by a pixel,
+    is matched against the three shapes (`fit_templates`, `classify`). Components under MIN_AREA of
+    the image are dropped and those up to twice that scaled down, so a speck of noise is no object.
+    """
+    images = np.asarray(images)
+    if images.ndim == 3:
+        images = images[None]
+    if images.ndim != 4 or images.shape[-1] != 3:
+        raise ValueError(f"detect takes uint8 images [B, H, W, 3], got shape {images.shape}")
+    from scipy.ndimage import label
+
+    best, alpha, _ = unmix(images)
+    names = list(COLORS)
+    b, h, w = alpha.shape
+    out = []
+    for i in range(b):
+        found = []
+        for k, color in enumerate(names):
+            ids, n = label((best[i] == k) & (alpha[i] >= 0.5), structure=np.ones((3, 3)))  # 8-connected
+            for cid in range(1, n + 1):
+                mask = ids == cid
+                area = mask.sum()
+                if area < MIN_AREA * h * w:
+                    continue
+                soft = np.where(_dilate(mask) & (best[i] == k), alpha[i], 0.0)
+                name, score = classify(fit_templates(soft))
+                score *= min((area / (h * w) - MIN_AREA) / MIN_AREA, 1.0)
+                ys, xs = np.nonzero(mask)
+                box = [int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1]
+                found.append({"class": name, "score": score, "box": box, "mask": mask, "color": color})
+        out.append(sorted(found, key=lambda d: -d["score"]))
+    return out
+
+
+# ----------------------------------------------------------------------------- the pretrained model
+# A StableDiffusion3Pipeline at toy size that works in pixel space: the "latent" is the 32 x 32 RGB
+# image itself (in [-1, 1]), so the VAE slot holds an identity. Trained from scratch by
+# scripts/pretrain_shapes.py; the weights ship in weights/shapes.safetensors.
+
+WEIGHTS = "weights/shapes.safetensors"
+RESOLUTION = 32
+TOKENS = 16  # CLIP context: the longest prompt of this world is 12 tokens with its start and end
+TRANSFORMER = dict(  # SD3 MMDiT: 8 x 8 patches of 4 x 4 pixels, 6 joint blocks of width 128 (4 heads x 32)
+    sample_size=RESOLUTION, patch_size=4, in_channels=3, out_channels=3, num_layers=6, attention_head_dim=32,
+    num_attention_heads=4, joint_attention_dim=128, caption_projection_dim=128, pooled_projection_dim=128,
+    pos_embed_max_size=RESOLUTION // 4, qk_norm="rms_norm",
+)
+TEXT_ENCODER = dict(hidden=64, layers=3, heads=4, ffn=256)  # each of the two CLIP encoders; 64 + 64 = joint width 128
+
+
+def _pixel_space(device):
+    """The VAE slot of a pixel-space pipeline: decode is the identity on [-1, 1] images.
+
+    It carries the config fields the SD3 pipeline and models.decode read (a single block, so
+    vae_scale_factor = 1; scaling 1 and shift 0, so latents are the images) and one buffer, so that
+    .device and .dtype follow .to() as for a real VAE.
+    """
+    import types
+
+    import torch
+
+    class PixelSpace(torch.nn.Module):
+        config = types.SimpleNamespace(block_out_channels=(3,), latent_channels=3, scaling_factor=1.0, shift_factor=0.0)
+
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("anchor", torch.zeros(()), persistent=False)
+
+        device = property(lambda self: self.anchor.device)
+        dtype = property(lambda self: self.anchor.dtype)
+
+        def encode(self, images):  # images in [-1, 1] -> latents, for symmetry with AutoencoderKL users
+            return images
+
+        def decode(self, latents, return_dict=True):
+            return (latents,) if not return_dict else types.SimpleNamespace(sample=latents)
+
+    return PixelSpace().to(device)
+
+
+def tokenizer():
+    """CLIP's BPE tokenizer (models.clip_tokenizer) with this model's 16-token context."""
+    import models
+
+    tok = models.clip_tokenizer()
+    tok.model_max_length = TOKENS
+    return tok
+
+
+def build_pipeline(*, seed=0, device="cpu"):
+    """The `shapes` StableDiffusion3Pipeline with weights drawn from `seed` (before any training)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    import models
+
+    def clip():
+        t = TEXT_ENCODER
+        config = CLIPTextConfig(
+            vocab_size=49408, hidden_size=t["hidden"], intermediate_size=t["ffn"], num_hidden_layers=t["layers"],
+            num_attention_heads=t["heads"], max_position_embeddings=TOKENS, projection_dim=t["hidden"],
+            bos_token_id=49406, eos_token_id=49407, pad_token_id=49407,
+        )
+        return CLIPTextModelWithProjection(config).eval()
+
+    with models._seeded_build(seed, device):
+        text_encoder, text_encoder_2 = clip(), clip()
+        transformer = SD3Transformer2DModel(**TRANSFORMER).eval()
+    return StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=_pixel_space(device),
+        text_encoder=text_encoder, tokenizer=tokenizer(), text_encoder_2=text_encoder_2, tokenizer_2=tokenizer(),
+        text_encoder_3=None, tokenizer_3=None,
+    )
+
+
+FROZEN = "text_model.embeddings.token_embedding"  # CLIP's 49408-row token table stays at its seeded values
+
+
+def trained_state(pipe):
+    """The weights that pretraining trains, by component-prefixed name: the parameters of the transformer
+    and both text encoders (buffers such as the sin-cos position table are rebuilt), except the token
+    tables. Those (49408 x 64 each, 25 MB in float32) stay at their seeded initialisation: the tokens of
+    this world's prompts get distinct random vectors that the encoder layers learn to read, and the
+    file need not carry 49 382 rows that no prompt uses."""
+    return {f"{name}.{key}": value for name in ("transformer", "text_encoder", "text_encoder_2")
+            for key, value in getattr(pipe, name).named_parameters() if not key.startswith(FROZEN)}
+
+
+def trainable_parameters(pipe):
+    """The parameters of trained_state, with requires_grad set (the token tables frozen)."""
+    params = []
+    for name in ("transformer", "text_encoder", "text_encoder_2"):
+        for key, param in getattr(pipe, name).named_parameters():
+            param.requires_grad_(not key.startswith(FROZEN))
+            if param.requires_grad:
+                params.append(param)
+    return params
+
+
+def save_weights(pipe, path):
+    """Write trained_state(pipe) in float16 (half the size; the model runs in float32) to a safetensors file."""
+    import os
+
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().to("cpu").half().contiguous() for k, v in trained_state(pipe).items()}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    save_file(state, path)
+
+
+def load_weights(pipe, path):
+    """Copy weights written by save_weights into a pipeline from build_pipeline (same seed)."""
+    import os
+
+    import torch
+    from safetensors.torch import load_file
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no shapes weights there; the repository ships {WEIGHTS} "
+                                f"(git checkout it) and scripts/pretrain_shapes.py writes new ones")
+    state = load_file(path)
+    expected = trained_state(pipe)
+    if set(state) != set(expected):
+        raise ValueError(f"{path} does not hold shapes weights of this architecture "
+                         f"({len(set(state) ^ set(expected))} names differ); "
+                         "write them with scripts/pretrain_shapes.py")
+    with torch.no_grad():
+        for key, value in expected.items():
+            value.copy_(state[key])
+    return pipe
+
+
+def pipeline(weights=WEIGHTS, *, device="cpu"):
+    """The pretrained `shapes` pipeline (models.MODELS["shapes"]): built from the config above, weights loaded."""
+    import os
+
+    if not os.path.isabs(weights) and not os.path.exists(weights):
+        weights = os.path.join(os.path.dirname(os.path.abspath(__file__)), weights)  # relative to the repository
+    return load_weights(build_pipeline(device=device), weights)
+
+
+# ----------------------------------------------------------------------------- prompt files and evaluation
+
+TEST_FRACTION = 1 / 3  # of each tag's prompts held out; all single-object prompts are held out (see split)
+ROWS_PER_TAG = {"train": 120, "test": 60}
+
+
+def split(seed=0):
+    """(train rows, test rows): disjoint prompts, each tag cycled to ROWS_PER_TAG rows so that tags
+    weigh the same in training and the overall accuracy equals the mean over images.
+
+    Every single-object prompt is held out, as in Flow-GRPO's GenEval training set: it was filtered
+    against GenEval's test prompts (dataset/geneval_filter_test.py), which hold a single-object prompt
+    for each class, so none can remain. Of the other tags a seeded third is held out, spread over the
+    classes, colours, counts and relations (in rounds, each taking rows whose values are new to the
+    round). Repeated test rows are sampled with different noise (eval.seeded_noise seeds by row
+    index), as Flow-GRPO repeats each GenEval test prompt 4 times.
+    """
+    rng = np.random.default_rng(seed)
+    train, test = [], []
+    for tag in TAGS:
+        rows = prompt_rows(tag)
+        order = rng.permutation(len(rows)).tolist()
+        held = len(rows) if tag == "single_object" else max(1, round(len(rows) * TEST_FRACTION))
+        chosen = []
+        while len(chosen) < held:  # rounds; a round takes rows whose classes, colours, counts, relations are new to it
+            seen = set()
+            for i in order:
+                features = _features(rows[i]["metadata"])
+                if len(chosen) < held and i not in chosen and not features & seen:
+                    chosen.append(i)
+                    seen |= features
+        test.append([rows[i] for i in sorted(chosen)])
+        train.append([rows[i] for i in range(len(rows)) if i not in chosen])
+    cycle = lambda rows, n: [rows[i % len(rows)] for i in range(n)] if rows else []  # noqa: E731
+    return ([r for rows in train for r in cycle(rows, ROWS_PER_TAG["train"])],
+            [r for rows in test for r in cycle(rows, ROWS_PER_TAG["test"])])
+
+
+def _features(metadata):
+    """What a prompt varies: its classes, colours, relations and counts above one."""
+    return {(key, str(clause.get(key))) for clause in metadata["include"]
+            for key in ("class", "count", "color", "position") if clause.get(key) not in (None, 1)}
+
+
+def write_prompts(folder="prompts", seed=0):
+    """Write prompts/shapes_train.jsonl and prompts/shapes_test.jsonl (read with --input-key prompt)."""
+    import json
+    import os
+
+    for name, rows in zip(("train", "test"), split(seed)):
+        path = os.path.join(folder, f"shapes_{name}.jsonl")
+        with open(path, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        print(f"wrote {path}: {len(rows)} rows, {len({r['prompt'] for r in rows})} distinct prompts")
+
+
+def evaluate(pipe, prompts, metadata, *, num_steps=10, guidance_scale=2.0, shift=3.0, seed=0, batch_size=64):
+    """GenEval verdicts of `pipe` on prompts: ODE samples (eval.sample_images, noise seeded by `seed`
+    and the row index) judged by geneval's official rule on this world's detections.
+    Returns (correct: list of 0/1 floats, images uint8 [N, H, W, 3]); geneval.summary makes the table."""
+    import eval as evaluation
+    import geneval
+
+    images = evaluation.sample_images(pipe, list(prompts), resolution=RESOLUTION, num_steps=num_steps,
+                                      guidance_scale=guidance_scale, seed=seed, batch_size=batch_size, shift=shift)
+    detections = detect(images.numpy())
+    return [geneval.geneval_judge(m, d)["correct"] for m, d in zip(metadata, detections)], images
+
+
+def main(argv=None):
+    import argparse
+    import os
+    import time
+
+    p = argparse.ArgumentParser(description="The shapes world: write its prompt files, or evaluate a model on them.")
+    p.add_argument("--write-prompts", action="store_true",
+                   help="write prompts/shapes_train.jsonl and prompts/shapes_test.jsonl")
+    p.add_argument("--eval", action="store_true", help="print per-tag and overall GenEval accuracy of the weights")
+    p.add_argument("--weights", default=WEIGHTS, help="safetensors file written by scripts/pretrain_shapes.py")
+    p.add_argument("--prompts", default="prompts/shapes_test.jsonl", help="JSONL rows {prompt, metadata}")
+    p.add_argument("--num-steps", type=int, default=10, help="ODE steps")
+    p.add_argument("--guidance-scale", type=float, default=2.0, help="CFG scale")
+    p.add_argument("--shift", type=float, default=3.0, help="time shift of the sigma schedule")
+    p.add_argument("--seeds", type=int, default=1, help="passes over the prompts, each with its own noise seed")
+    p.add_argument("--grid", default=None, help="also save 8 samples of each tag as a PNG grid here")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    args = p.parse_args(argv)
+    if args.write_prompts:
+        write_prompts()
+    if not args.eval:
+        return None if args.write_prompts else p.error("nothing to do: pass --write-prompts or --eval")
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as scripts/pretrain_shapes.py: no spinning when shared
+    import torch
+
+    import data
+    import geneval
+
+    torch.set_num_threads(args.threads)
+    prompts, metadata = data.load_prompts(args.prompts, input_key="prompt")
+    pipe = pipeline(args.weights)
+    start, tags, correct, first = time.time(), [], [], None
+    for seed in range(args.seeds):
+        verdicts, images = evaluate(pipe, prompts, metadata, num_steps=args.num_steps,
+                                    guidance_scale=args.guidance_scale, shift=args.shift, seed=seed)
+        first = images if first is None else first
+        tags += [m["tag"] for m in metadata]
+        correct += verdicts
+    result = geneval.summary(tags, correct)
+    print(f"{args.weights}: {len(correct)} images, {args.num_steps} steps, CFG {args.guidance_scale}, "
+          f"shift {args.shift} ({time.time() - start:.0f} s)")
+    for tag in TAGS:
+        print(f"  {tag:<14} {result.get(tag, float('nan')):.3f}")
+    print(f"  {'overall':<14} {result['overall']:.3f}")
+    if args.grid:  # one row of 8 samples per tag
+        from PIL import Image
+
+        rows = [[i for i, m in enumerate(metadata) if m["tag"] == tag][:8] for tag in TAGS]
+        grid = np.concatenate([np.concatenate([first[i].numpy() for i in row], 1) for row in rows if len(row) == 8], 0)
+        Image.fromarray(grid).resize((grid.shape[1] * 4, grid.shape[0] * 4), Image.NEAREST).save(args.grid)
+        print(f"wrote {args.grid}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
