@@ -67,8 +67,8 @@ import sde
 SD3_ID = "stabilityai/stable-diffusion-3.5-medium"
 # Image sides must be multiples of VAE down-sampling x transformer patch; checked before a model loads.
 RESOLUTION_MULTIPLE = {"tiny": 8, "tiny-flux": 8, "shapes": 4, "sd3": 16, "sd3-random": 16, "flux": 16,
-                       "wan": 16, "tiny-wan": 16, "qwen-image": 16, "tiny-qwen-image": 8, "flux2-klein": 16, "tiny-flux2-klein": 8,
-                       "z-image": 16, "tiny-z-image": 8}
+                       "wan": 16, "tiny-wan": 16, "qwen-image": 16, "tiny-qwen-image": 8, "flux2-klein": 16,
+                       "tiny-flux2-klein": 8, "z-image": 16, "tiny-z-image": 8}
 FLUX_ID = "black-forest-labs/FLUX.1-dev"
 SD3_T5_TOKENS = 128  # Flow-GRPO's T5 context for SD3 (scripts/train_sd3.py; diffusers' default is 256)
 FLUX_T5_TOKENS = 512  # FLUX.1-dev's T5 context, the FluxPipeline default
