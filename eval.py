@@ -14,6 +14,7 @@ evaluates; `--no-ema` scores its live weights instead.
 import argparse
 import contextlib
 import json
+import math
 import os
 
 import torch
@@ -138,6 +139,16 @@ def save_sample_grid(path, images, captions, n=8, fps=16):
         paths.append(os.path.splitext(path)[0] + f"_{k}.gif")
         frames[0].save(paths[-1], save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0)
     return paths
+
+
+def summary_line(scores):
+    """One readable line of `score`'s means: for GenEval the official overall accuracy with the per-tag ones,
+    then the trained reward; otherwise every entry."""
+    if "geneval_overall" not in scores:
+        return " | ".join(f"{k} {v:+.4f}" for k, v in scores.items())
+    tags = ", ".join(f"{tag} {scores[f'geneval_{tag}']:.2f}" for tag in geneval.TAGS
+                     if math.isfinite(scores.get(f"geneval_{tag}", float("nan"))))
+    return f"accuracy {scores['geneval_overall']:.3f} ({tags}) | reward {scores['reward']:+.4f}"
 
 
 def append_scores(path, step, scores):

@@ -664,9 +664,10 @@ def clip_colour_classifier(path="openai", device="cpu", *, model_name="ViT-L-14"
 def add_arguments(parser):
     """The options of the geneval reward, declared once; argparse dests are the keywords of `reward`."""
     group = parser.add_argument_group("geneval reward")
-    group.add_argument("--geneval-detector", default="mask2former", choices=list(DETECTORS),
+    group.add_argument("--geneval-detector", default=None, choices=list(DETECTORS),
                        help="object detector: mask2former (photographs; colours from CLIP) or shapes (the exact "
-                            "detector of the synthetic shapes world, colours included)")
+                            "detector of the synthetic shapes world, colours included); default: shapes for "
+                            "train.py --model shapes, else mask2former")
     group.add_argument("--geneval-detector-path", default=DEFAULT_DETECTOR,
                        help="hub id or local folder of a transformers Mask2Former COCO-instance checkpoint")
     group.add_argument("--geneval-clip-path", default="openai",
@@ -716,6 +717,7 @@ def reward(*, device, geneval_detector, geneval_detector_path, geneval_clip_path
     """
     import torch
 
+    geneval_detector = geneval_detector or "mask2former"  # unset: photographs (train.py fills shapes for its model)
     if geneval_detector not in DETECTORS:
         raise ValueError(f"--geneval-detector must be one of {', '.join(DETECTORS)}, got {geneval_detector!r}")
     if geneval_score not in SCORES:

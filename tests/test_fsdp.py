@@ -12,7 +12,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # tests/test_train.py's SMALL run, as a full fine-tune with two optimizer steps per step (the second one off-policy)
 # and three micro-steps per optimizer step (one per trained denoising step): gradient accumulation is exercised.
-FLAGS = ["--prompts-per-step", "2", "--group-size", "4", "--sample-batch-size", "4", "--train-batch-size", "2",
+FLAGS = ["--model", "tiny", "--prompts-per-step", "2", "--group-size", "4", "--sample-batch-size", "4", "--train-batch-size", "2",
          "--minibatches", "2", "--num-steps", "4", "--resolution", "32", "--log-images-every", "1",
          "--lora-rank", "0", "--save-every", "1", "--ema-decay", "0.9"]
 METRICS = ("reward_mean", "reward_std", "loss", "ratio_mean", "approx_kl", "grad_norm")

@@ -14,8 +14,8 @@ import models
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["--group-size", "4", "--sample-batch-size", "4", "--num-steps", "4", "--resolution", "32",
-         "--log-images-every", "0", "--no-shuffle", "--no-global-std", "--steps", "1"]
+SMALL = ["--model", "tiny", "--group-size", "4", "--sample-batch-size", "4", "--num-steps", "4",
+         "--resolution", "32", "--log-images-every", "0", "--no-shuffle", "--no-global-std", "--steps", "1"]
 
 # Pixel mean for most prompts; a constant for prompts starting with "flat", whose groups are then saturated.
 SATURATING_REWARD = textwrap.dedent('''

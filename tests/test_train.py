@@ -9,12 +9,16 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small but complete: 2 prompts x 4 samples, 4 denoising steps (3 trained), 32 px.
-SMALL = ["--prompts-per-step", "2", "--group-size", "4", "--sample-batch-size", "4", "--train-batch-size", "4",
-         "--num-steps", "4", "--resolution", "32", "--log-images-every", "1"]
+SMALL = ["--model", "tiny", "--prompts-per-step", "2", "--group-size", "4", "--sample-batch-size", "4",
+         "--train-batch-size", "4", "--num-steps", "4", "--resolution", "32", "--log-images-every", "1"]
+# The shortened default run of CI: steps and the held-out accuracy rise it must show (seed 0, one thread: measured
+# 0.333 -> 0.364, 11 more of the 360 held-out images right; the full run's rise is a slow test below).
+QUICK_STEPS, QUICK_RISE = 20, 0.02
 
 
 def run(cmd, tmp_path, *, check=True, env=None, timeout=300):
-    full_env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(env or {}))
+    full_env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    full_env.update(env or {})
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=full_env, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -151,14 +155,22 @@ def test_torchrun_two_processes_keep_identical_weights(tmp_path):
     assert all(abs(r["first_ratio_dev"]) < 1e-4 for r in rows)
 
 
+def held_out_accuracy(out_dir):
+    """{step: strict GenEval accuracy (mean of the per-tag ones)} of a run's eval.jsonl."""
+    with open(os.path.join(out_dir, "eval.jsonl")) as f:
+        return {r["step"]: r["geneval_overall"] for r in map(json.loads, f)}
+
+
 def test_default_run_learns_quickly(tmp_path):
-    """A shortened default run (same model, reward and hyper-parameters) raises JPEG compressibility clearly."""
+    """A shortened `python train.py` (the shapes model, GenEval judge, GRPO, as shipped) raises the held-out
+    accuracy of the ODE sampler; the model before training is evaluated first (step 0)."""
     out = str(tmp_path / "learn")
-    run([sys.executable, "train.py", "--steps", "20", "--out", out, "--log-images-every", "0"], tmp_path, timeout=600)
-    rows = metrics(out)
-    first, last = rows[:3], rows[-3:]
-    gain = sum(r["reward_mean"] for r in last) / 3 - sum(r["reward_mean"] for r in first) / 3
-    assert gain > 2 * rows[0]["reward_std"], (gain, rows[0]["reward_std"])
+    run([sys.executable, "train.py", "--steps", str(QUICK_STEPS), "--eval-every", str(QUICK_STEPS), "--out", out,
+         "--log-images-every", "0"], tmp_path, timeout=600)
+    accuracy = held_out_accuracy(out)
+    assert sorted(accuracy) == [0, QUICK_STEPS]
+    assert 0.2 <= accuracy[0] <= 0.7, accuracy  # the pretrained model: imperfect, not hopeless
+    assert accuracy[QUICK_STEPS] >= accuracy[0] + QUICK_RISE, accuracy
 
 
 @pytest.mark.slow
@@ -174,13 +186,15 @@ def test_compile_gives_the_same_losses(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_full_default_run_meets_the_learning_bar(tmp_path, seed):
-    """`python train.py` as shipped: last tenth's mean reward - first tenth's >= 2x the first step's reward std."""
+    """`python train.py` as shipped, on 2 threads: held-out accuracy +0.15 or more over the base model."""
+    import time
     out = str(tmp_path / "default")
-    run([sys.executable, "train.py", "--seed", str(seed), "--out", out], tmp_path, timeout=900)
-    rows = metrics(out)
-    k = max(1, len(rows) // 10)
-    gain = sum(r["reward_mean"] for r in rows[-k:]) / k - sum(r["reward_mean"] for r in rows[:k]) / k
-    assert gain >= 2 * rows[0]["reward_std"], (gain, rows[0]["reward_std"])
+    start = time.time()
+    run([sys.executable, "train.py", "--seed", str(seed), "--out", out], tmp_path, env={"OMP_NUM_THREADS": "2"},
+        timeout=900)
+    accuracy = held_out_accuracy(out)
+    first, last = accuracy[0], accuracy[max(accuracy)]
+    assert 0.2 <= first <= 0.7 and last >= first + 0.15, (accuracy, time.time() - start)
 
 
 def test_ema_is_saved_and_used_by_evaluation(tmp_path, monkeypatch):
@@ -215,3 +229,33 @@ def test_sample_grid_captions_show_prompt_reward_and_verdict(tmp_path):
     path = evaluation.save_sample_grid(str(tmp_path / "g.png"), images, captions)[0]
     grid = Image.open(path)
     assert grid.size[0] == 2 * 128 and grid.size[1] >= 128 + 2 * 12  # enlarged to be read, captions below
+
+
+def test_default_is_the_shapes_world_and_tiny_keeps_its_preset():
+    """No flags: the shapes model, its prompt files, the GenEval judge with the shapes detector, GRPO on CPS steps;
+    `--model tiny` and hub models keep theirs (the shapes settings do not leak into them)."""
+    import train as train_module
+    _, args = train_module.parse_args([])
+    assert (args.model, args.loss, args.sde, args.reward, args.geneval_detector) == \
+        ("shapes", "grpo", "cps", "geneval", "shapes")
+    assert (args.prompts, args.eval_prompts, args.input_key) == \
+        ("prompts/shapes_train.jsonl", "prompts/shapes_test.jsonl", "prompt")
+    assert args.eval_every > 0 and args.resolution == 32 and args.ema_decay == 0.95
+    for model in ("tiny", "sd3"):
+        _, args = train_module.parse_args(["--model", model])
+        assert (args.sde, args.ema_decay, args.eval_every, args.input_key, args.eval_prompts) == \
+            ("flow", 0.0, 0, "input", None), model
+        assert args.geneval_detector is None  # geneval.reward reads None as mask2former
+    _, args = train_module.parse_args(["--sde", "dance", "--ema-decay", "0"])  # the command line wins
+    assert args.sde == "dance" and args.ema_decay == 0.0
+
+
+def test_eval_summary_line_reads_as_accuracy():
+    import eval as evaluation
+    scores = {"reward": 0.5, "geneval_correct": 0.25, "geneval_overall": 0.3, "geneval_single_object": 0.9,
+              "geneval_two_object": 0.2, "geneval_counting": float("nan"), "geneval_colors": 0.7,
+              "geneval_position": 0.0, "geneval_color_attr": 0.0}
+    line = evaluation.summary_line(scores)
+    assert line == ("accuracy 0.300 (single_object 0.90, two_object 0.20, colors 0.70, position 0.00, "
+                    "color_attr 0.00) | reward +0.5000")
+    assert evaluation.summary_line({"reward": -0.25, "reward/jpeg": -0.25}) == "reward -0.2500 | reward/jpeg -0.2500"
