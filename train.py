@@ -795,9 +795,10 @@ def main(argv=None):
             bar.write(f"step {step:5d} | reward {info['reward_mean']:+.4f} +- {info['reward_std']:.4f} | "
                       + (f"accuracy {accuracy:.3f} | " if accuracy is not None else "") +
                       f"loss {info.get('loss', float('nan')):+.5f} | "
-                      f"ratio {info.get('ratio_mean', float('nan')):.5f} | "
-                      f"clipfrac {info.get('clipfrac', float('nan')):.3f} | "
-                      f"approx_kl {info.get('approx_kl', float('nan')):.2e} | {info['seconds']:.1f}s")
+                      + ("" if forward_process and args.loss == "nft" else  # NFT has no ratio (AWM's is PPO's)
+                         f"ratio {info.get('ratio_mean', float('nan')):.5f} | "
+                         f"clipfrac {info.get('clipfrac', float('nan')):.3f} | "
+                         f"approx_kl {info.get('approx_kl', float('nan')):.2e} | ") + f"{info['seconds']:.1f}s")
             if args.log_images_every and step % args.log_images_every == 0:  # prompt, reward and verdict per sample
                 captions = sample_captions(my_prompts, scores, args.reward_key, len(first_images))
                 evaluation.save_sample_grid(os.path.join(args.out, "samples", f"{step:06d}.png"), first_images,
