@@ -117,7 +117,7 @@ PRESETS = {
 # world").
 PRESETS["shapes"] = dict(PRESETS["tiny"], resolution=32, prompts="prompts/shapes_train.jsonl",
                          eval_prompts="prompts/shapes_test.jsonl", input_key="prompt", reward="geneval",
-                         geneval_detector="shapes", sde="cps", lr=1e-4, ema_decay=0.95, steps=100, eval_every=20,
+                         geneval_detector="shapes", sde="cps", lr=1e-4, ema_decay=0.95, steps=40, eval_every=20,
                          eval_steps=10, log_images_every=20)
 PRESETS["tiny-flux"] = dict(PRESETS["tiny"], guidance_scale=3.5)
 PRESETS["tiny-wan"] = dict(PRESETS["tiny"], num_frames=5)  # 5 frames: 2 latent frames
