@@ -2,7 +2,7 @@
 
 Launch
 ------
-    python train.py                    # CPU: the pretrained shapes model learns GenEval-style prompts (~5 minutes)
+    python train.py                    # CPU: RL of the pretrained shapes model on GenEval-style prompts (~2 min)
     python train.py --loss nft                                     # DiffusionNFT (forward process, ODE rollouts)
     python train.py --model tiny --loss flowdppo --sde dance       # any loss / sampler on the random CPU model
     torchrun --standalone --nproc_per_node=8 train.py @recipes/sd3_nft_geneval.args   # DiffusionNFT, GenEval
