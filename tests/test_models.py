@@ -90,7 +90,7 @@ def test_initial_noise_is_the_pipelines_noise(sd3, flux):
 
 
 def test_bad_names_and_paths():
-    with pytest.raises(ValueError, match="tiny, tiny-flux, sd3, sd3-random, flux"):
+    with pytest.raises(ValueError, match="tiny, shapes, tiny-flux, sd3, sd3-random, flux"):
         models.load_pipeline("sd4")
     with pytest.raises(ValueError, match="model-path"):
         models.load_pipeline("tiny", "some/folder")
