@@ -31,12 +31,7 @@ TINY = ["tiny-wan", "tiny-qwen-image", "tiny-flux2-klein", "tiny-z-image"]
 FRAMES = {"tiny-wan": 5}  # 5 frames -> 2 latent frames
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # these models are too small to gain from threads, and lose a lot on a busy machine
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one thread
 
 
 @pytest.fixture(scope="module")

@@ -53,13 +53,7 @@ def random_step_inputs(batch=6, shape=(3, 4, 4), seed=0, dtype=torch.float32):
 SIGMAS = sde.sd3_sigmas(10)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tensors are tiny: intra-op threads only contend with other processes (10x slower when loaded)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one thread
 
 
 # ----------------------------------------------------------------------------- schedule

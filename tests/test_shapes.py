@@ -257,11 +257,8 @@ def test_judge_verdicts_for_every_task_type():
 # ----------------------------------------------------------------------------- the model
 
 @pytest.fixture(scope="module")
-def pipe():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield models.load_pipeline("shapes")
-    torch.set_num_threads(threads)
+def pipe(one_thread):
+    return models.load_pipeline("shapes")
 
 
 def test_shapes_model_loads_deterministically_offline(pipe):

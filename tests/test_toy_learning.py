@@ -43,12 +43,7 @@ class VelocityMLP(torch.nn.Module):
         return self.net(torch.cat([x, s], dim=1))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: extra threads only contend
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one thread
 
 
 @pytest.fixture(scope="module")
