@@ -796,7 +796,7 @@ def main(argv=None):
             bar.write(f"step {step:5d} | reward {info['reward_mean']:+.4f} +- {info['reward_std']:.4f} | "
                       + (f"accuracy {accuracy:.3f} | " if accuracy is not None else "") +
                       f"loss {info.get('loss', float('nan')):+.5f} | "
-                      + ("" if forward_process and args.loss == "nft" else  # NFT has no ratio (AWM's is PPO's)
+                      + ("" if args.loss == "nft" else  # NFT has no ratio (AWM's is PPO's)
                          f"ratio {info.get('ratio_mean', float('nan')):.5f} | "
                          f"clipfrac {info.get('clipfrac', float('nan')):.3f} | "
                          f"approx_kl {info.get('approx_kl', float('nan')):.2e} | ") + f"{info['seconds']:.1f}s")
