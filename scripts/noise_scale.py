@@ -1,0 +1,133 @@
+"""How many samples a GRPO step needs on a model, reward and prompt set: the gradient noise scale.
+
+    python scripts/noise_scale.py                                   # train.py's default: the shapes world, GenEval
+    python scripts/noise_scale.py --batches 16 -- --reward jpeg_compressibility   # train.py flags after `--`
+
+McCandlish et al. 2018 (An Empirical Model of Large-Batch Training, arXiv:1812.06162, Sec. 2.2 and
+App. A.1): with G the expected gradient and Sigma the covariance of one sample's gradient, a step
+on a batch of B samples has E|g_B|^2 = |G|^2 + tr(Sigma) / B, and the simple noise scale
+
+    B_simple = tr(Sigma) / |G|^2                                                 (eq. 2.9)
+
+is the batch size at which a step's noise equals its signal. A step on far fewer samples is mostly
+noise, and so is a run made of such steps until its steps add up to about B_simple samples.
+
+Estimated here from n independent batch gradients g_1 .. g_n of B samples each (train.py's rollout
+and GRPO loss at ratio 1, each batch with its own prompts and noise): for i != j, E[g_i . g_j] = |G|^2,
+so
+
+    |G|^2   ~ mean over pairs i < j of g_i . g_j
+    tr(Sigma) ~ B (mean_i |g_i|^2 - |G|^2)
+
+and the signal share of one batch's squared gradient, |G|^2 / E|g_B|^2 = 1 / (1 + B_simple / B). GRPO's
+samples of a group share their advantages' mean and std, so a "sample" is one sample of a group of the
+run's size: B_simple is in samples at that group size. The estimate of |G|^2 is noisy (its standard error
+is printed); when it is not clearly above zero, B_simple is reported as a lower bound.
+"""
+import argparse
+import itertools
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import data  # noqa: E402
+import losses  # noqa: E402
+import models  # noqa: E402
+import rewards  # noqa: E402
+import sde  # noqa: E402
+import train  # noqa: E402
+
+
+def noise_scale(grads, batch_size):
+    """grads: n >= 2 independent batch gradients (1-D tensors) of batch_size samples each ->
+    {"G2": |G|^2 estimate, "G2_se": its standard error, "trace": tr(Sigma) estimate,
+    "signal_share": |G|^2 / mean |g|^2, "b_simple": tr(Sigma) / |G|^2 (inf when |G|^2 <= 0)}."""
+    if len(grads) < 2:
+        raise ValueError(f"noise_scale needs at least 2 batch gradients, got {len(grads)}")
+    g = torch.stack([x.double() for x in grads])  # [n, P]
+    n = len(g)
+    gram = g @ g.T
+    pairs = torch.stack([gram[i, j] for i, j in itertools.combinations(range(n), 2)])
+    g2 = pairs.mean().item()
+    # the pair products share factors; their standard error is taken from n / 2 disjoint pairs
+    disjoint = torch.stack([gram[i, i + 1] for i in range(0, n - 1, 2)])
+    g2_se = disjoint.std().item() / math.sqrt(len(disjoint)) if len(disjoint) > 1 else float("nan")
+    sq = torch.diagonal(gram).mean().item()
+    trace = batch_size * (sq - g2)
+    return {"G2": g2, "G2_se": g2_se, "trace": trace, "signal_share": g2 / sq,
+            "b_simple": trace / g2 if g2 > 0 else math.inf}
+
+
+def batch_gradient(pipe, args, prompts, metadata, reward_fn, sigmas, seed):
+    """The gradient of train.py's GRPO loss (ratio 1, every trained step, one optimizer step's batch) on one
+    freshly sampled batch: args.prompts_per_step prompts drawn by `seed`, args.group_size samples each."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(len(prompts), generator=gen)[:args.prompts_per_step].tolist()
+    sample_ids, groups = data.rank_samples(ids, group_size=args.group_size, rank=0, world_size=1)
+    texts, meta = [prompts[i] for i in sample_ids], [metadata[i] for i in sample_ids]
+    embeds = models.encode_prompts(pipe, texts, negative_prompt=args.negative_prompt,
+                                   guidance_scale=args.guidance_scale, max_sequence_length=args.max_sequence_length)
+    x = models.initial_noise(pipe, len(texts), args.resolution, num_frames=args.num_frames, generator=gen)
+    steps = sde.sde_steps(args.num_steps, timestep_fraction=args.timestep_fraction or 1.0)
+    guidance = args.guidance_scale
+    with torch.no_grad():
+        traj = sde.rollout(lambda x_, s_: models.velocity(pipe, x_, s_, embeds, guidance_scale=guidance), x, sigmas,
+                           sde_steps=steps, kind=args.sde, eta=args.eta, generator=gen)
+        images = models.decode(pipe, traj["latents"][:, -1])
+    scores = reward_fn(images, texts, meta)
+    adv = losses.group_advantages(torch.as_tensor(scores[args.reward_key]).float(), groups)
+    pipe.transformer.zero_grad(set_to_none=True)
+    for j, k in enumerate(traj["steps"].tolist()):
+        xk, xn = traj["latents"][:, k], traj["latents"][:, k + 1]
+        v = models.velocity(pipe, xk, sigmas[k].item(), embeds, guidance_scale=guidance)
+        out = sde.sde_step(v, xk, sigmas[k].item(), sigmas[k + 1].item(), kind=args.sde, eta=args.eta, prev_sample=xn,
+                           sigma_max=sigmas[1].item())
+        loss, _ = losses.grpo_loss(out.log_prob, traj["log_probs"][:, j], adv, clip_range=args.clip_range)
+        (loss / len(steps)).backward()
+    grad = torch.cat([q.grad.flatten() for q in pipe.transformer.parameters() if q.grad is not None])
+    correct = scores.get("geneval_correct")
+    return grad, torch.as_tensor(scores[args.reward_key]).float().mean().item(), correct
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batches", type=int, default=12, help="independent batch gradients (at least 2)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the batches' prompts and noise")
+    own = p.parse_args(argv[:cut])
+    if own.batches < 2:
+        p.error("--batches must be at least 2")
+    _, args = train.parse_args(["--out", os.devnull, *argv[cut + 1:]])
+    if args.loss != "grpo" or args.lora_rank:
+        p.error("noise_scale measures full fine-tuning with --loss grpo (the gradient of every transformer weight)")
+    torch.manual_seed(args.seed)
+    pipe = models.load_pipeline(args.model, args.model_path)
+    pipe.transformer.requires_grad_(True)  # full fine-tuning, as train.py's --lora-rank 0
+    prompts, metadata = data.load_prompts(args.prompts, input_key=args.input_key, metadata_key=args.metadata_key)
+    reward_fn = rewards.build_reward(args.reward, device="cpu",
+                                     **{name: getattr(args, name) for name in rewards.option_defaults()})
+    sigmas = models.sigmas(pipe, args.num_steps, args.resolution, shift=args.shift)
+    batch = args.prompts_per_step * args.group_size
+    grads, means = [], []
+    for b in range(own.batches):
+        grad, mean, _ = batch_gradient(pipe, args, prompts, metadata, reward_fn, sigmas, seed=own.seed * 100003 + b)
+        grads.append(grad)
+        means.append(mean)
+    est = noise_scale(grads, batch)
+    bound = est["G2"] - 2 * est["G2_se"] <= 0
+    b_simple = est["trace"] / (est["G2"] + 2 * est["G2_se"]) if bound else est["b_simple"]
+    print(f"{args.model}, reward {args.reward} ({args.reward_key}), --sde {args.sde} eta {args.eta}, "
+          f"{args.num_steps} steps, {own.batches} batches of {args.prompts_per_step} prompts x {args.group_size}")
+    print(f"mean reward {sum(means) / len(means):.4f} | |G|^2 {est['G2']:.3e} +- {est['G2_se']:.1e} | "
+          f"tr(Sigma) {est['trace']:.3e} | signal share of one batch {est['signal_share']:.4f}")
+    print(f"B_simple {'>' if bound else '~'} {b_simple:.0f} samples"
+          + (" (|G|^2 is within two standard errors of 0: a lower bound)" if bound else ""))
+    return est
+
+
+if __name__ == "__main__":
+    main()
