@@ -338,6 +338,12 @@ def window_kwargs(args, step, draw=()):
                 iters_per_window=args.iters_per_window, roll_back=args.roll_back, seed=(args.seed, *draw))
 
 
+def guidance_scales(args):
+    """(sampling, training forward) guidance: the training forward drops CFG unless --train-cfg (FLUX.1-dev's
+    embedded guidance is part of the model, always)."""
+    return args.guidance_scale, args.guidance_scale if (args.train_cfg or args.model in GUIDANCE_EMBEDDED) else 1.0
+
+
 def seeded(*parts):
     """A CPU generator seeded from integers (seed, step, rank, ...): the same numbers after a resume."""
     seed = 0
@@ -430,8 +436,7 @@ def main(argv=None):
     setup_or_exit(models.latent_shape, pipe, args.resolution, num_frames=args.num_frames)  # one line if they don't fit
     sigmas = setup_or_exit(models.sigmas, pipe, args.num_steps, args.resolution, shift=args.shift)  # [T+1], 1 -> 0
     sigma_max = sigmas[1].item()  # stands in for s = 1 in 1 - s (sde.py (3)), as in the rollout
-    sample_guidance = args.guidance_scale
-    train_guidance = args.guidance_scale if (args.train_cfg or args.model in GUIDANCE_EMBEDDED) else 1.0
+    sample_guidance, train_guidance = guidance_scales(args)
     reward_pool = ThreadPoolExecutor(max_workers=1)  # scores batch b while batch b+1 is sampled
     step, ratio_warned = start_step, False
     from tqdm import tqdm

@@ -25,7 +25,6 @@ run's size: B_simple is in samples at that group size. The estimate of |G|^2 is 
 is printed); when it is not clearly above zero, B_simple is reported as a lower bound.
 """
 import argparse
-import itertools
 import math
 import os
 import sys
@@ -50,8 +49,7 @@ def noise_scale(grads, batch_size):
     g = torch.stack([x.double() for x in grads])  # [n, P]
     n = len(g)
     gram = g @ g.T
-    pairs = torch.stack([gram[i, j] for i, j in itertools.combinations(range(n), 2)])
-    g2 = pairs.mean().item()
+    g2 = gram[tuple(torch.triu_indices(n, n, offset=1))].mean().item()  # the pairs i < j
     # the pair products share factors; their standard error is taken from n / 2 disjoint pairs
     disjoint = torch.stack([gram[i, i + 1] for i in range(0, n - 1, 2)])
     g2_se = disjoint.std().item() / math.sqrt(len(disjoint)) if len(disjoint) > 1 else float("nan")
@@ -61,35 +59,37 @@ def noise_scale(grads, batch_size):
             "b_simple": trace / g2 if g2 > 0 else math.inf}
 
 
-def batch_gradient(pipe, args, prompts, metadata, reward_fn, sigmas, seed):
-    """The gradient of train.py's GRPO loss (ratio 1, every trained step, one optimizer step's batch) on one
-    freshly sampled batch: args.prompts_per_step prompts drawn by `seed`, args.group_size samples each."""
-    gen = torch.Generator().manual_seed(seed)
+def batch_gradient(pipe, args, prompts, metadata, reward_fn, sigmas, gen):
+    """The gradient of train.py's GRPO loss (ratio 1, its trained steps, one optimizer step's batch) on one freshly
+    sampled batch: args.prompts_per_step prompts and all noise drawn from `gen`, args.group_size samples each.
+    Returns (the flattened gradient of the transformer, the batch's mean reward)."""
     ids = torch.randperm(len(prompts), generator=gen)[:args.prompts_per_step].tolist()
     sample_ids, groups = data.rank_samples(ids, group_size=args.group_size, rank=0, world_size=1)
     texts, meta = [prompts[i] for i in sample_ids], [metadata[i] for i in sample_ids]
+    sample_guidance, train_guidance = train.guidance_scales(args)
     embeds = models.encode_prompts(pipe, texts, negative_prompt=args.negative_prompt,
-                                   guidance_scale=args.guidance_scale, max_sequence_length=args.max_sequence_length)
+                                   guidance_scale=max(sample_guidance, train_guidance),
+                                   max_sequence_length=args.max_sequence_length)
     x = models.initial_noise(pipe, len(texts), args.resolution, num_frames=args.num_frames, generator=gen)
-    steps = sde.sde_steps(args.num_steps, timestep_fraction=args.timestep_fraction or 1.0)
-    guidance = args.guidance_scale
+    steps = sde.sde_steps(args.num_steps, **train.window_kwargs(args, 0))
     with torch.no_grad():
-        traj = sde.rollout(lambda x_, s_: models.velocity(pipe, x_, s_, embeds, guidance_scale=guidance), x, sigmas,
-                           sde_steps=steps, kind=args.sde, eta=args.eta, generator=gen)
+        traj = sde.rollout(lambda x_, s_: models.velocity(pipe, x_, s_, embeds, guidance_scale=sample_guidance), x,
+                           sigmas, sde_steps=steps, kind=args.sde, eta=args.eta, generator=gen, flash=args.flash,
+                           flash_ratio=args.flash_ratio)
         images = models.decode(pipe, traj["latents"][:, -1])
     scores = reward_fn(images, texts, meta)
-    adv = losses.group_advantages(torch.as_tensor(scores[args.reward_key]).float(), groups)
+    reward = torch.as_tensor(scores[args.reward_key]).float()
+    adv = losses.group_advantages(reward, groups)
     pipe.transformer.zero_grad(set_to_none=True)
     for j, k in enumerate(traj["steps"].tolist()):
         xk, xn = traj["latents"][:, k], traj["latents"][:, k + 1]
-        v = models.velocity(pipe, xk, sigmas[k].item(), embeds, guidance_scale=guidance)
+        v = models.velocity(pipe, xk, sigmas[k].item(), embeds, guidance_scale=train_guidance)
         out = sde.sde_step(v, xk, sigmas[k].item(), sigmas[k + 1].item(), kind=args.sde, eta=args.eta, prev_sample=xn,
                            sigma_max=sigmas[1].item())
         loss, _ = losses.grpo_loss(out.log_prob, traj["log_probs"][:, j], adv, clip_range=args.clip_range)
         (loss / len(steps)).backward()
     grad = torch.cat([q.grad.flatten() for q in pipe.transformer.parameters() if q.grad is not None])
-    correct = scores.get("geneval_correct")
-    return grad, torch.as_tensor(scores[args.reward_key]).float().mean().item(), correct
+    return grad, reward.mean().item()
 
 
 def main(argv=None):
@@ -114,7 +114,7 @@ def main(argv=None):
     batch = args.prompts_per_step * args.group_size
     grads, means = [], []
     for b in range(own.batches):
-        grad, mean, _ = batch_gradient(pipe, args, prompts, metadata, reward_fn, sigmas, seed=own.seed * 100003 + b)
+        grad, mean = batch_gradient(pipe, args, prompts, metadata, reward_fn, sigmas, train.seeded(own.seed, b))
         grads.append(grad)
         means.append(mean)
     est = noise_scale(grads, batch)
