@@ -363,6 +363,23 @@ def load(path, args, trainable, optimizer, fsdp_model=None):
 
 
 # ----------------------------------------------------------------------------- the run folder
+def read_jsonl(path):
+    """(rows, torn) of a run file such as metrics.jsonl or eval.jsonl: its JSON lines, and how many lines were
+    skipped for not being JSON (a run killed while writing its last one). A missing file gives ([], 0)."""
+    rows, torn = [], 0
+    if not os.path.isfile(path):
+        return rows, torn
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                torn += 1
+    return rows, torn
+
+
 def metrics_step(line):
     """The step of a metrics.jsonl line; 0 for a torn line (a run killed while writing it)."""
     try:

@@ -165,15 +165,7 @@ def plot_run(run_dir, out=None):
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise SystemExit(f"error: {path} not found: --plot takes a run folder written by train.py --out")
-    rows, torn = [], 0
-    with open(path, "rb") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except ValueError:  # a run killed while writing its last line
-                torn += 1
+    rows, torn = checkpoints.read_jsonl(path)
     if torn:
         print(f"warning: {path}: skipped {torn} line(s) that are not JSON (a run killed mid-write)")
     rows = [r for r in rows if isinstance(r, dict) and not r.get("skipped") and "reward_mean" in r]
