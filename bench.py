@@ -19,8 +19,8 @@ and every figure is a median over the measured steps. Samples per step = prompts
 (one process).
 
 While it runs, a forward pre-hook on the transformer records every call (phase, input shapes, autocast
-dtype) and a wrapper counts every VAE decode. After each measured step (once its times are logged, from
-train.warn_divergence, before the next step starts) each distinct call is replayed bare on the same module
+dtype) and a wrapper counts every VAE decode. After each measured step (once its times are logged, through
+train.main's on_step, before the next step starts) each distinct call is replayed bare on the same module
 with the same inputs, --repeats times after one warm-up call, median. Timing both sides of the ratio
 within seconds of each other keeps a shared machine's changing load out of it (on a shared CPU also pass
 --threads 1: torch's threads wait on each other whenever one is descheduled, and step times swing 10x):
@@ -69,6 +69,10 @@ import time
 
 import torch
 
+import models
+import rewards
+import train
+
 REQUIRED_KEYS = ("rollout_samples_per_s", "train_samples_per_s", "end_to_end_samples_per_s", "overhead_ratio",
                  "peak_mem_mib", "reward_images_per_s")
 # --windows: the same recipe with each way of choosing the stochastic steps (MixGRPO arXiv:2507.21802, Flow-GRPO-Fast).
@@ -111,8 +115,6 @@ def parse_args(argv=None):
     p.add_argument("--reward-size", type=int, default=512, help="--rewards: image side in pixels")
     p.add_argument("--json", default=None, help="write the figures to this JSON file")
     p.add_argument("--out", default=None, help="train.py run folder (default: a temporary folder, removed afterwards)")
-    import rewards
-
     rewards.add_arguments(p)  # reward options: passed on to train.py, and used by --rewards
     args, unknown = p.parse_known_args(own)
     if unknown:
@@ -193,10 +195,10 @@ class Recorder:
         entry["count"] += 1
 
     @contextlib.contextmanager
-    def patch(self, models, rewards, train):
-        """Wrap models.load_pipeline / models.decode / rewards.build_reward for the length of the run, and
-        train.warn_divergence, which train.py calls once per step after the step's timings are logged."""
-        originals = models.load_pipeline, models.decode, rewards.build_reward, train.warn_divergence
+    def patch(self, models, rewards):
+        """Wrap models.load_pipeline / models.decode / rewards.build_reward for the length of the run: the model and
+        the reward are found and their calls counted (the per-step timing comes through train.main's on_step)."""
+        originals = models.load_pipeline, models.decode, rewards.build_reward
 
         def load_pipeline(*a, **k):
             pipe = originals[0](*a, **k)
@@ -220,17 +222,11 @@ class Recorder:
             self.reward_fn = fn
             return reward_fn
 
-        def warn_divergence(info, *a, **k):
-            out = originals[3](info, *a, **k)
-            self.after_step(info)
-            return out
-
-        models.load_pipeline, models.decode, rewards.build_reward, train.warn_divergence = (
-            load_pipeline, decode, build_reward, warn_divergence)
+        models.load_pipeline, models.decode, rewards.build_reward = load_pipeline, decode, build_reward
         try:
             yield self
         finally:
-            models.load_pipeline, models.decode, rewards.build_reward, train.warn_divergence = originals
+            models.load_pipeline, models.decode, rewards.build_reward = originals
             if self.handle is not None:
                 self.handle.remove()
                 self.handle = None
@@ -346,10 +342,6 @@ def peak_memory_mib(device):
 
 def run(args):
     """Run train.main on the recipe, timing its calls bare between steps; returns the figures as a dict."""
-    import models
-    import rewards
-    import train
-
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         raise SystemExit("error: bench.py measures one process (figures are per GPU): run it with python, not torchrun")
     out = args.out or tempfile.mkdtemp(prefix="bench-")
@@ -363,9 +355,9 @@ def run(args):
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     try:
-        with recorder.patch(models, rewards, train):
+        with recorder.patch(models, rewards):
             t = time.time()
-            train.main(train_argv)
+            train.main(train_argv, on_step=recorder.after_step)  # bare calls timed between steps
             wall = time.time() - t
         pipe = recorder.pipe
         device = pipe.transformer.device
@@ -387,7 +379,7 @@ def run(args):
     per_step = {sig: entry["count"] / total_steps for sig, entry in recorder.calls.items()}
     phase_of = {sig: entry["phase"] for sig, entry in recorder.calls.items()}
     interleaved = bool(recorder.bare)
-    if not interleaved:  # train.py no longer calls warn_divergence once per step: time once, after the run
+    if not interleaved:  # no measured step completed its update: time once, after the run
         print("note: bare calls timed after the run, not between steps; the ratio is exposed to load drift", flush=True)
         bare = time_bare(pipe, recorder.calls, args.repeats, models)
         recorder.bare = {r["step"]: bare for r in measured}
@@ -547,9 +539,6 @@ def reward_throughput(args):
     """images/s of each offline scorer on this machine (PickScore and HPS as tiny random stand-ins)."""
     import numpy as np
     from PIL import Image, ImageDraw, ImageFont
-
-    import models
-    import rewards
 
     rng = np.random.default_rng(0)
     n, size = args.reward_images, args.reward_size

@@ -11,15 +11,18 @@ A run folder (`--out`) holds
                           when the run keeps an EMA, the live ones otherwise)
 
 A checkpoint is written under checkpoints/.tmp-<step>, flushed, and renamed: its folder appears complete or not
-at all. manifest.json (the size and SHA-256 of every file) is written after the files and state.json (the
-step, the run's flags) last; a checkpoint is trusted only when every file matches its manifest, so a
-truncated, emptied or garbled file is found before it is loaded, and resuming falls back to the newest
-checkpoint that verifies. Everything is safetensors or loadable with torch.load(weights_only=True).
+at all. manifest.json (the size and SHA-256 of every file, state.json with the step and the run's flags among
+them) is written last; a checkpoint is trusted only when every file matches its manifest and state.json names
+the folder's step, so a truncated, emptied, garbled or edited file is found before it is loaded, and resuming
+falls back to the newest checkpoint that verifies. Everything is safetensors or loadable with torch.load(weights_only=True).
 
-    prepare(args) -> checkpoint to resume or None    before any model loads: refuses what would lose or mix runs
-    write(args, step, pipe, trainable, optimizer, copies, device, extra)   every rank calls it; rank 0 writes
+    prepare(args) -> (checkpoint to resume or None, stale files)   before any model loads: locks --out, refuses what
+                                                   would lose or mix runs
+    write(args, step, transformer, trainable, optimizer, copies, device, extra, export=None)   every rank calls it
     load(path, args, trainable, optimizer, fsdp_model=None) -> (state, copies)
+    load_weights(path, params, *, use_ema=False)   a checkpoint's trained weights (or EMA) into parameters by name
     verify(path) -> None, or why the checkpoint cannot be trusted
+    swapped(trainable, weights)   context: the trained parameters hold another copy of their weights inside
     ema_weights(params, ema)   context: the trained parameters hold their EMA inside, their live values after
 
 `copies` are further {name: tensor} copies of the trained weights, kept beside them: {"ema": ..., "old": ...}
@@ -27,6 +30,7 @@ checkpoint that verifies. Everything is safetensors or loadable with torch.load(
 """
 import contextlib
 import datetime
+import fcntl
 import glob
 import hashlib
 import json
@@ -39,7 +43,6 @@ import sys
 import torch
 
 import distributed
-import models
 
 COPIES = ("ema", "old")  # the evaluation EMA; the old (sampling, anchor) policy of the forward-process losses
 
@@ -119,12 +122,15 @@ def _jsonable(value):
 
 
 def prepare(args):
-    """Before any model loads: check --out, refuse to mix two runs in one folder, find the checkpoint to resume.
+    """Before any model loads: check --out, lock it, refuse to mix two runs in one folder, find the checkpoint to resume.
 
-    A run folder that already holds a run is only reused with --resume (continue it) or --overwrite (its
-    run files are deleted first). --resume auto without a checkpoint yet starts at step 1 and drops the
-    metrics rows the interrupted run left. Rank 0 decides and tells the others which checkpoint to load."""
-    resume_from = None
+    The folder is locked for this process's life (lock): a second run into it is refused in one line, and the lock
+    of a run that died goes with it. A folder that already holds a run is only reused with --resume (continue it) or
+    --overwrite (start_run deletes its files, once everything else has been checked); a run that never completed a
+    step (its set-up failed) does not count. --resume auto without a checkpoint yet starts at step 1 and drops the
+    metrics rows the interrupted run left. Rank 0 decides and tells the others which checkpoint to load.
+    -> (checkpoint to resume or None, the old run files start_run removes: rank 0's list, [] elsewhere)"""
+    resume_from, stale = None, []
     if distributed.is_main:
         out = args.out
         if os.path.exists(out) and not os.path.isdir(out):
@@ -135,19 +141,16 @@ def prepare(args):
                 f.write("ok")
             os.remove(os.path.join(out, ".write-test"))
         except OSError as e:
-            raise SystemExit(f"error: --out {out} is not writable ({e.strerror or e}); pick a writable folder")
-        used = [name for name in RUN_FILES if os.path.exists(os.path.join(out, name))]
+            raise SystemExit(f"error: --out {out} is not writable ({e.strerror or e}); pick a writable folder with "
+                             "free space")
+        lock(out)
+        used = [name for name in RUN_FILES + ("samples",) if os.path.exists(os.path.join(out, name))]
+        never_stepped = _count_rows(os.path.join(out, "metrics.jsonl")) == 0 and not checkpoint_dirs(out)
         if used and args.resume is None:
-            if not args.overwrite:
+            if not (args.overwrite or never_stepped):  # a run that never completed a step leaves nothing to keep
                 raise SystemExit(f"error: --out {out} already holds a run ({', '.join(used)}); continue it with "
                                  "--resume auto, start it over with --overwrite, or pick another --out")
-            for name in used + ["samples"]:
-                target = os.path.join(out, name)
-                if os.path.isdir(target):
-                    shutil.rmtree(target)
-                elif os.path.exists(target):
-                    os.remove(target)
-            distributed.print0(f"--overwrite: removed the previous run's {', '.join(used)} from {out}")
+            stale = used
         resume_from = resolve_resume(args.resume, out)
         if resume_from is not None:
             with open(os.path.join(resume_from, "state.json")) as f:
@@ -156,11 +159,37 @@ def prepare(args):
             rows = _count_rows(os.path.join(out, "metrics.jsonl"))
             distributed.print0(f"no checkpoint in {out} yet: starting at step 1 (the {rows} metrics rows of the "
                                "interrupted run are dropped)")
-            trim_metrics(out, 0)
-    return distributed.broadcast(resume_from)
+            stale = used
+    return distributed.broadcast(resume_from), stale
 
 
 RUN_FILES = ("args.json", "metrics.jsonl", "eval.jsonl", "checkpoints")  # what marks a folder as holding a run
+
+
+_LOCKS = {}  # folder -> the open file whose flock marks it as this process's run folder
+
+
+def lock(out):
+    """Take an exclusive lock on <out>/.lock (flock), held until this process exits or locks the folder again (a later
+    train.main call in the same process). The kernel drops the lock of a process that dies, so a crashed run never
+    blocks the next one. Refuses in one line while another live process holds it."""
+    path = os.path.realpath(os.path.join(out, ".lock"))
+    if path in _LOCKS:  # this process's own earlier run into the same folder
+        _LOCKS.pop(path).close()
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise SystemExit(f"error: --out {out} is in use by another run (pid {holder}); wait for it to finish, or pick "
+                         "another --out") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    _LOCKS[path] = handle
 
 
 def _count_rows(path):
@@ -190,16 +219,20 @@ REQUIRED = ("trainable.safetensors", "optimizer.pt", "rng.pt")
 def verify(path):
     """None when the checkpoint at path can be trusted, else one phrase saying what is wrong with it.
 
-    state.json must parse and name its step; manifest.json must list the required files, and every file it
-    lists must have its recorded size and SHA-256. A checkpoint written before manifests existed is checked by
-    loading every file instead."""
+    state.json must parse and name its step, the folder's own; manifest.json must list the required files and
+    state.json itself, and every file it lists must have its recorded size and SHA-256. A checkpoint written before
+    manifests existed is checked by loading every file instead (and one written before state.json joined its
+    manifest, by its fields alone)."""
     try:
         with open(os.path.join(path, "state.json")) as f:
             state = json.load(f)
-        if not isinstance(state, dict) or not isinstance(state.get("step"), int) or "model" not in state:
+        if not isinstance(state, dict) or type(state.get("step")) is not int or "model" not in state:
             return "state.json does not hold a step and a model"
     except (OSError, ValueError) as e:
         return f"state.json is unreadable ({type(e).__name__})"
+    folder = os.path.basename(os.path.normpath(path))
+    if state["step"] < 0 or (folder.isdigit() and state["step"] != int(folder)):
+        return f"state.json says step {state['step']} in checkpoint folder {folder} (edited?)"
     manifest_path = os.path.join(path, "manifest.json")
     if not os.path.isfile(manifest_path):
         return _verify_by_loading(path)
@@ -214,6 +247,8 @@ def verify(path):
         if name not in manifest:
             return f"manifest.json does not list {name}"
     for name, entry in manifest.items():
+        if not isinstance(entry, dict):
+            return "manifest.json is malformed"
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             return f"{name} is missing"
@@ -240,11 +275,12 @@ def _verify_by_loading(path):
     return None
 
 
-def save(args, step, pipe, weights, optim_state, copies, extra):
+def save(args, step, weights, optim_state, copies, extra, export=None):
     """Write <out>/checkpoints/<step>/ under a temporary name, then rename: a crash never leaves a half checkpoint.
 
-    weights: {name: full tensor} of the trained parameters; optim_state: optimizer.state_dict() of an unsharded run.
-    Any failure (a full disk, a lost mount) removes the temporary folder and re-raises."""
+    weights: {name: full tensor} of the trained parameters; optim_state: optimizer.state_dict() of an unsharded run;
+    export(folder): writes the weights in a format others load (LoRA runs: diffusers' lora/), given the EMA weights
+    where the run keeps an EMA. Any failure (a full disk, a lost mount) removes the temporary folder and re-raises."""
     from safetensors.torch import save_file
     root = os.path.join(args.out, "checkpoints")
     final, tmp = os.path.join(root, str(step)), os.path.join(root, f".tmp-{step}")
@@ -254,9 +290,9 @@ def save(args, step, pipe, weights, optim_state, copies, extra):
         os.makedirs(tmp)
         save_file({n: p.detach().float().cpu().contiguous() for n, p in weights.items()},
                   os.path.join(tmp, "trainable.safetensors"))
-        if args.lora_rank > 0:  # loads with pipe.load_lora_weights(<step>/lora); the EMA when there is one
+        if export is not None:  # LoRA: loads with pipe.load_lora_weights(<step>/lora); the EMA when there is one
             with ema_weights(weights, copies.get("ema")):
-                models.save_lora(pipe, os.path.join(tmp, "lora"))
+                export(os.path.join(tmp, "lora"))
         for name, tensors in copies.items():
             if tensors is not None:
                 save_file({n: t.cpu().contiguous() for n, t in tensors.items()},
@@ -269,12 +305,12 @@ def save(args, step, pipe, weights, optim_state, copies, extra):
         for name in _files(tmp):  # flush to disk before the manifest vouches for the files
             with open(os.path.join(tmp, name), "rb") as f:
                 os.fsync(f.fileno())
-        manifest = {name: {"bytes": os.path.getsize(os.path.join(tmp, name)),
-                           "sha256": _sha256(os.path.join(tmp, name))} for name in _files(tmp)}
-        _write_json(os.path.join(tmp, "manifest.json"), manifest)
         state = dict(step=step, model=args.model, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
                      seed=args.seed, args={k: _jsonable(v) for k, v in vars(args).items()}, **extra)
-        _write_json(os.path.join(tmp, "state.json"), state)  # written last: its presence marks a complete checkpoint
+        _write_json(os.path.join(tmp, "state.json"), state)  # its presence marks a complete checkpoint (after rename)
+        manifest = {name: {"bytes": os.path.getsize(os.path.join(tmp, name)),
+                           "sha256": _sha256(os.path.join(tmp, name))} for name in _files(tmp)}
+        _write_json(os.path.join(tmp, "manifest.json"), manifest)  # vouches for every file, state.json included
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # never leave a partial folder on a full disk
         raise
@@ -288,23 +324,30 @@ def save(args, step, pipe, weights, optim_state, copies, extra):
 
 
 @contextlib.contextmanager
-def ema_weights(params, ema):
-    """Inside, the trained parameters hold their EMA, what is evaluated and exported (Flow-GRPO swaps its EMA in to
-    evaluate and save: ema.py copy_ema_to / copy_temp_to); on exit they hold their live values again, to train on.
-    params: {name: parameter (FSDP: its shard)}; ema: {name: tensor} of the same layout, or None (nothing changes)."""
-    if ema is None:
-        yield
-        return
-    live = {name: param.detach().clone() for name, param in params.items()}
-    try:
+def swapped(trainable, weights):
+    """Inside, the trained parameters hold `weights` (a {name: tensor} copy: the EMA, or the old policy of the
+    forward-process losses) and `weights` holds theirs; both are exchanged back on exit. The exchange is in place,
+    one tensor at a time (no second model in memory), and exact when both are float32, as the trained weights are
+    (a LoRA adapter is float32, a full fine-tune loads in float32). It works alike for a LoRA adapter, a full
+    fine-tune and FSDP shards (each rank exchanges its own). trainable: [(name, parameter or tensor)]."""
+    def exchange():
         with torch.no_grad():
-            for name, param in params.items():
-                param.copy_(ema[name])
+            for name, param in trainable:
+                held = param.detach().clone()
+                param.copy_(weights[name])
+                weights[name].copy_(held)
+    exchange()
+    try:
         yield
     finally:
-        with torch.no_grad():
-            for name, param in params.items():
-                param.copy_(live[name])
+        exchange()
+
+
+def ema_weights(params, ema):
+    """Context: the trained parameters hold their EMA, what is evaluated and exported (Flow-GRPO swaps its EMA in to
+    evaluate and save: ema.py copy_ema_to / copy_temp_to); on exit they hold their live values again, to train on.
+    params: {name: parameter (FSDP: its shard)}; ema: {name: tensor} of the same layout, or None (nothing changes)."""
+    return contextlib.nullcontext() if ema is None else swapped(list(params.items()), ema)
 
 
 def _write_json(path, obj):
@@ -314,16 +357,17 @@ def _write_json(path, obj):
         os.fsync(f.fileno())
 
 
-def write(args, step, pipe, trainable, optimizer, copies, device, extra):
-    """Called on every rank: checks that replicas agree, gathers FSDP shards, and rank 0 writes the checkpoint."""
+def write(args, step, transformer, trainable, optimizer, copies, device, extra, export=None):
+    """Called on every rank: checks that replicas agree, gathers FSDP shards, and rank 0 writes the checkpoint
+    (export: see save)."""
     sums = distributed.check_replicas(trainable, args.fsdp, device)
     if args.fsdp:  # every rank takes part in the gathers; rank 0 gets the full tensors
-        full_state = distributed.fsdp_full_state(pipe.transformer, optimizer, trainable, copies)
+        full_state = distributed.fsdp_full_state(transformer, optimizer, trainable, copies)
     else:
         full_state = (dict(trainable), optimizer.state_dict(), copies) if distributed.is_main else None
     if distributed.is_main:
         try:
-            save(args, step, pipe, *full_state, dict(extra, rank_checksums=sums))
+            save(args, step, *full_state, dict(extra, rank_checksums=sums), export)
         except (OSError, RuntimeError, ValueError) as e:  # full disk, lost mount (torch and safetensors wrap errno)
             reason = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())[:200]
             raise SystemExit(f"error: could not write checkpoint {step} in {args.out}/checkpoints ({reason}); "
@@ -337,21 +381,15 @@ def load(path, args, trainable, optimizer, fsdp_model=None):
     from safetensors.torch import load_file
     with open(os.path.join(path, "state.json")) as f:
         state = json.load(f)
-    names = [n for n, _ in trainable]
     weights, optim_state = {}, {}
-    if fsdp_model is None or distributed.is_main:  # under FSDP rank 0 reads and scatters
-        weights = load_file(os.path.join(path, "trainable.safetensors"))
-        if missing := [n for n in names if n not in weights]:
-            raise SystemExit(f"error: --resume {path} lacks {len(missing)} trained tensors (e.g. {missing[0]}): "
-                             "resume with the flags it was saved with")
-        optim_state = torch.load(os.path.join(path, "optimizer.pt"), weights_only=True)
-    if fsdp_model is not None:
+    if fsdp_model is not None:  # rank 0 reads and scatters
+        if distributed.is_main:
+            weights = _read_weights(path, [n for n, _ in trainable], "--resume")
+            optim_state = torch.load(os.path.join(path, "optimizer.pt"), weights_only=True)
         distributed.fsdp_load(fsdp_model, optimizer, trainable, weights, optim_state)
     else:
-        with torch.no_grad():
-            for name, param in trainable:
-                param.copy_(weights[name])
-        optimizer.load_state_dict(optim_state)
+        load_weights(path, dict(trainable), what="--resume")
+        optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=True))
     copies = {}
     for name in COPIES:
         if os.path.isfile(os.path.join(path, f"{name}.safetensors")):
@@ -360,6 +398,32 @@ def load(path, args, trainable, optimizer, fsdp_model=None):
                 copies[name] = distributed.shard_like(copies[name], trainable)
     torch.set_rng_state(torch.load(os.path.join(path, "rng.pt"), weights_only=True)["torch"])
     return state, copies
+
+
+def _read_weights(path, names, what, file="trainable.safetensors"):
+    """{name: tensor} of a checkpoint file, refused in one line when it lacks a trained tensor of `names`."""
+    from safetensors.torch import load_file
+    weights = load_file(os.path.join(path, file))
+    if missing := [n for n in names if n not in weights]:
+        raise SystemExit(f"error: {what} {path} lacks {len(missing)} trained tensors (e.g. {missing[0]}): "
+                         "use the flags it was saved with (--model, --lora-rank)")
+    return weights
+
+
+def load_weights(path, params, *, use_ema=False, what="checkpoint", complete=True):
+    """Copy a checkpoint's trained weights (use_ema: its EMA, where it has one) into `params` {name: parameter}. With
+    complete, params are the trained weights themselves (resume: the same model and LoRA rank, every one in the
+    file); without, any superset of them (a pipeline's every parameter). Returns the file read."""
+    file = "ema.safetensors" if use_ema and os.path.isfile(os.path.join(path, "ema.safetensors")) else \
+        "trainable.safetensors"
+    weights = _read_weights(path, list(params) if complete else [], what, file)
+    if unknown := [n for n in weights if n not in params]:
+        raise SystemExit(f"error: {what} {path} does not match this model ({len(unknown)} unknown tensors, e.g. "
+                         f"{unknown[0]}): use the --model and --lora-rank it was trained with")
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            params[name].copy_(tensor)
+    return file
 
 
 # ----------------------------------------------------------------------------- the run folder
@@ -407,10 +471,16 @@ def json_line(row):
 
 
 def append_metrics(out, info):
-    """One line per step in metrics.jsonl, rank 0."""
+    """One line per step in metrics.jsonl, rank 0; a file that cannot be written (a full disk, a folder made read-only
+    or deleted) stops the run in one line: its last checkpoint is intact."""
     if distributed.is_main:
-        with open(os.path.join(out, "metrics.jsonl"), "a") as f:
-            f.write(json_line(info))
+        path = os.path.join(out, "metrics.jsonl")
+        try:
+            with open(path, "a") as f:
+                f.write(json_line(info))
+        except OSError as e:
+            raise SystemExit(f"error: cannot write {path} ({e.strerror or e}); free space or restore the folder's "
+                             "write permission, then continue with --resume auto") from None
 
 
 def run_info():
@@ -428,9 +498,18 @@ def run_info():
                 world_size=distributed.WORLD, started=datetime.datetime.now().isoformat(timespec="seconds"))
 
 
-def start_run(args):
-    """Create the run folder and write args.json (rank 0). API keys live in environment variables, never in args."""
-    if distributed.is_main:
-        os.makedirs(os.path.join(args.out, "samples"), exist_ok=True)
-        with open(os.path.join(args.out, "args.json"), "w") as f:
-            json.dump(dict(args=vars(args), **run_info()), f, indent=1)
+def start_run(args, stale=()):
+    """Create the run folder and write args.json (rank 0), removing first the `stale` files of the run that was there
+    (prepare's list: --overwrite, a run that never completed a step, --resume auto before a checkpoint): only now,
+    every check having passed, so that a refused run never loses the one before it. API keys live in environment
+    variables, never in args."""
+    if not distributed.is_main:
+        return
+    for name in stale:
+        target = os.path.join(args.out, name)
+        shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
+    if stale and args.overwrite:
+        distributed.print0(f"--overwrite: removed the previous run's {', '.join(stale)} from {args.out}")
+    os.makedirs(os.path.join(args.out, "samples"), exist_ok=True)
+    with open(os.path.join(args.out, "args.json"), "w") as f:
+        json.dump(dict(args=vars(args), **run_info()), f, indent=1)

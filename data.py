@@ -154,12 +154,21 @@ def ocr_targets_missing(prompts):
     return missing
 
 
+def seeded(*parts):
+    """A CPU generator seeded from integers (seed, step, rank, ...): one stream per tuple, the same numbers in any
+    process and after a resume. Every seeded draw of the project goes through it (prompt order, rollout noise,
+    fast windows' batches, the held-out evaluation's per-prompt noise)."""
+    seed = 0
+    for part in parts:
+        seed = (seed * 1_000_003 + int(part)) % 2**63
+    return torch.Generator().manual_seed(seed)
+
+
 def _epoch_order(num_prompts, epoch, seed, shuffle):
     """The prompt order of one epoch: a permutation seeded from (seed, epoch), or file order."""
     if not shuffle:
         return list(range(num_prompts))
-    generator = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**63)  # one stream per (seed, epoch)
-    return torch.randperm(num_prompts, generator=generator).tolist()
+    return torch.randperm(num_prompts, generator=seeded(seed, epoch)).tolist()  # one stream per (seed, epoch)
 
 
 def step_prompt_ids(num_prompts, step, *, prompts_per_step, seed=0, shuffle=True):

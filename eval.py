@@ -24,17 +24,14 @@ import data
 import geneval
 import models
 import rewards
-import sde
 
 
 def seeded_noise(pipe, n, resolution, seed, num_frames=None):
-    """Noise for prompts 0..n-1, each from its own generator: independent of batch size and order."""
-    return torch.cat([models.initial_noise(pipe, 1, resolution, num_frames=num_frames,
-                                           generator=torch.Generator().manual_seed(seed * 1_000_003 + i))
+    """Noise for prompts 0..n-1, each from its own generator (seed, index): independent of batch size and order."""
+    return torch.cat([models.initial_noise(pipe, 1, resolution, num_frames=num_frames, generator=data.seeded(seed, i))
                       for i in range(n)])
 
 
-@torch.no_grad()
 def sample_images(pipe, prompts, *, resolution, num_steps, guidance_scale, seed=0, batch_size=8,
                   negative_prompt="", shift=None, num_frames=None, max_sequence_length=None, device="cpu"):
     """ODE samples of `prompts` on the model's own schedule (models.sigmas) -> uint8 [N, H, W, 3]
@@ -45,9 +42,8 @@ def sample_images(pipe, prompts, *, resolution, num_steps, guidance_scale, seed=
     for i in range(0, len(prompts), batch_size):
         embeds = models.encode_prompts(pipe, prompts[i:i + batch_size], negative_prompt=negative_prompt,
                                        guidance_scale=guidance_scale, max_sequence_length=max_sequence_length)
-        traj = sde.rollout(lambda x, s: models.velocity(pipe, x, s, embeds, guidance_scale=guidance_scale),
-                           noise[i:i + batch_size].to(device), sigmas, sde_steps=[], kind="ode")
-        out.append(models.decode(pipe, traj["latents"][:, -1]))
+        out.append(models.generate(pipe, noise[i:i + batch_size].to(device), sigmas, embeds,
+                                   guidance_scale=guidance_scale, solver="euler")[1])
     return torch.cat(out)
 
 
@@ -66,20 +62,9 @@ def score(reward_fn, images, prompts, metadata):
 
 
 def load_weights(pipe, path, *, use_ema=False):
-    """Copy a train.py checkpoint's trained weights (or their EMA) into a pipeline prepared with the same LoRA rank."""
-    from safetensors.torch import load_file
-    has_ema = os.path.isfile(os.path.join(path, "ema.safetensors"))
-    name = "ema.safetensors" if use_ema and has_ema else "trainable.safetensors"
-    weights = load_file(os.path.join(path, name))
-    params = dict(pipe.transformer.named_parameters())
-    missing = [k for k in weights if k not in params]
-    if missing:
-        raise SystemExit(f"error: {path} does not match this model ({len(missing)} unknown tensors, "
-                         f"e.g. {missing[0]}); "
-                         "evaluate it with the --model it was trained with")
-    with torch.no_grad():
-        for k, t in weights.items():
-            params[k].copy_(t)
+    """Copy a train.py checkpoint's trained weights (use_ema: their EMA, where it has one) into a pipeline prepared
+    with the same LoRA rank (models.add_lora; a full fine-tune's checkpoint holds every weight). -> the file read."""
+    return checkpoints.load_weights(path, dict(pipe.transformer.named_parameters()), use_ema=use_ema, complete=False)
 
 
 def save_grid(path, columns, names, prompts, tables):
@@ -259,9 +244,9 @@ def main(argv=None):
     for ckpt in args.checkpoints:
         if base is not None:
             pipe.transformer.load_state_dict(base)
-        load_weights(pipe, ckpt, use_ema=args.ema)
+        file = load_weights(pipe, ckpt, use_ema=args.ema)
         names.append(ckpt.rstrip("/"))
-        weights[names[-1]] = "ema" if args.ema and os.path.isfile(os.path.join(ckpt, "ema.safetensors")) else "live"
+        weights[names[-1]] = "ema" if file == "ema.safetensors" else "live"
         columns.append(sample_images(pipe, prompts, **kw))
         tables.append(score(reward_fn, columns[-1], prompts, metadata))
 

@@ -32,7 +32,12 @@ the Qwen special tokens and a Qwen3-style chat template, built offline: the same
 real models' configs for parameter counts and memory estimates on the meta device.
 """
 
+import contextlib
+import functools
+import gzip
+import importlib.util
 import math
+import os
 
 import numpy as np
 import torch
@@ -45,13 +50,190 @@ KLEIN_ID = "black-forest-labs/FLUX.2-klein-base-4B"
 Z_IMAGE_ID = "Tongyi-MAI/Z-Image"
 
 
-def _models():
-    import models  # models.py imports this module at load time; import it back lazily
-
-    return models
-
-
 # ----------------------------------------------------------------------------- shared helpers
+
+SD35_VAE = dict(
+    in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512),
+    layers_per_block=2, latent_channels=16, norm_num_groups=32, sample_size=1024,
+    scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False,
+)
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+@functools.lru_cache(maxsize=1)
+def clip_bpe():
+    """CLIP's byte-level BPE (Radford et al. 2021) from the vocabulary file open_clip ships.
+
+    Returns (vocab: token -> id, merges: list of pairs), the same ids as OpenAI's CLIP and
+    `openai/clip-vit-large-patch14`. The file is read without importing open_clip (seconds).
+    """
+    spec = importlib.util.find_spec("open_clip")
+    if spec is None:
+        raise RuntimeError("the tiny models need the CLIP vocabulary that open_clip ships: pip install open_clip_torch")
+    path = os.path.join(spec.submodule_search_locations[0], "bpe_simple_vocab_16e6.txt.gz")
+    lines = gzip.open(path, "rt", encoding="utf-8").read().split("\n")
+    merges = [tuple(line.split()) for line in lines[1:49152 - 256 - 2 + 1]]  # 48894 merges, as CLIP
+    tokens = byte_alphabet()
+    tokens = tokens + [t + "</w>" for t in tokens] + ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
+    return {t: i for i, t in enumerate(tokens)}, merges
+
+
+def byte_alphabet():
+    """The 256 printable characters that byte-level BPE uses for the bytes, in CLIP's (= GPT-2's)
+    vocabulary order: printable Latin-1 bytes as themselves, the others as code points after 255."""
+    byte_ids = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                + list(range(ord("®"), ord("ÿ") + 1)))
+    chars, extra = byte_ids[:], 0
+    for b in range(256):
+        if b not in byte_ids:
+            byte_ids.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return [chr(c) for c in chars]
+
+
+def clip_tokenizer():
+    """transformers' CLIPTokenizer with CLIP's real vocabulary, built offline (tiny models, reward stand-ins)."""
+    from transformers import CLIPTokenizer
+
+    vocab, merges = clip_bpe()
+    return CLIPTokenizer(vocab=dict(vocab), merges=list(merges), model_max_length=77)
+
+
+def t5_tokenizer(max_length):
+    """A small sentencepiece-style (Unigram) tokenizer with T5's special tokens (pad 0, eos 1,
+    unk 2): whole English words from CLIP's vocabulary, then single characters as fallback."""
+    from transformers import T5Tokenizer
+
+    vocab, _ = clip_bpe()
+    words = [t[:-4] for t in vocab if t.endswith("</w>") and len(t) > 5]  # whole words of 2+ characters
+    words = [w for w in words if w.isascii() and w.isalnum()]
+    chars = [chr(c) for c in range(33, 127)]
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -3.0)]
+    pieces += [("▁" + w, -1.0) for w in words[:8000]]  # most frequent first (merge order)
+    pieces += [(c, -3.0) for c in chars] + [("▁" + c, -3.0) for c in chars]
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=max_length)
+
+
+# ----------------------------------------------------------------------------- building
+
+@contextlib.contextmanager
+def seeded_build(seed, device):
+    """Build modules on `device` with weights drawn from `seed`, leaving the global RNG as it was."""
+    devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            yield
+
+
+def clip_encoder(hidden, layers, heads, ffn, *, projection=True):
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(
+        vocab_size=49408, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, max_position_embeddings=77, projection_dim=hidden,
+        bos_token_id=49406, eos_token_id=49407, pad_token_id=49407,  # pooled at the first <|endoftext|>
+    )
+    return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config).eval()
+
+
+def t5_encoder(vocab_size, d_model, layers, heads, d_kv, ffn):
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(
+        vocab_size=vocab_size, d_model=d_model, d_kv=d_kv, d_ff=ffn, num_layers=layers, num_heads=heads,
+        relative_attention_num_buckets=8, relative_attention_max_distance=32,
+        feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    )
+    return T5EncoderModel(config).eval()
+
+
+def small_vae(latent_channels, scaling_factor, shift_factor):
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(  # 3 blocks: 4x down-sampling, 64 px -> 16 x 16 latents
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(16, 32, 32), layers_per_block=1,
+        latent_channels=latent_channels, norm_num_groups=8, sample_size=64, scaling_factor=scaling_factor,
+        shift_factor=shift_factor, use_quant_conv=False, use_post_quant_conv=False,
+    ).eval()
+
+
+def check_no_path(name, model_path):
+    if model_path is not None:
+        raise ValueError(f"model {name!r} is built in code and takes no --model-path; "
+                         "drop the flag or pick a hub model (sd3, flux, wan, ...)")
+
+
+def from_pretrained(cls, name, path, default_id, dtype):
+    """`cls.from_pretrained`, turning every way a hub model can be missing into one sentence."""
+    from huggingface_hub.errors import HFValidationError
+
+    local = os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path)
+    if local and not os.path.isdir(os.path.expanduser(path)):
+        raise RuntimeError(f"model folder {path!r} for {name!r} does not exist; pass a downloaded diffusers folder "
+                           f"of {default_id} with --model-path")
+    try:
+        return cls.from_pretrained(os.path.expanduser(path), torch_dtype=dtype)
+    except (OSError, HFValidationError) as e:  # offline, gated without a token, not cached, not a pipeline
+        raise RuntimeError(
+            f"cannot load {name!r} from {path!r} ({type(e).__name__}: offline, gated without a token, or not a "
+            f"diffusers pipeline folder); download {default_id} where the hub is reachable "
+            f"(`hf download {default_id}`) "
+            f"and pass the local folder with --model-path"
+        ) from None
+
+
+def decode_kl(vae, latents):
+    """Latents [B, C, h, w] of an AutoencoderKL with scaling and shift -> uint8 [B, H, W, 3] on the CPU."""
+    images = []
+    for chunk in latents.split(8):  # the VAE decoder's activations dominate memory at 1024 px
+        z = chunk.to(vae.device, vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        image = vae.decode(z, return_dict=False)[0]  # [b, 3, H, W] in [-1, 1]
+        images.append(_to_uint8(image).permute(0, 2, 3, 1).cpu())
+    return torch.cat(images)
+
+
+def dynamic_shift_mu(config, image_tokens):
+    """FLUX's resolution-dependent shift (diffusers' calculate_shift, pipeline_flux.py): mu linear in
+    the number of image tokens, from base_shift at base_image_seq_len to max_shift at max_image_seq_len."""
+    base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+    base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
+    m = (max_shift - base_shift) / (max_len - base_len)
+    return image_tokens * m + base_shift - m * base_len
+
+
+def flow_match_sigmas(config, base, *, mu=None, shift=None):
+    """What FlowMatchEulerDiscreteScheduler.set_timesteps(sigmas=base, mu=mu) stores as its sigmas
+    (scheduling_flow_match_euler_discrete.py), computed in float32 as there: float32 [N + 1], 1 -> 0.
+
+    Dynamic configs shift by mu: exponential exp(mu) / (exp(mu) + 1/t - 1) (FLUX, arXiv:2403.03206
+    applied per resolution) or linear mu / (mu + 1/t - 1); static ones by config.shift. `shift` (--shift)
+    replaces either with that static shift (MixGRPO samples FLUX.1 with a static shift of 3 on this same
+    grid). shift_terminal then stretches the schedule so that its last nonzero sigma equals it (LTX-Video's
+    rule, as diffusers applies it)."""
+    t = np.asarray(base).astype(np.float32)
+    if shift is not None:
+        t = sde.time_shift(t, shift)
+    elif config.get("use_dynamic_shifting", False):
+        if config.get("time_shift_type", "exponential") == "exponential":
+            t = math.exp(mu) / (math.exp(mu) + (1 / t - 1))
+        else:
+            t = mu / (mu + (1 / t - 1))
+    else:
+        t = sde.time_shift(t, config.get("shift", 1.0) if shift is None else shift)
+    if config.get("shift_terminal"):
+        one_minus = 1 - t
+        t = 1 - one_minus / (one_minus[-1] / (1 - config["shift_terminal"]))
+    if any(config.get(k) for k in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas")):
+        raise ValueError("karras / exponential / beta / inverted sigmas are not supported; "
+                         "use the model's own scheduler config")
+    return torch.cat([torch.from_numpy(np.asarray(t, dtype=np.float32)), torch.zeros(1)])
+
+
 
 def _pad_tokens(embeds, mask, length):
     """Right-pad [B, L, D] embeddings with zeros and their [B, L] mask with False to `length` tokens."""
@@ -110,7 +292,7 @@ def _no_frames(num_frames):
         raise ValueError("--num-frames is for video models (wan); this model makes images")
 
 
-def _image_tokens(pipe, height, width):
+def image_tokens(pipe, height, width):
     """Image tokens after 2 x 2 patching: the sequence length of the resolution-dependent shifts."""
     f = pipe.vae_scale_factor
     return (height // (2 * f)) * (width // (2 * f))
@@ -122,7 +304,7 @@ def _qwen_tokenizer(max_length):
     as Qwen3's own template writes it). Ids: 256 bytes, then the specials."""
     from transformers import Qwen2Tokenizer
 
-    vocab = {c: i for i, c in enumerate(_models()._byte_alphabet())}
+    vocab = {c: i for i, c in enumerate(byte_alphabet())}
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
     template = (
         "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
@@ -168,7 +350,7 @@ def wan(model_path=None, dtype=torch.float32, device="cpu"):
     """
     from diffusers import WanPipeline
 
-    pipe = _models()._from_pretrained(WanPipeline, "wan", model_path or WAN_ID, WAN_ID, dtype)
+    pipe = from_pretrained(WanPipeline, "wan", model_path or WAN_ID, WAN_ID, dtype)
     pipe.vae.to(torch.float32)
     return pipe
 
@@ -179,10 +361,9 @@ def tiny_wan(model_path=None, dtype=torch.float32, device="cpu"):
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    m = _models()
-    m._check_no_path("tiny-wan", model_path)
-    tokenizer = m._t5_tokenizer(32)
-    with m._seeded_build(0, device):
+    check_no_path("tiny-wan", model_path)
+    tokenizer = t5_tokenizer(32)
+    with seeded_build(0, device):
         text_encoder = UMT5EncoderModel(UMT5Config(
             vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
             relative_attention_num_buckets=8, relative_attention_max_distance=32, feed_forward_proj="gated-gelu",
@@ -287,7 +468,7 @@ def qwen_image(model_path=None, dtype=torch.float32, device="cpu"):
     from diffusers import QwenImagePipeline
 
     path = model_path or QWEN_IMAGE_ID
-    return _models()._from_pretrained(QwenImagePipeline, "qwen-image", path, QWEN_IMAGE_ID, dtype)
+    return from_pretrained(QwenImagePipeline, "qwen-image", path, QWEN_IMAGE_ID, dtype)
 
 
 def tiny_qwen_image(model_path=None, dtype=torch.float32, device="cpu"):
@@ -299,10 +480,9 @@ def tiny_qwen_image(model_path=None, dtype=torch.float32, device="cpu"):
     from diffusers import QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    m = _models()
-    m._check_no_path("tiny-qwen-image", model_path)
+    check_no_path("tiny-qwen-image", model_path)
     tokenizer = _qwen_tokenizer(1024)
-    with m._seeded_build(0, device):
+    with seeded_build(0, device):
         config = Qwen2_5_VLConfig(
             text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                              num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
@@ -395,10 +575,9 @@ def _qwen_unused(transformer):
 
 
 def _qwen_sigmas(pipe, num_steps, height, width, shift):
-    m = _models()
     base = np.linspace(1.0, 1 / num_steps, num_steps)  # QwenImagePipeline.__call__
-    mu = m.dynamic_shift_mu(pipe.scheduler.config, _image_tokens(pipe, height, width))
-    return m.flow_match_sigmas(pipe.scheduler.config, base, mu=mu, shift=shift)
+    mu = dynamic_shift_mu(pipe.scheduler.config, image_tokens(pipe, height, width))
+    return flow_match_sigmas(pipe.scheduler.config, base, mu=mu, shift=shift)
 
 
 # ----------------------------------------------------------------------------- FLUX.2 [klein]
@@ -422,7 +601,7 @@ def flux2_klein(model_path=None, dtype=torch.float32, device="cpu"):
     """
     from diffusers import Flux2KleinPipeline
 
-    return _models()._from_pretrained(Flux2KleinPipeline, "flux2-klein", model_path or KLEIN_ID, KLEIN_ID, dtype)
+    return from_pretrained(Flux2KleinPipeline, "flux2-klein", model_path or KLEIN_ID, KLEIN_ID, dtype)
 
 
 def tiny_flux2_klein(model_path=None, dtype=torch.float32, device="cpu"):
@@ -434,10 +613,9 @@ def tiny_flux2_klein(model_path=None, dtype=torch.float32, device="cpu"):
     from diffusers import Flux2Transformer2DModel
     from transformers import Qwen3ForCausalLM
 
-    m = _models()
-    m._check_no_path("tiny-flux2-klein", model_path)
+    check_no_path("tiny-flux2-klein", model_path)
     tokenizer = _qwen_tokenizer(128)
-    with m._seeded_build(0, device):
+    with seeded_build(0, device):
         text_encoder = _qwen3_encoder(Qwen3ForCausalLM, len(tokenizer), 16, 28)
         transformer = Flux2Transformer2DModel(
             patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
@@ -527,8 +705,8 @@ def klein_mu(image_tokens, num_steps):
 
 def _klein_sigmas(pipe, num_steps, height, width, shift):
     base = np.linspace(1.0, 1 / num_steps, num_steps)  # Flux2KleinPipeline.__call__
-    mu = klein_mu(_image_tokens(pipe, height, width), num_steps)
-    return _models().flow_match_sigmas(pipe.scheduler.config, base, mu=mu, shift=shift)
+    mu = klein_mu(image_tokens(pipe, height, width), num_steps)
+    return flow_match_sigmas(pipe.scheduler.config, base, mu=mu, shift=shift)
 
 
 # ----------------------------------------------------------------------------- Z-Image
@@ -553,7 +731,7 @@ def z_image(model_path=None, dtype=torch.float32, device="cpu"):
     """
     from diffusers import ZImagePipeline
 
-    return _models()._from_pretrained(ZImagePipeline, "z-image", model_path or Z_IMAGE_ID, Z_IMAGE_ID, dtype)
+    return from_pretrained(ZImagePipeline, "z-image", model_path or Z_IMAGE_ID, Z_IMAGE_ID, dtype)
 
 
 def tiny_z_image(model_path=None, dtype=torch.float32, device="cpu"):
@@ -563,10 +741,9 @@ def tiny_z_image(model_path=None, dtype=torch.float32, device="cpu"):
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen3Model
 
-    m = _models()
-    m._check_no_path("tiny-z-image", model_path)
+    check_no_path("tiny-z-image", model_path)
     tokenizer = _qwen_tokenizer(128)
-    with m._seeded_build(0, device):
+    with seeded_build(0, device):
         text_encoder = _qwen3_encoder(Qwen3Model, len(tokenizer), 16, 2)
         transformer = ZImageTransformer2DModel(
             all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=2, n_refiner_layers=1,
@@ -574,7 +751,7 @@ def tiny_z_image(model_path=None, dtype=torch.float32, device="cpu"):
         with torch.no_grad():
             transformer.x_pad_token.normal_()
             transformer.cap_pad_token.normal_()
-        vae = m._small_vae(16, 0.3611, 0.1159)  # FLUX.1's VAE scaling and shift, which Z-Image reuses
+        vae = small_vae(16, 0.3611, 0.1159)  # FLUX.1's VAE scaling and shift, which Z-Image reuses
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
     pipe = ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                           transformer=transformer)
@@ -625,14 +802,13 @@ def _z_velocity(pipe, model, x, sigma, embeds, guidance_scale):
 
 @torch.no_grad()
 def _z_decode(pipe, latents):
-    return _models()._decode_kl(pipe.vae, latents)
+    return decode_kl(pipe.vae, latents)
 
 
 def _z_sigmas(pipe, num_steps, height, width, shift):
-    m = _models()
     base = torch.linspace(1.0, 1 / num_steps, num_steps).numpy()  # get_default_z_image_sigmas: float32 linspace
-    mu = m.dynamic_shift_mu(pipe.scheduler.config, _image_tokens(pipe, height, width))
-    return m.flow_match_sigmas(pipe.scheduler.config, base, mu=mu, shift=shift)
+    mu = dynamic_shift_mu(pipe.scheduler.config, image_tokens(pipe, height, width))
+    return flow_match_sigmas(pipe.scheduler.config, base, mu=mu, shift=shift)
 
 
 # ----------------------------------------------------------------------------- published configs
@@ -704,7 +880,7 @@ def build_published(name, component, device="meta"):
     cls_name, config = PUBLISHED[name][component]
     if hasattr(diffusers, cls_name):
         cls = getattr(diffusers, cls_name)
-        config = _models().SD35_VAE if config is None else config  # SD3.5's VAE, defined with the medium model
+        config = SD35_VAE if config is None else config  # SD3.5's VAE, defined with the medium model
         with torch.device(device):
             return cls(**config)
     cls = getattr(transformers, cls_name)

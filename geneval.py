@@ -8,7 +8,7 @@
     out["geneval_<tag>"]     [B] official 0/1 for the samples of that tag, NaN for the others (nanmean = accuracy)
 
 An image is judged from object detections (class, score, box, mask) and, for colour clauses,
-the colour of each object. Detection backends (`DETECTORS`): `mask2former`, transformers'
+the colour of each object. Detection backends (rewards.GENEVAL_DETECTORS): `mask2former`, transformers'
 Mask2Former (Swin-S, COCO instance) with mmdetection's post-processing re-implemented, plus CLIP
 ViT-L/14 zero-shot colours, for photographs; `shapes`, the exact detector of the synthetic
 shapes world (module `shapes`), which also gives colours.
@@ -380,40 +380,53 @@ def _others(k, skip):
     return k
 
 
-def _prompt(tag, digits):
-    """The GenEval object of one point of a tag's grid (create_prompts.py L33-133 templates)."""
-    person = OBJECT_NAMES.index("person")  # colour prompts never name a colour of a person (L91-92, L123-124)
-    names = OBJECT_NAMES
+def template(tag, a, b=None, *, count=1, color=None, color_b=None, relation=None):
+    """GenEval's prompt and metadata clauses of one object (create_prompts.py L33-133 templates): classes a and b,
+    a count (counting: 2-4, with an exclude clause at count + 1), colours of a and b, a relation of a to b (the
+    target is named second: "a circle left of a square" includes [square, circle at ["left of", 0]]).
+    -> (prompt, include, exclude). The one grammar of GenEval prompts here, over COCO's classes and the shapes
+    world's alike."""
     if tag == "single_object":
-        (a,) = digits
-        return {"tag": tag, "include": [{"class": names[a], "count": 1}],
-                "prompt": f"a photo of {_with_article(names[a])}"}
+        return f"a photo of {_with_article(a)}", [{"class": a, "count": 1}], []
     if tag == "two_object":
-        a, b = digits[0], _others(digits[1], [digits[0]])
-        return {"tag": tag, "include": [{"class": names[a], "count": 1}, {"class": names[b], "count": 1}],
-                "prompt": f"a photo of {_with_article(names[a])} and {_with_article(names[b])}"}
+        return f"a photo of {_with_article(a)} and {_with_article(b)}", [{"class": a, "count": 1},
+                                                                         {"class": b, "count": 1}], []
     if tag == "counting":
-        a, n = digits[0], digits[1] + 2  # counts 2-4
-        include, exclude = [{"class": names[a], "count": n}], [{"class": names[a], "count": n + 1}]
-        return {"tag": tag, "include": include, "exclude": exclude,
-                "prompt": f"a photo of {NUMBERS[n]} {_plural(names[a])}"}
+        return (f"a photo of {NUMBERS[count]} {_plural(a)}", [{"class": a, "count": count}],
+                [{"class": a, "count": count + 1}])
     if tag == "colors":
-        a, c = _others(digits[0], [person]), COLORS[digits[1]]
-        return {"tag": tag, "include": [{"class": names[a], "count": 1, "color": c}],
-                "prompt": f"a photo of {_with_article(c)} {names[a]}"}
+        return f"a photo of {_with_article(color)} {a}", [{"class": a, "count": 1, "color": color}], []
     if tag == "position":
-        a, b, relation = digits[0], _others(digits[1], [digits[0]]), RELATIONS[digits[2]]
-        return {"tag": tag, "include": [{"class": names[b], "count": 1},
-                                        {"class": names[a], "count": 1, "position": [relation, 0]}],
-                "prompt": f"a photo of {_with_article(names[a])} {relation} {_with_article(names[b])}"}
+        return (f"a photo of {_with_article(a)} {relation} {_with_article(b)}",
+                [{"class": b, "count": 1}, {"class": a, "count": 1, "position": [relation, 0]}], [])
     if tag == "color_attr":
+        return (f"a photo of {_with_article(color)} {a} and {_with_article(color_b)} {b}",
+                [{"class": a, "count": 1, "color": color}, {"class": b, "count": 1, "color": color_b}], [])
+    raise ValueError(f"unknown GenEval tag {tag!r}; choose one of {', '.join(TAGS)}")
+
+
+def _prompt(tag, digits):
+    """The GenEval object of one point of a tag's grid over COCO's classes and GenEval's colours."""
+    person = OBJECT_NAMES.index("person")  # colour prompts never name a colour of a person (L91-92, L123-124)
+    names, kw = OBJECT_NAMES, {}
+    if tag == "single_object":
+        a, b = digits[0], None
+    elif tag == "two_object":
+        a, b = digits[0], _others(digits[1], [digits[0]])
+    elif tag == "counting":
+        a, b, kw = digits[0], None, dict(count=digits[1] + 2)  # counts 2-4
+    elif tag == "colors":
+        a, b, kw = _others(digits[0], [person]), None, dict(color=COLORS[digits[1]])
+    elif tag == "position":
+        a, b, kw = digits[0], _others(digits[1], [digits[0]]), dict(relation=RELATIONS[digits[2]])
+    elif tag == "color_attr":
         a = _others(digits[0], [person])
         b = _others(digits[1], [person, a])
-        ca, cb = COLORS[digits[2]], COLORS[_others(digits[3], [digits[2]])]
-        return {"tag": tag, "include": [{"class": names[a], "count": 1, "color": ca},
-                                        {"class": names[b], "count": 1, "color": cb}],
-                "prompt": f"a photo of {_with_article(ca)} {names[a]} and {_with_article(cb)} {names[b]}"}
-    raise ValueError(f"unknown tag {tag!r}")
+        kw = dict(color=COLORS[digits[2]], color_b=COLORS[_others(digits[3], [digits[2]])])
+    else:
+        raise ValueError(f"unknown tag {tag!r}")
+    prompt, include, exclude = template(tag, names[a], None if b is None else names[b], **kw)
+    return {"tag": tag, "include": include, **({"exclude": exclude} if exclude else {}), "prompt": prompt}
 
 
 def _grid(tag):
@@ -664,7 +677,7 @@ def clip_colour_classifier(path="openai", device="cpu", *, model_name="ViT-L-14"
 def add_arguments(parser):
     """The options of the geneval reward, declared once; argparse dests are the keywords of `reward`."""
     group = parser.add_argument_group("geneval reward")
-    group.add_argument("--geneval-detector", default=None, choices=list(DETECTORS),
+    group.add_argument("--geneval-detector", default=None,
                        help="object detector: mask2former (photographs; colours from CLIP) or shapes (the exact "
                             "detector of the synthetic shapes world, colours included); default: shapes for "
                             "train.py --model shapes, else mask2former")
@@ -704,27 +717,24 @@ def _as_uint8(images):
     return images
 
 
-def reward(*, device, geneval_detector, geneval_detector_path, geneval_clip_path, geneval_clip_model, geneval_score,
+def reward(*, detect, device, geneval_detector, geneval_clip_path, geneval_clip_model, geneval_score,
            geneval_batch_size, **_):
     """GenEval reward -> score(images uint8 [B, H, W, 3], prompts, metadata) -> {"reward": the
     `geneval_score` [B], "geneval_correct": official 0/1 [B], "geneval_strict" [B], and for each of
     the six TAGS "geneval_<tag>" [B]: official 0/1 on that tag's samples, NaN elsewhere}.
 
     Every tag entry is always present (all NaN when the batch has none of that tag) so that every
-    batch and every rank reports the same keys. The detector runs on `device` in batches of
-    `geneval_batch_size` images; the colour classifier (only for detections without a colour)
-    is loaded now for mask2former, whose detections never have one, else on first use.
+    batch and every rank reports the same keys. detect(uint8 [b, H, W, 3]) -> b lists of detections is the
+    detector named by geneval_detector (rewards.geneval builds it), called in batches of `geneval_batch_size`
+    images; the colour classifier (only for detections without a colour) is loaded now for mask2former, whose
+    detections never have one, else on first use.
     """
     import torch
 
-    geneval_detector = geneval_detector or "mask2former"  # unset: photographs (train.py fills shapes for its model)
-    if geneval_detector not in DETECTORS:
-        raise ValueError(f"--geneval-detector must be one of {', '.join(DETECTORS)}, got {geneval_detector!r}")
     if geneval_score not in SCORES:
         raise ValueError(f"--geneval-score must be one of {', '.join(SCORES)}, got {geneval_score!r}")
     if geneval_batch_size < 1:
         raise ValueError(f"--geneval-batch-size must be >= 1, got {geneval_batch_size}")
-    detect = DETECTORS[geneval_detector](geneval_detector_path, device)
     classifier = []  # loaded once, when first needed
 
     def classify(items):
@@ -770,22 +780,6 @@ def reward(*, device, geneval_detector, geneval_detector_path, geneval_clip_path
         return out
 
     return score
-
-
-def _mask2former(path, device):
-    return mask2former_detector(path, device)
-
-
-def _shapes(path, device):
-    import shapes  # the synthetic shapes world: exact detections with colours
-
-    return shapes.detect
-
-
-DETECTORS = {
-    "mask2former": _mask2former,
-    "shapes": _shapes,
-}
 
 
 if __name__ == "__main__":

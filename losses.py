@@ -34,7 +34,13 @@ x_s = (1 - s) x0 + s eps, and compare the velocity there with the flow-matching 
     beta            DiffusionNFT's guidance strength beta (not a KL weight)
 """
 
+import argparse
+from typing import Callable, NamedTuple
+
 import torch
+
+import flags
+import sde
 
 
 def _dims(x):
@@ -334,3 +340,180 @@ def awm_loss(log_prob, old_log_prob, adv, *, clip_range=1.0, adv_clip=5.0):
     a = adv.double().clamp(-adv_clip, adv_clip) / adv_clip
     per_term, info = _clipped_surrogate(log_prob.double() - old_log_prob.double(), a, clip_range)
     return per_term.mean().float(), info
+
+
+# ----------------------------------------------------------------------------- the algorithms, as train.py runs them
+# A loss is one function of the tensors of ONE trained term of a micro-batch, `t`, and of the flags as keywords:
+#
+#   reverse process (one trained sampler step k of each of b samples; train.py's reverse_terms):
+#     log_prob [b]       the step's log-prob under the current weights (sde.sde_step with prev_sample)
+#     old_log_prob [b]   ... recorded by the rollout;   mean, old_mean [b, ...]: the transition means, now and then
+#     std [b]            the transition std;   dt [b]: s' - s < 0;   adv [b]
+#     ref_mean [b, ...]  the frozen base model's transition mean (only with --kl-beta > 0)
+#   forward process (one training sigma of each of b samples; train.py's forward_terms):
+#     v [b, ...]         the current velocity at x_t = (1 - sigma) x0 + sigma noise;   x_t, x0, noise [b, ...]
+#     sigma [b]          the training sigma;   adv [b]
+#     v_old [b, ...]     the old copy's velocity at x_t (Loss.old_copy);   v_ref [b, ...]: the base's (--kl-beta > 0)
+#     old_stat [b]       Loss.old_stat of the weights before the batch's first optimizer step (after it; else None)
+#
+# and returns (loss, info) as the functions above. Everything else about an algorithm that train.py needs is a field
+# of its record in LOSSES, so that adding one is a function, a registry line and its flags (README, "Adding a loss").
+
+
+def _reference_kl(value, info, t, *, kl_beta, kl_form, sde, **_):
+    """+ kl_beta KL to the frozen base model (LoRA off) of the step's Gaussian transitions (kl_penalty; Flow-GRPO's
+    |dt|-weighted form unless --kl-form exact; the cps step's own form is the exact one, as in Flow-GRPO)."""
+    if kl_beta > 0:
+        dt = None if kl_form == "exact" or sde == "cps" else t["dt"]
+        kl, _ = kl_penalty(t["mean"], t["ref_mean"], t["std"], dt=dt)
+        value = value + kl_beta * kl
+        info["kl"] = kl.item()
+    return value, info
+
+
+def _velocity_reference_kl(value, info, t, *, kl_beta, **_):
+    """+ kl_beta velocity-space KL to the frozen base model (DiffusionNFT L966-970, AWM L1337)."""
+    if kl_beta > 0:
+        kl, _ = velocity_kl(t["v"], t["v_ref"])
+        value = value + kl_beta * kl
+        info["kl"] = kl.item()
+    return value, info
+
+
+def grpo(t, *, clip_range, **hyper):
+    """Flow-GRPO: the PPO clip of each step's ratio (grpo_loss), + the KL to the base."""
+    value, info = grpo_loss(t["log_prob"], t["old_log_prob"], t["adv"], clip_range=clip_range)
+    return _reference_kl(value, info, t, **hyper)
+
+
+def guard(t, *, clip_range, **hyper):
+    """GRPO-Guard: RatioNorm, the clip and the gradient reweight (guard_loss), + the KL to the base."""
+    value, info = guard_loss(t["log_prob"], t["old_log_prob"], t["mean"], t["old_mean"], t["std"], t["dt"], t["adv"],
+                             clip_range=clip_range)
+    return _reference_kl(value, info, t, **hyper)
+
+
+def flowdppo(t, *, kl_mask_threshold, **hyper):
+    """FlowDPPO: the KL-ADV mask in place of the clip (flowdppo_loss, sigma_t the transition std), + the KL to the
+    base."""
+    value, info = flowdppo_loss(t["log_prob"], t["old_log_prob"], t["mean"], t["old_mean"], t["std"], t["adv"],
+                                threshold=kl_mask_threshold)
+    return _reference_kl(value, info, t, **hyper)
+
+
+def nft(t, *, nft_beta, nft_adaptive, adv_clip, **hyper):
+    """DiffusionNFT at one training sigma: nft_loss against the old copy's velocity with r = nft_optimality(A), times
+    the reference's constant adv_clip (train_nft_sd3.py L960), + the velocity KL to the base."""
+    r = nft_optimality(t["adv"], adv_clip=adv_clip)
+    value, info = nft_loss(t["v"], t["v_old"], t["x_t"], t["x0"], t["sigma"], r, beta=nft_beta, adaptive=nft_adaptive)
+    return _velocity_reference_kl(adv_clip * value, info, t, **hyper)
+
+
+def _awm_log_prob(t, *, awm_weighting, ghuber_power, **_):
+    return awm_log_prob(t["v"], t["x0"], t["noise"], t["sigma"], weighting=awm_weighting, p=ghuber_power)
+
+
+def awm(t, *, clip_range, adv_clip, ema_kl_beta, **hyper):
+    """AWM at one training sigma: the clipped surrogate of awm_log_prob, on-policy (ratio 1) on the batch's first
+    optimizer step and against old_stat on later ones (train.py departure 10), + the EMA-KL to the slowly updated
+    old copy (train_sd3_awm.py L1341-1350) and the velocity KL to the base."""
+    log_prob = _awm_log_prob(t, **hyper)
+    old_log_prob = log_prob.detach() if t.get("old_stat") is None else t["old_stat"]
+    value, info = awm_loss(log_prob, old_log_prob, t["adv"], clip_range=clip_range, adv_clip=adv_clip)
+    if ema_kl_beta > 0:
+        ema_kl, _ = velocity_kl(t["v"], t["v_old"])
+        value = value + ema_kl_beta * ema_kl
+        info["ema_kl"] = ema_kl.item()
+    return _velocity_reference_kl(value, info, t, **hyper)
+
+
+def _nft_times(batch, generator, *, num_steps, timestep_fraction, **_):
+    return sde.nft_timesteps(num_steps, batch, fraction=timestep_fraction, generator=generator)  # each its own
+
+
+def _awm_times(batch, generator, *, num_steps, timestep_fraction, train_timesteps, awm_timesteps, **_):
+    return sde.awm_timesteps(num_steps, train_timesteps, fraction=timestep_fraction, kind=awm_timesteps,
+                             generator=generator).expand(batch, -1)  # stratified, shared by the micro-batch
+
+
+# The decay d(k) of the old copy after k optimizer steps, old <- d old + (1 - d) current (DiffusionNFT
+# train_nft_sd3.py return_decay L169-189, applied L1034-1039; AWM train_sd3_awm.py L1409-1419).
+OLD_DECAYS = {
+    "nft": lambda k: min(0.001 * k, 0.5),  # DiffusionNFT decay_type 1 (GenEval, PickScore)
+    "nft-ocr": lambda k: 0.0 if k < 75 else min(0.0075 * (k - 75), 0.999),  # decay_type 2 (OCR): more off-policy
+    "awm": lambda k: min(0.3, 0.001 * k),  # AWM's EMA-KL anchor (kl_ema_decay 0.3, 'linear')
+    "on-policy": lambda k: 0.0,  # decay_type 0: the old copy is the weights of the step before
+}
+SDE_KINDS = ("flow", "dance", "cps")
+
+
+class Loss(NamedTuple):
+    """What train.py needs to know of an algorithm beyond its loss function."""
+    fn: Callable  # fn(t, **flags) -> (loss, info), one trained term (above)
+    process: str  # "reverse": trains the sampler's own stochastic steps; "forward": clean samples re-noised
+    defaults: dict = {}  # flag values it sets over the model's preset (the command line still wins)
+    hub_defaults: dict = {}  # ... and over those on hub models
+    clip: bool = True  # its ratio is clipped at --clip-range: the on-policy deviation is compared with that
+    sde_kinds: tuple = SDE_KINDS  # reverse: the --sde steps whose log-prob it can use
+    old_copy: Callable = None  # flags -> True when it keeps an old copy of the weights, decayed by --old-decay
+    samples_with_old: bool = False  # rollouts run the old copy rather than the current weights
+    times: Callable = None  # forward: (b, generator, **flags) -> [b, n] indices into the schedule to train at
+    old_stat: Callable = None  # forward: (t, **flags) -> [b], frozen for the optimizer steps after the batch's first
+
+
+# Defaults of the forward-process losses: CFG-free (guidance 1 on CFG models; FLUX.1 keeps its distilled guidance),
+# a deterministic solver, and 9 of 10 (NFT, config/base.py L87) or 6 strata of 90 % (AWM, config/dgx_awm.py L56-60)
+# of the schedule. On hub models their KL weights are their authors' (DiffusionNFT config/nft.py L24, AWM
+# config/dgx_awm.py L55).
+LOSSES = {
+    "grpo": Loss(grpo, "reverse"),
+    "guard": Loss(guard, "reverse", sde_kinds=("flow", "dance")),  # RatioNorm needs a Gaussian transition log-prob
+    "flowdppo": Loss(flowdppo, "reverse", clip=False),
+    "nft": Loss(nft, "forward", dict(sampler="dpm2", timestep_fraction=0.99, old_decay="nft", guidance_scale=1.0),
+                dict(kl_beta=1e-4), old_copy=lambda h: True, samples_with_old=True, times=_nft_times),
+    "awm": Loss(awm, "forward", dict(sampler="dpm2", timestep_fraction=0.9, old_decay="awm", guidance_scale=1.0,
+                                     clip_range=1.0), dict(kl_beta=1e-3), old_copy=lambda h: h["ema_kl_beta"] > 0,
+                times=_awm_times, old_stat=_awm_log_prob),
+}
+
+
+def add_arguments(parser):
+    """The loss flags, declared once (train.py, bench.py and scripts take them); None means the model's or the
+    loss's preset."""
+    g = parser.add_argument_group("loss")
+    g.add_argument("--loss", default="grpo", choices=list(LOSSES),
+                   help="GRPO (PPO clip), GRPO-Guard (RatioNorm), FlowDPPO (KL-ADV mask); forward process: "
+                        "DiffusionNFT, Advantage Weighted Matching")
+    g.add_argument("--clip-range", type=flags.POSITIVE, default=None,
+                   help="PPO clip range of the ratio (log-probs are means over latent dims, hence ~1e-4 on hub models; "
+                        "--loss awm: 1)")
+    g.add_argument("--adv-clip", type=flags.POSITIVE, default=5.0, help="advantages clipped to +-this")
+    g.add_argument("--kl-beta", type=flags.NONNEG, default=None,
+                   help="weight of the KL to the frozen base model (0: no reference forward; --loss nft / awm: "
+                        "mean squared velocity difference, 1e-4 / 1e-3 on hub models)")
+    g.add_argument("--kl-form", default="flow-grpo", choices=["flow-grpo", "exact"],
+                   help="the KL penalty's scale: flow-grpo = the exact Gaussian KL x |dt| per step, as Flow-GRPO's "
+                        "code computes it; the default because every published --kl-beta (0.04 OCR/GenEval, 0.01 "
+                        "PickScore) was tuned on it; exact = the KL itself, about 1/|dt| (~10x at 10 steps) larger "
+                        "for the same beta (--sde cps: both are its exact form, as in Flow-GRPO)")
+    g.add_argument("--kl-mask-threshold", type=flags.POSITIVE, default=1e-5,
+                   help="FlowDPPO: KL above which a term pushing the ratio further is masked")
+    g.add_argument("--global-std", action=argparse.BooleanOptionalAction, default=None,
+                   help="normalise advantages by the batch-wide reward std instead of each group's")
+    g.add_argument("--old-decay", default=None, choices=list(OLD_DECAYS),
+                   help="--loss nft / awm: schedule of the old copy's decay d, old <- d old + (1 - d) current after "
+                        "each step (default: nft, awm)")
+    g.add_argument("--nft-beta", type=flags.POSITIVE, default=1.0,
+                   help="DiffusionNFT's beta: v+ = beta v + (1 - beta) v_old (its OCR setup: 0.1)")
+    g.add_argument("--nft-adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="DiffusionNFT: normalise each sample's x0 error by its own mean absolute error")
+    g.add_argument("--awm-weighting", default="ghuber", choices=AWM_WEIGHTINGS,
+                   help="AWM: weighting of the flow-matching error in its surrogate log-likelihood")
+    g.add_argument("--ghuber-power", type=flags.POSITIVE, default=0.25, help="AWM: the power p of the ghuber weighting")
+    g.add_argument("--train-timesteps", type=flags.POSITIVE_INT, default=6,
+                   help="AWM: stratified schedule sigmas per micro-batch (one forward + backward each)")
+    g.add_argument("--awm-timesteps", default="discrete_wo_init", choices=sde.AWM_TIMESTEPS,
+                   help="AWM: strata over schedule indices 1.. (never sigma = 1) or 0..")
+    g.add_argument("--ema-kl-beta", type=flags.NONNEG, default=1.0,
+                   help="AWM: weight of the velocity-space KL to the old copy (its EMA-KL anchor; 0: none)")
+    return g

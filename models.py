@@ -7,9 +7,9 @@ so that `sde.py`, `losses.py`, `train.py` and `eval.py` never branch on the mode
     initial_noise(pipe, batch, resolution, *, num_frames=None)  -> x at sigma = 1, float32 [B, *latent_shape]
     velocity(pipe, x, sigma, embeds)                             -> v, the prediction at noise level sigma
     decode(pipe, latents)                  -> uint8 images [B, H, W, 3] (videos [B, F, H, W, 3])
+    generate(pipe, x, sigmas, embeds, ...)                       -> a rollout (SDE or ODE) and its images
     sigmas(pipe, num_steps, resolution, *, shift=None)           -> the family's native schedule, 1 -> 0
     add_lora / reference / save_lora                             -> the policy, its frozen base, the checkpoint
-    swapped(trainable, weights)                                  -> the policy run with another copy of its weights
 
 Convention (rectified flow, as diffusers' schedulers): `x_s = (1 - s) x0 + s eps`, the network
 predicts `v ~ eps - x0`, and the Euler step from `s` to `s'` is `x + (s' - s) v`. SD3 takes the
@@ -50,10 +50,8 @@ Departures from the diffusers defaults, and why:
 """
 
 import contextlib
-import functools
-import gzip
 import json
-import importlib.util
+import types
 import logging
 import math
 import os
@@ -63,6 +61,7 @@ import torch
 
 import families
 import sde
+import shapes
 
 SD3_ID = "stabilityai/stable-diffusion-3.5-medium"
 # Image sides must be multiples of VAE down-sampling x transformer patch; checked before a model loads.
@@ -91,151 +90,16 @@ SD35_MEDIUM_TRANSFORMER = dict(
     pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
     dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
 )
-SD35_VAE = dict(
-    in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-    up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512),
-    layers_per_block=2, latent_channels=16, norm_num_groups=32, sample_size=1024,
-    scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False,
-)
-
-
-# ----------------------------------------------------------------------------- tokenizers
-
-@functools.lru_cache(maxsize=1)
-def _clip_bpe():
-    """CLIP's byte-level BPE (Radford et al. 2021) from the vocabulary file open_clip ships.
-
-    Returns (vocab: token -> id, merges: list of pairs), the same ids as OpenAI's CLIP and
-    `openai/clip-vit-large-patch14`. The file is read without importing open_clip (seconds).
-    """
-    spec = importlib.util.find_spec("open_clip")
-    if spec is None:
-        raise RuntimeError("the tiny models need the CLIP vocabulary that open_clip ships: pip install open_clip_torch")
-    path = os.path.join(spec.submodule_search_locations[0], "bpe_simple_vocab_16e6.txt.gz")
-    lines = gzip.open(path, "rt", encoding="utf-8").read().split("\n")
-    merges = [tuple(line.split()) for line in lines[1:49152 - 256 - 2 + 1]]  # 48894 merges, as CLIP
-    tokens = _byte_alphabet()
-    tokens = tokens + [t + "</w>" for t in tokens] + ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
-    return {t: i for i, t in enumerate(tokens)}, merges
-
-
-def _byte_alphabet():
-    """The 256 printable characters that byte-level BPE uses for the bytes, in CLIP's (= GPT-2's)
-    vocabulary order: printable Latin-1 bytes as themselves, the others as code points after 255."""
-    byte_ids = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                + list(range(ord("®"), ord("ÿ") + 1)))
-    chars, extra = byte_ids[:], 0
-    for b in range(256):
-        if b not in byte_ids:
-            byte_ids.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return [chr(c) for c in chars]
-
-
-def clip_tokenizer():
-    """transformers' CLIPTokenizer with CLIP's real vocabulary, built offline (tiny models, reward stand-ins)."""
-    from transformers import CLIPTokenizer
-
-    vocab, merges = _clip_bpe()
-    return CLIPTokenizer(vocab=dict(vocab), merges=list(merges), model_max_length=77)
-
-
-def _t5_tokenizer(max_length):
-    """A small sentencepiece-style (Unigram) tokenizer with T5's special tokens (pad 0, eos 1,
-    unk 2): whole English words from CLIP's vocabulary, then single characters as fallback."""
-    from transformers import T5Tokenizer
-
-    vocab, _ = _clip_bpe()
-    words = [t[:-4] for t in vocab if t.endswith("</w>") and len(t) > 5]  # whole words of 2+ characters
-    words = [w for w in words if w.isascii() and w.isalnum()]
-    chars = [chr(c) for c in range(33, 127)]
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -3.0)]
-    pieces += [("▁" + w, -1.0) for w in words[:8000]]  # most frequent first (merge order)
-    pieces += [(c, -3.0) for c in chars] + [("▁" + c, -3.0) for c in chars]
-    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=max_length)
-
-
-# ----------------------------------------------------------------------------- building
-
-@contextlib.contextmanager
-def _seeded_build(seed, device):
-    """Build modules on `device` with weights drawn from `seed`, leaving the global RNG as it was."""
-    devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        with torch.device(device):
-            yield
-
-
-def _clip_encoder(hidden, layers, heads, ffn, *, projection=True):
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-
-    config = CLIPTextConfig(
-        vocab_size=49408, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
-        num_attention_heads=heads, max_position_embeddings=77, projection_dim=hidden,
-        bos_token_id=49406, eos_token_id=49407, pad_token_id=49407,  # pooled at the first <|endoftext|>
-    )
-    return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config).eval()
-
-
-def _t5_encoder(vocab_size, d_model, layers, heads, d_kv, ffn):
-    from transformers import T5Config, T5EncoderModel
-
-    config = T5Config(
-        vocab_size=vocab_size, d_model=d_model, d_kv=d_kv, d_ff=ffn, num_layers=layers, num_heads=heads,
-        relative_attention_num_buckets=8, relative_attention_max_distance=32,
-        feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-    )
-    return T5EncoderModel(config).eval()
-
-
-def _small_vae(latent_channels, scaling_factor, shift_factor):
-    from diffusers import AutoencoderKL
-
-    return AutoencoderKL(  # 3 blocks: 4x down-sampling, 64 px -> 16 x 16 latents
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
-        up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(16, 32, 32), layers_per_block=1,
-        latent_channels=latent_channels, norm_num_groups=8, sample_size=64, scaling_factor=scaling_factor,
-        shift_factor=shift_factor, use_quant_conv=False, use_post_quant_conv=False,
-    ).eval()
-
-
-def _check_no_path(name, model_path):
-    if model_path is not None:
-        raise ValueError(f"model {name!r} is built in code and takes no --model-path; "
-                         "drop the flag or pick a hub model (sd3, flux, wan, ...)")
-
-
-def _from_pretrained(cls, name, path, default_id, dtype):
-    """`cls.from_pretrained`, turning every way a hub model can be missing into one sentence."""
-    from huggingface_hub.errors import HFValidationError
-
-    local = os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path)
-    if local and not os.path.isdir(os.path.expanduser(path)):
-        raise RuntimeError(f"model folder {path!r} for {name!r} does not exist; pass a downloaded diffusers folder "
-                           f"of {default_id} with --model-path")
-    try:
-        return cls.from_pretrained(os.path.expanduser(path), torch_dtype=dtype)
-    except (OSError, HFValidationError) as e:  # offline, gated without a token, not cached, not a pipeline
-        raise RuntimeError(
-            f"cannot load {name!r} from {path!r} ({type(e).__name__}: offline, gated without a token, or not a "
-            f"diffusers pipeline folder); download {default_id} where the hub is reachable "
-            f"(`hf download {default_id}`) "
-            f"and pass the local folder with --model-path"
-        ) from None
-
-
 def sd3(model_path=None, dtype=torch.float32, device="cpu"):
     from diffusers import StableDiffusion3Pipeline
 
-    return _from_pretrained(StableDiffusion3Pipeline, "sd3", model_path or SD3_ID, SD3_ID, dtype)
+    return families.from_pretrained(StableDiffusion3Pipeline, "sd3", model_path or SD3_ID, SD3_ID, dtype)
 
 
 def flux(model_path=None, dtype=torch.float32, device="cpu"):
     from diffusers import FluxPipeline
 
-    return _from_pretrained(FluxPipeline, "flux", model_path or FLUX_ID, FLUX_ID, dtype)
+    return families.from_pretrained(FluxPipeline, "flux", model_path or FLUX_ID, FLUX_ID, dtype)
 
 
 def tiny(model_path=None, dtype=torch.float32, device="cpu"):
@@ -243,10 +107,10 @@ def tiny(model_path=None, dtype=torch.float32, device="cpu"):
     width 64; 4x VAE with 16 latent channels; CLIP encoders of widths 32 and 48), seed 0."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
-    _check_no_path("tiny", model_path)
-    with _seeded_build(0, device):
-        text_encoder = _clip_encoder(32, 2, 4, 64)
-        text_encoder_2 = _clip_encoder(48, 2, 4, 96)
+    families.check_no_path("tiny", model_path)
+    with families.seeded_build(0, device):
+        text_encoder = families.clip_encoder(32, 2, 4, 64)
+        text_encoder_2 = families.clip_encoder(48, 2, 4, 96)
         transformer = SD3Transformer2DModel(
             sample_size=32, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=16,
             # CLIP 32 + 48 = 80, zero-padded to 96 as SD3 pads 2048 to 4096
@@ -254,11 +118,11 @@ def tiny(model_path=None, dtype=torch.float32, device="cpu"):
             caption_projection_dim=64, pooled_projection_dim=80, out_channels=16, pos_embed_max_size=32,
             dual_attention_layers=(0,), qk_norm="rms_norm",
         ).eval()
-        vae = _small_vae(16, SD35_VAE["scaling_factor"], SD35_VAE["shift_factor"])
+        vae = families.small_vae(16, families.SD35_VAE["scaling_factor"], families.SD35_VAE["shift_factor"])
     pipe = StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
-        text_encoder=text_encoder, tokenizer=clip_tokenizer(), text_encoder_2=text_encoder_2,
-        tokenizer_2=clip_tokenizer(), text_encoder_3=None, tokenizer_3=None,
+        text_encoder=text_encoder, tokenizer=families.clip_tokenizer(), text_encoder_2=text_encoder_2,
+        tokenizer_2=families.clip_tokenizer(), text_encoder_3=None, tokenizer_3=None,
     )
     return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
 
@@ -268,24 +132,24 @@ def tiny_flux(model_path=None, dtype=torch.float32, device="cpu"):
     embedding; 4x VAE with 16 latent channels; CLIP and T5 encoders of width 32), seed 0."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
-    _check_no_path("tiny-flux", model_path)
-    tokenizer_2 = _t5_tokenizer(32)
-    with _seeded_build(0, device):
-        text_encoder = _clip_encoder(32, 2, 4, 64, projection=False)
-        text_encoder_2 = _t5_encoder(len(tokenizer_2), 32, 2, 4, 8, 64)
+    families.check_no_path("tiny-flux", model_path)
+    tokenizer_2 = families.t5_tokenizer(32)
+    with families.seeded_build(0, device):
+        text_encoder = families.clip_encoder(32, 2, 4, 64, projection=False)
+        text_encoder_2 = families.t5_encoder(len(tokenizer_2), 32, 2, 4, 8, 64)
         transformer = FluxTransformer2DModel(
             patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
             num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
             axes_dims_rope=(4, 6, 6),
         ).eval()
-        vae = _small_vae(16, 0.3611, 0.1159)  # FLUX.1's VAE scaling and shift
+        vae = families.small_vae(16, 0.3611, 0.1159)  # FLUX.1's VAE scaling and shift
     scheduler = FlowMatchEulerDiscreteScheduler(  # FLUX.1-dev's: resolution-dependent shift
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
         base_image_seq_len=256, max_image_seq_len=4096,
     )
     pipe = FluxPipeline(
         transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=text_encoder,
-        tokenizer=clip_tokenizer(), text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+        tokenizer=families.clip_tokenizer(), text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
     )
     return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
 
@@ -297,29 +161,146 @@ def sd3_random(model_path=None, dtype=torch.float32, device="cpu"):
     from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
                            StableDiffusion3Pipeline)
 
-    _check_no_path("sd3-random", model_path)
-    tokenizer_3 = _t5_tokenizer(SD3_T5_TOKENS)
-    with _seeded_build(0, device):
-        text_encoder = _clip_encoder(768, 1, 12, 64)
-        text_encoder_2 = _clip_encoder(1280, 1, 20, 64)
-        text_encoder_3 = _t5_encoder(len(tokenizer_3), 4096, 1, 2, 64, 64)
+    families.check_no_path("sd3-random", model_path)
+    tokenizer_3 = families.t5_tokenizer(SD3_T5_TOKENS)
+    with families.seeded_build(0, device):
+        text_encoder = families.clip_encoder(768, 1, 12, 64)
+        text_encoder_2 = families.clip_encoder(1280, 1, 20, 64)
+        text_encoder_3 = families.t5_encoder(len(tokenizer_3), 4096, 1, 2, 64, 64)
         transformer = SD3Transformer2DModel(**SD35_MEDIUM_TRANSFORMER).eval()
-        vae = AutoencoderKL(**SD35_VAE).eval()
+        vae = AutoencoderKL(**families.SD35_VAE).eval()
     pipe = StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
-        text_encoder=text_encoder, tokenizer=clip_tokenizer(), text_encoder_2=text_encoder_2,
-        tokenizer_2=clip_tokenizer(), text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3,
+        text_encoder=text_encoder, tokenizer=families.clip_tokenizer(), text_encoder_2=text_encoder_2,
+        tokenizer_2=families.clip_tokenizer(), text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3,
     )
     return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- the shapes model
+# The shapes world's pretrained model (shapes.py holds the world, its architecture config and weight file name).
+
+def _pixel_space(device):
+    """The VAE slot of a pixel-space pipeline: decode is the identity on [-1, 1] images.
+
+    It carries the config fields the SD3 pipeline and models.decode read (a single block, so
+    vae_scale_factor = 1; scaling 1 and shift 0, so latents are the images) and one buffer, so that
+    .device and .dtype follow .to() as for a real VAE.
+    """
+    class PixelSpace(torch.nn.Module):
+        config = types.SimpleNamespace(block_out_channels=(3,), latent_channels=3, scaling_factor=1.0, shift_factor=0.0)
+
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("anchor", torch.zeros(()), persistent=False)
+
+        device = property(lambda self: self.anchor.device)
+        dtype = property(lambda self: self.anchor.dtype)
+
+        def encode(self, images):  # images in [-1, 1] -> latents, for symmetry with AutoencoderKL users
+            return images
+
+        def decode(self, latents, return_dict=True):
+            return (latents,) if not return_dict else types.SimpleNamespace(sample=latents)
+
+    return PixelSpace().to(device)
+
+
+def shapes_tokenizer():
+    """CLIP's BPE tokenizer (families.clip_tokenizer) with this model's 16-token context."""
+    tok = families.clip_tokenizer()
+    tok.model_max_length = shapes.TOKENS
+    return tok
+
+
+def build_shapes(*, seed=0, device="cpu"):
+    """The `shapes` StableDiffusion3Pipeline with weights drawn from `seed` (before any training)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    def clip():
+        t = shapes.TEXT_ENCODER
+        config = CLIPTextConfig(
+            vocab_size=49408, hidden_size=t["hidden"], intermediate_size=t["ffn"], num_hidden_layers=t["layers"],
+            num_attention_heads=t["heads"], max_position_embeddings=shapes.TOKENS, projection_dim=t["hidden"],
+            bos_token_id=49406, eos_token_id=49407, pad_token_id=49407,
+        )
+        return CLIPTextModelWithProjection(config).eval()
+
+    with families.seeded_build(seed, device):
+        text_encoder, text_encoder_2 = clip(), clip()
+        transformer = SD3Transformer2DModel(**shapes.TRANSFORMER).eval()
+    return StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=_pixel_space(device),
+        text_encoder=text_encoder, tokenizer=shapes_tokenizer(), text_encoder_2=text_encoder_2,
+        tokenizer_2=shapes_tokenizer(), text_encoder_3=None, tokenizer_3=None,
+    )
+
+
+SHAPES_FROZEN = "text_model.embeddings.token_embedding"  # CLIP's 49408-row token table stays at its seeded values
+
+
+def shapes_trained_state(pipe):
+    """The weights that pretraining trains, by component-prefixed name: the parameters of the transformer
+    and both text encoders (buffers such as the sin-cos position table are rebuilt), except the token
+    tables. Those (49408 x 64 each, 25 MB in float32) stay at their seeded initialisation: the tokens of
+    this world's prompts get distinct random vectors that the encoder layers learn to read, and the
+    file need not carry 49 382 rows that no prompt uses."""
+    return {f"{name}.{key}": value for name in ("transformer", "text_encoder", "text_encoder_2")
+            for key, value in getattr(pipe, name).named_parameters() if not key.startswith(SHAPES_FROZEN)}
+
+
+def shapes_trainable_parameters(pipe):
+    """The parameters of shapes_trained_state, with requires_grad set (the token tables frozen)."""
+    params = []
+    for name in ("transformer", "text_encoder", "text_encoder_2"):
+        for key, param in getattr(pipe, name).named_parameters():
+            param.requires_grad_(not key.startswith(SHAPES_FROZEN))
+            if param.requires_grad:
+                params.append(param)
+    return params
+
+
+def save_shapes_weights(pipe, path):
+    """Write shapes_trained_state(pipe) in float16 (half the size; the model runs in float32) to a safetensors file."""
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().to("cpu").half().contiguous() for k, v in shapes_trained_state(pipe).items()}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    save_file(state, path)
+
+
+def load_shapes_weights(pipe, path):
+    """Copy weights written by save_shapes_weights into a pipeline from build_shapes (same seed)."""
+    from safetensors.torch import load_file
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no shapes weights there; the repository ships {shapes.WEIGHTS} "
+                                f"(git checkout it) and scripts/pretrain_shapes.py writes new ones")
+    state = load_file(path)
+    expected = shapes_trained_state(pipe)
+    if set(state) != set(expected):
+        raise ValueError(f"{path} does not hold shapes weights of this architecture "
+                         f"({len(set(state) ^ set(expected))} names differ); "
+                         "write them with scripts/pretrain_shapes.py")
+    with torch.no_grad():
+        for key, value in expected.items():
+            value.copy_(state[key])
+    return pipe
+
+
+def _shapes_pipeline(weights=shapes.WEIGHTS, *, device="cpu"):
+    """The pretrained `shapes` pipeline: built from shapes.py's config, the weights loaded."""
+    if not os.path.isabs(weights) and not os.path.exists(weights):
+        weights = os.path.join(os.path.dirname(os.path.abspath(__file__)), weights)  # relative to the repository
+    return load_shapes_weights(build_shapes(device=device), weights)
 
 
 def shapes_model(model_path=None, dtype=torch.float32, device="cpu"):
     """The pretrained model of the shapes world (shapes.py): SD3 architecture in pixel space at 32 px,
     built from shapes.TRANSFORMER / TEXT_ENCODER with the shipped weights/shapes.safetensors, or the
     safetensors file given as --model-path (written by scripts/pretrain_shapes.py)."""
-    import shapes
-
-    pipe = shapes.pipeline(model_path or shapes.WEIGHTS, device=device)
+    pipe = _shapes_pipeline(model_path or shapes.WEIGHTS, device=device)
     return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
 
 
@@ -520,14 +501,21 @@ def velocity(pipe, x, sigma, embeds, *, guidance_scale=1.0, transformer=None):
     return v
 
 
-def _decode_kl(vae, latents):
-    """Latents [B, C, h, w] of an AutoencoderKL with scaling and shift -> uint8 [B, H, W, 3] on the CPU."""
-    images = []
-    for chunk in latents.split(8):  # the VAE decoder's activations dominate memory at 1024 px
-        z = chunk.to(vae.device, vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        image = vae.decode(z, return_dict=False)[0]  # [b, 3, H, W] in [-1, 1]
-        images.append(families._to_uint8(image).permute(0, 2, 3, 1).cpu())
-    return torch.cat(images)
+def generate(pipe, x, sigmas, embeds, *, guidance_scale=1.0, solver=None, autocast=contextlib.nullcontext,
+             **rollout):
+    """Samples from the noise x [B, ...] through `sigmas`, then decoded, without gradients: an SDE rollout
+    (sde.rollout's trajectory; **rollout: sde_steps, kind, eta, generator, flash, flash_ratio) or, given a
+    deterministic `solver` (euler, dpm2), sde.ode_sample keeping the clean sample alone ({"latents": [B, 1, ...]}).
+    The forwards and the decode run under autocast(). -> (trajectory, uint8 images [B, H, W, 3] (video:
+    [B, F, H, W, 3])). The one sampling loop of train.py, eval.py and scripts/."""
+    def v(x_, s_):  # what the sampler calls; CFG lives inside
+        return velocity(pipe, x_, s_, embeds, guidance_scale=guidance_scale)
+    with torch.no_grad(), autocast():
+        if solver is not None:
+            traj = {"latents": sde.ode_sample(v, x, sigmas, solver=solver)[:, None]}
+        else:
+            traj = sde.rollout(v, x, sigmas, **rollout)
+        return traj, decode(pipe, traj["latents"][:, -1])
 
 
 @torch.no_grad()
@@ -540,53 +528,16 @@ def decode(pipe, latents):
     if kind == "flux":
         side = math.isqrt(latents.shape[1]) * 2 * pipe.vae_scale_factor  # image side in pixels
         latents = pipe._unpack_latents(latents, side, side, pipe.vae_scale_factor)  # [B, C, h, w]
-    return _decode_kl(pipe.vae, latents)
+    return families.decode_kl(pipe.vae, latents)
 
 
 # ----------------------------------------------------------------------------- native schedules
-
-def dynamic_shift_mu(config, image_tokens):
-    """FLUX's resolution-dependent shift (diffusers' calculate_shift, pipeline_flux.py): mu linear in
-    the number of image tokens, from base_shift at base_image_seq_len to max_shift at max_image_seq_len."""
-    base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
-    base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
-    m = (max_shift - base_shift) / (max_len - base_len)
-    return image_tokens * m + base_shift - m * base_len
-
-
-def flow_match_sigmas(config, base, *, mu=None, shift=None):
-    """What FlowMatchEulerDiscreteScheduler.set_timesteps(sigmas=base, mu=mu) stores as its sigmas
-    (scheduling_flow_match_euler_discrete.py), computed in float32 as there: float32 [N + 1], 1 -> 0.
-
-    Dynamic configs shift by mu: exponential exp(mu) / (exp(mu) + 1/t - 1) (FLUX, arXiv:2403.03206
-    applied per resolution) or linear mu / (mu + 1/t - 1); static ones by config.shift. `shift` (--shift)
-    replaces either with that static shift (MixGRPO samples FLUX.1 with a static shift of 3 on this same
-    grid). shift_terminal then stretches the schedule so that its last nonzero sigma equals it (LTX-Video's
-    rule, as diffusers applies it)."""
-    t = np.asarray(base).astype(np.float32)
-    if shift is not None:
-        t = sde.time_shift(t, shift)
-    elif config.get("use_dynamic_shifting", False):
-        if config.get("time_shift_type", "exponential") == "exponential":
-            t = math.exp(mu) / (math.exp(mu) + (1 / t - 1))
-        else:
-            t = mu / (mu + (1 / t - 1))
-    else:
-        t = sde.time_shift(t, config.get("shift", 1.0) if shift is None else shift)
-    if config.get("shift_terminal"):
-        one_minus = 1 - t
-        t = 1 - one_minus / (one_minus[-1] / (1 - config["shift_terminal"]))
-    if any(config.get(k) for k in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas")):
-        raise ValueError("karras / exponential / beta / inverted sigmas are not supported; "
-                         "use the model's own scheduler config")
-    return torch.cat([torch.from_numpy(np.asarray(t, dtype=np.float32)), torch.zeros(1)])
-
 
 def sigmas(pipe, num_steps, resolution, *, shift=None):
     """The schedule the family's own pipeline samples with at `resolution`: float32 [num_steps + 1], 1 -> 0.
 
     sd3: sde.sd3_sigmas(num_steps, shift) with the scheduler's shift (3 for SD3.5). flux: FluxPipeline's
-    linspace(1, 1/N, N) with its resolution-dependent exponential shift (dynamic_shift_mu of the image
+    linspace(1, 1/N, N) with its resolution-dependent exponential shift (families.dynamic_shift_mu of the image
     tokens, the scheduler's base/max shift). The families: their pipelines' (families.py docstrings).
     shift: a static shift in place of the family's own (sd3, wan, z-image) or of its resolution-dependent one."""
     if num_steps < 1:
@@ -603,8 +554,8 @@ def sigmas(pipe, num_steps, resolution, *, shift=None):
             raise ValueError("sd3: a scheduler with use_dynamic_shifting is not supported")
         return sde.sd3_sigmas(num_steps, shift=config.shift if shift is None else shift)
     base = np.linspace(1.0, 1 / num_steps, num_steps)  # FluxPipeline.__call__
-    return flow_match_sigmas(config, base, mu=dynamic_shift_mu(config, families._image_tokens(pipe, height, width)),
-                             shift=shift)
+    mu = families.dynamic_shift_mu(config, families.image_tokens(pipe, height, width))
+    return families.flow_match_sigmas(config, base, mu=mu, shift=shift)
 
 
 # ----------------------------------------------------------------------------- LoRA
@@ -665,26 +616,6 @@ def has_adapter(pipe):
     return _has_lora(pipe.transformer)
 
 
-@contextlib.contextmanager
-def swapped(trainable, weights):
-    """Inside, the trained parameters hold `weights` (a {name: tensor} copy, e.g. the old policy of the
-    forward-process losses) and `weights` holds theirs; both are exchanged back on exit. The exchange is in
-    place, one tensor at a time (no second model in memory), and exact when both are float32, as the
-    trained weights are (LoRA departure 2; full fine-tunes load in float32). It works alike for a LoRA
-    adapter, a full fine-tune and FSDP shards (each rank exchanges its own). trainable: [(name, param)]."""
-    def exchange():
-        with torch.no_grad():
-            for name, param in trainable:
-                held = param.detach().clone()
-                param.copy_(weights[name])
-                weights[name].copy_(held)
-    exchange()
-    try:
-        yield
-    finally:
-        exchange()
-
-
 def save_lora(pipe, folder):
     """Write the adapter as `folder/pytorch_lora_weights.safetensors` in the diffusers format,
     with its LoraConfig (rank, alpha, targets) as metadata: `pipe.load_lora_weights(folder)` loads it."""
@@ -710,7 +641,7 @@ def tiny_pickscore(folder, *, seed=0, image_size=32, patch_size=8):
     pass it as pickscore_processor_path and pickscore_model_path."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
-    tokenizer = clip_tokenizer()
+    tokenizer = families.clip_tokenizer()
     images = CLIPImageProcessor(size={"shortest_edge": image_size},
                                 crop_size={"height": image_size, "width": image_size})
     CLIPProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(folder)

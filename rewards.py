@@ -101,6 +101,7 @@ import torch
 from PIL import Image
 
 import geneval  # light at import: its models load inside geneval.reward
+import shapes
 from geneval import geneval_judge  # noqa: F401  (rewards.geneval_judge, as DESIGN.md names it)
 
 log = logging.getLogger(__name__)
@@ -1137,6 +1138,23 @@ def add_arguments(parser):
     geneval.add_arguments(parser)  # the GenEval reward's own group
 
 
+def geneval_reward(*, geneval_detector, geneval_detector_path, device, **options):
+    """GenEval (geneval.reward) on the detections of --geneval-detector (unset: mask2former; train.py fills shapes
+    for its shapes model), a name of GENEVAL_DETECTORS."""
+    name = geneval_detector or "mask2former"
+    if name not in GENEVAL_DETECTORS:
+        raise ValueError(f"--geneval-detector must be one of {', '.join(GENEVAL_DETECTORS)}, got {name!r}")
+    detect = GENEVAL_DETECTORS[name](geneval_detector_path, device)
+    return geneval.reward(detect=detect, device=device, geneval_detector=name, **options)
+
+
+# GenEval's detectors: name -> factory(path, device) -> detect(uint8 images [b, H, W, 3]) -> b lists of detections.
+GENEVAL_DETECTORS = {
+    "mask2former": geneval.mask2former_detector,  # photographs (COCO classes); colours from CLIP
+    "shapes": lambda path, device: shapes.detect,  # the shapes world: exact, with colours
+}
+
+
 def option_defaults():
     """{dest: default} of every reward option: `add_arguments` on an empty parser, parsing no arguments."""
     parser = argparse.ArgumentParser(add_help=False)
@@ -1154,5 +1172,5 @@ REWARDS = {
     "custom_api": custom_api,
     "remote": remote,
     "custom": custom,
-    "geneval": geneval.reward,
+    "geneval": geneval_reward,
 }

@@ -20,6 +20,8 @@ import math
 
 import numpy as np
 
+import geneval
+
 SHAPES = ("circle", "square", "triangle")
 # A subset of GenEval's ten colour words that stays apart after a small model's blur; the
 # background is a grey that is none of them (GenEval's colour crops use #999 for the same reason).
@@ -33,54 +35,29 @@ COLORS = {
 }
 BACKGROUND = (128, 128, 128)
 TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
-NUMBERS = ("zero", "one", "two", "three", "four")
-RELATIONS = ("left of", "right of", "above", "below")
 
 
 # ----------------------------------------------------------------------------- prompts
 
-def with_article(word):
-    """GenEval create_prompts.py: 'an' before a vowel, else 'a'."""
-    return f"an {word}" if word[0] in "aeiou" else f"a {word}"
-
-
-def plural(word):
-    """GenEval create_prompts.py: 'es' after an s, else 's'."""
-    return word + "es" if word.endswith("s") else word + "s"
-
-
 def prompt_rows(tag):
-    """Every prompt of one GenEval task type in this world, as rows {"prompt", "metadata"}.
-
-    The templates and metadata are those of GenEval's prompts/create_prompts.py: two objects are
-    always of different classes, counts are 2-4 with an exclude clause at count + 1, colour
-    attribution uses two different colours, and a position prompt names the target object second
-    ("a circle left of a square": include [square, circle with position ["left of", 0]]).
-    """
+    """Every prompt of one GenEval task type in this world, as rows {"prompt", "metadata"}: GenEval's templates
+    (geneval.template) over this world's shapes and colours. Two objects are always of different classes,
+    counts are 2-4, colour attribution uses two different colours."""
     colors = list(COLORS)
-    rows = []
     if tag == "single_object":
-        for a in SHAPES:
-            rows.append((f"a photo of {with_article(a)}", [{"class": a, "count": 1}], []))
+        rows = [geneval.template(tag, a) for a in SHAPES]
     elif tag == "two_object":
-        for a, b in itertools.permutations(SHAPES, 2):
-            rows.append((f"a photo of {with_article(a)} and {with_article(b)}",
-                         [{"class": a, "count": 1}, {"class": b, "count": 1}], []))
+        rows = [geneval.template(tag, a, b) for a, b in itertools.permutations(SHAPES, 2)]
     elif tag == "counting":
-        for a, n in itertools.product(SHAPES, (2, 3, 4)):
-            rows.append((f"a photo of {NUMBERS[n]} {plural(a)}", [{"class": a, "count": n}],
-                         [{"class": a, "count": n + 1}]))
+        rows = [geneval.template(tag, a, count=n) for a, n in itertools.product(SHAPES, (2, 3, 4))]
     elif tag == "colors":
-        for a, c in itertools.product(SHAPES, colors):
-            rows.append((f"a photo of {with_article(c)} {a}", [{"class": a, "count": 1, "color": c}], []))
+        rows = [geneval.template(tag, a, color=c) for a, c in itertools.product(SHAPES, colors)]
     elif tag == "position":
-        for (a, b), rel in itertools.product(itertools.permutations(SHAPES, 2), RELATIONS):
-            rows.append((f"a photo of {with_article(a)} {rel} {with_article(b)}",
-                         [{"class": b, "count": 1}, {"class": a, "count": 1, "position": [rel, 0]}], []))
+        rows = [geneval.template(tag, a, b, relation=rel)
+                for (a, b), rel in itertools.product(itertools.permutations(SHAPES, 2), geneval.RELATIONS)]
     elif tag == "color_attr":
-        for (a, b), (ca, cb) in itertools.product(itertools.permutations(SHAPES, 2), itertools.permutations(colors, 2)):
-            rows.append((f"a photo of {with_article(ca)} {a} and {with_article(cb)} {b}",
-                         [{"class": a, "count": 1, "color": ca}, {"class": b, "count": 1, "color": cb}], []))
+        rows = [geneval.template(tag, a, b, color=ca, color_b=cb) for (a, b), (ca, cb) in
+                itertools.product(itertools.permutations(SHAPES, 2), itertools.permutations(colors, 2))]
     else:
         raise ValueError(f"unknown GenEval tag {tag!r}; choose one of {', '.join(TAGS)}")
     return [{"prompt": p, "metadata": {"tag": tag, "include": inc, "exclude": exc}} for p, inc, exc in rows]
@@ -126,8 +103,6 @@ def layout(metadata, size, rng, *, max_tries=1000):
             objects.append({"shape": clause["class"], "color": color, "clause": index})
     if not 1 <= len(objects) <= 4:
         raise ValueError(f"a scene holds 1-4 objects, the metadata asks for {len(objects)}")
-    from geneval import relative_position
-
     scale = size / 32
     lo, hi = SIZE_RANGE[len(objects)]
     for _ in range(max_tries):
@@ -148,8 +123,8 @@ def layout(metadata, size, rng, *, max_tries=1000):
             grow = 2 * scale
             a = [v + d for v, d in zip(object_box(first(i)), (-grow, -grow, grow, grow))]
             b = [v + d for v, d in zip(object_box(first(j)), (-grow, -grow, grow, grow))]
-            plain = relative_position(object_box(first(i)), object_box(first(j)))
-            if relative_position(a, b) != {rel} or plain != {rel}:
+            plain = geneval.relative_position(object_box(first(i)), object_box(first(j)))
+            if geneval.relative_position(a, b) != {rel} or plain != {rel}:
                 continue
         return [{k: v for k, v in o.items() if k != "clause"} for o in placed]
     raise RuntimeError(f"no layout found for {metadata} in {max_tries} tries")
@@ -364,9 +339,9 @@ def detect(images):
     return out
 
 
-# ----------------------------------------------------------------------------- the pretrained model
-# A StableDiffusion3Pipeline at toy size that works in pixel space: the "latent" is the 32 x 32 RGB
-# image itself (in [-1, 1]), so the VAE slot holds an identity. Trained from scratch by
+# ----------------------------------------------------------------------------- the pretrained model's shape
+# A StableDiffusion3Pipeline at toy size that works in pixel space (built by models.build_shapes): the "latent"
+# is the 32 x 32 RGB image itself (in [-1, 1]), so the VAE slot holds an identity. Trained from scratch by
 # scripts/pretrain_shapes.py; the weights ship in weights/shapes.safetensors.
 
 WEIGHTS = "weights/shapes.safetensors"
@@ -380,138 +355,7 @@ TRANSFORMER = dict(  # SD3 MMDiT: 8 x 8 patches of 4 x 4 pixels, 6 joint blocks 
 TEXT_ENCODER = dict(hidden=64, layers=3, heads=4, ffn=256)  # each of the two CLIP encoders; 64 + 64 = joint width 128
 
 
-def _pixel_space(device):
-    """The VAE slot of a pixel-space pipeline: decode is the identity on [-1, 1] images.
-
-    It carries the config fields the SD3 pipeline and models.decode read (a single block, so
-    vae_scale_factor = 1; scaling 1 and shift 0, so latents are the images) and one buffer, so that
-    .device and .dtype follow .to() as for a real VAE.
-    """
-    import types
-
-    import torch
-
-    class PixelSpace(torch.nn.Module):
-        config = types.SimpleNamespace(block_out_channels=(3,), latent_channels=3, scaling_factor=1.0, shift_factor=0.0)
-
-        def __init__(self):
-            super().__init__()
-            self.register_buffer("anchor", torch.zeros(()), persistent=False)
-
-        device = property(lambda self: self.anchor.device)
-        dtype = property(lambda self: self.anchor.dtype)
-
-        def encode(self, images):  # images in [-1, 1] -> latents, for symmetry with AutoencoderKL users
-            return images
-
-        def decode(self, latents, return_dict=True):
-            return (latents,) if not return_dict else types.SimpleNamespace(sample=latents)
-
-    return PixelSpace().to(device)
-
-
-def tokenizer():
-    """CLIP's BPE tokenizer (models.clip_tokenizer) with this model's 16-token context."""
-    import models
-
-    tok = models.clip_tokenizer()
-    tok.model_max_length = TOKENS
-    return tok
-
-
-def build_pipeline(*, seed=0, device="cpu"):
-    """The `shapes` StableDiffusion3Pipeline with weights drawn from `seed` (before any training)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
-
-    import models
-
-    def clip():
-        t = TEXT_ENCODER
-        config = CLIPTextConfig(
-            vocab_size=49408, hidden_size=t["hidden"], intermediate_size=t["ffn"], num_hidden_layers=t["layers"],
-            num_attention_heads=t["heads"], max_position_embeddings=TOKENS, projection_dim=t["hidden"],
-            bos_token_id=49406, eos_token_id=49407, pad_token_id=49407,
-        )
-        return CLIPTextModelWithProjection(config).eval()
-
-    with models._seeded_build(seed, device):
-        text_encoder, text_encoder_2 = clip(), clip()
-        transformer = SD3Transformer2DModel(**TRANSFORMER).eval()
-    return StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=_pixel_space(device),
-        text_encoder=text_encoder, tokenizer=tokenizer(), text_encoder_2=text_encoder_2, tokenizer_2=tokenizer(),
-        text_encoder_3=None, tokenizer_3=None,
-    )
-
-
-FROZEN = "text_model.embeddings.token_embedding"  # CLIP's 49408-row token table stays at its seeded values
-
-
-def trained_state(pipe):
-    """The weights that pretraining trains, by component-prefixed name: the parameters of the transformer
-    and both text encoders (buffers such as the sin-cos position table are rebuilt), except the token
-    tables. Those (49408 x 64 each, 25 MB in float32) stay at their seeded initialisation: the tokens of
-    this world's prompts get distinct random vectors that the encoder layers learn to read, and the
-    file need not carry 49 382 rows that no prompt uses."""
-    return {f"{name}.{key}": value for name in ("transformer", "text_encoder", "text_encoder_2")
-            for key, value in getattr(pipe, name).named_parameters() if not key.startswith(FROZEN)}
-
-
-def trainable_parameters(pipe):
-    """The parameters of trained_state, with requires_grad set (the token tables frozen)."""
-    params = []
-    for name in ("transformer", "text_encoder", "text_encoder_2"):
-        for key, param in getattr(pipe, name).named_parameters():
-            param.requires_grad_(not key.startswith(FROZEN))
-            if param.requires_grad:
-                params.append(param)
-    return params
-
-
-def save_weights(pipe, path):
-    """Write trained_state(pipe) in float16 (half the size; the model runs in float32) to a safetensors file."""
-    import os
-
-    from safetensors.torch import save_file
-
-    state = {k: v.detach().to("cpu").half().contiguous() for k, v in trained_state(pipe).items()}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    save_file(state, path)
-
-
-def load_weights(pipe, path):
-    """Copy weights written by save_weights into a pipeline from build_pipeline (same seed)."""
-    import os
-
-    import torch
-    from safetensors.torch import load_file
-
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no shapes weights there; the repository ships {WEIGHTS} "
-                                f"(git checkout it) and scripts/pretrain_shapes.py writes new ones")
-    state = load_file(path)
-    expected = trained_state(pipe)
-    if set(state) != set(expected):
-        raise ValueError(f"{path} does not hold shapes weights of this architecture "
-                         f"({len(set(state) ^ set(expected))} names differ); "
-                         "write them with scripts/pretrain_shapes.py")
-    with torch.no_grad():
-        for key, value in expected.items():
-            value.copy_(state[key])
-    return pipe
-
-
-def pipeline(weights=WEIGHTS, *, device="cpu"):
-    """The pretrained `shapes` pipeline (models.MODELS["shapes"]): built from the config above, weights loaded."""
-    import os
-
-    if not os.path.isabs(weights) and not os.path.exists(weights):
-        weights = os.path.join(os.path.dirname(os.path.abspath(__file__)), weights)  # relative to the repository
-    return load_weights(build_pipeline(device=device), weights)
-
-
-# ----------------------------------------------------------------------------- prompt files and evaluation
+# ----------------------------------------------------------------------------- prompt files
 
 TEST_FRACTION = 1 / 3  # of each tag's prompts held out; all single-object prompts are held out (see split)
 ROWS_PER_TAG = {"train": 120, "test": 60}
@@ -568,72 +412,17 @@ def write_prompts(folder="prompts", seed=0):
         print(f"wrote {path}: {len(rows)} rows, {len({r['prompt'] for r in rows})} distinct prompts")
 
 
-def evaluate(pipe, prompts, metadata, *, num_steps=10, guidance_scale=2.0, shift=3.0, seed=0, batch_size=64):
-    """GenEval verdicts of `pipe` on prompts: ODE samples (eval.sample_images, noise seeded by `seed`
-    and the row index) judged by geneval's official rule on this world's detections.
-    Returns (correct: list of 0/1 floats, images uint8 [N, H, W, 3]); geneval.summary makes the table."""
-    import eval as evaluation
-    import geneval
-
-    images = evaluation.sample_images(pipe, list(prompts), resolution=RESOLUTION, num_steps=num_steps,
-                                      guidance_scale=guidance_scale, seed=seed, batch_size=batch_size, shift=shift)
-    detections = detect(images.numpy())
-    return [geneval.geneval_judge(m, d)["correct"] for m, d in zip(metadata, detections)], images
-
-
 def main(argv=None):
     import argparse
-    import os
-    import time
 
-    p = argparse.ArgumentParser(description="The shapes world: write its prompt files, or evaluate a model on them.")
+    p = argparse.ArgumentParser(description="The shapes world: write its prompt files (the held-out evaluation of a "
+                                            "model on them is eval.py's; see README, \"The shapes world\").")
     p.add_argument("--write-prompts", action="store_true",
                    help="write prompts/shapes_train.jsonl and prompts/shapes_test.jsonl")
-    p.add_argument("--eval", action="store_true", help="print per-tag and overall GenEval accuracy of the weights")
-    p.add_argument("--weights", default=WEIGHTS, help="safetensors file written by scripts/pretrain_shapes.py")
-    p.add_argument("--prompts", default="prompts/shapes_test.jsonl", help="JSONL rows {prompt, metadata}")
-    p.add_argument("--num-steps", type=int, default=10, help="ODE steps")
-    p.add_argument("--guidance-scale", type=float, default=2.0, help="CFG scale")
-    p.add_argument("--shift", type=float, default=3.0, help="time shift of the sigma schedule")
-    p.add_argument("--seeds", type=int, default=1, help="passes over the prompts, each with its own noise seed")
-    p.add_argument("--grid", default=None, help="also save 8 samples of each tag as a PNG grid here")
-    p.add_argument("--threads", type=int, default=2, help="torch threads")
     args = p.parse_args(argv)
-    if args.write_prompts:
-        write_prompts()
-    if not args.eval:
-        return None if args.write_prompts else p.error("nothing to do: pass --write-prompts or --eval")
-
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as scripts/pretrain_shapes.py: no spinning when shared
-    import torch
-
-    import data
-    import geneval
-
-    torch.set_num_threads(args.threads)
-    prompts, metadata = data.load_prompts(args.prompts, input_key="prompt")
-    pipe = pipeline(args.weights)
-    start, tags, correct, first = time.time(), [], [], None
-    for seed in range(args.seeds):
-        verdicts, images = evaluate(pipe, prompts, metadata, num_steps=args.num_steps,
-                                    guidance_scale=args.guidance_scale, shift=args.shift, seed=seed)
-        first = images if first is None else first
-        tags += [m["tag"] for m in metadata]
-        correct += verdicts
-    result = geneval.summary(tags, correct)
-    print(f"{args.weights}: {len(correct)} images, {args.num_steps} steps, CFG {args.guidance_scale}, "
-          f"shift {args.shift} ({time.time() - start:.0f} s)")
-    for tag in TAGS:
-        print(f"  {tag:<14} {result.get(tag, float('nan')):.3f}")
-    print(f"  {'overall':<14} {result['overall']:.3f}")
-    if args.grid:  # one row of 8 samples per tag
-        from PIL import Image
-
-        rows = [[i for i, m in enumerate(metadata) if m["tag"] == tag][:8] for tag in TAGS]
-        grid = np.concatenate([np.concatenate([first[i].numpy() for i in row], 1) for row in rows if len(row) == 8], 0)
-        Image.fromarray(grid).resize((grid.shape[1] * 4, grid.shape[0] * 4), Image.NEAREST).save(args.grid)
-        print(f"wrote {args.grid}")
-    return result
+    if not args.write_prompts:
+        p.error("nothing to do: pass --write-prompts")
+    write_prompts()
 
 
 if __name__ == "__main__":

@@ -15,8 +15,10 @@ Launch
 One step = SAMPLING (SDE rollouts of `--group-size` images for each of `--prompts-per-step` prompts,
 spread over all ranks) -> REWARDS -> ADVANTAGES (group-relative, after gathering every rank's rewards)
 -> TRAINING (`--updates-per-batch` passes of a clipped / masked importance-ratio loss over the trained
-denoising steps) -> LOG/SAVE. The plumbing lives elsewhere: ranks and FSDP in distributed.py, run folders
-and checkpoints in checkpoints.py; this file is the algorithm and its flags.
+denoising steps) -> LOG/EVAL/SAVE; main() is those phases, each a call. The algorithm is chosen in one place,
+losses.LOSSES (a loss is a function and a registry line: README, "Adding a loss"). The plumbing lives
+elsewhere: the trained weights, their optimizer and copies in policy.py, the run's folder, logs, checkpoints,
+signals and the wait for rewards in run.py, ranks and FSDP in distributed.py.
 
 The forward-process losses (`--loss nft`, DiffusionNFT arXiv:2509.16117; `--loss awm`, Advantage Weighted
 Matching arXiv:2509.25050) go through the same phases with other contents: SAMPLING runs a deterministic
@@ -58,7 +60,7 @@ Where this departs from the papers, and why
    --flash the solver after the window starts at first order; MixGRPO's carries the window's x0
    predictions into its second-order history.
 8. --loss nft / awm: the old policy is a float32 copy of the trained weights exchanged in place for the
-   forwards that need it (models.swapped), where DiffusionNFT and AWM keep a second peft adapter: one
+   forwards that need it (checkpoints.swapped), where DiffusionNFT and AWM keep a second peft adapter: one
    mechanism for LoRA, full fine-tunes and FSDP shards, and an exact exchange. Their samples with advantage 0
    stay in the update (4 leaves them out of the others), as both references train them: NFT's r is 1/2 there,
    a pull toward the old policy, and AWM's KL terms still act. Dropped groups (4) leave it, topped up alike.
@@ -75,27 +77,24 @@ Where this departs from the papers, and why
    extrapolates it second order (sde.ode_sample: an 8x smaller error at 10 steps on Gaussian data).
 """
 import argparse
-import contextlib
 import math
-import os
-import shlex
-import signal
-import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-import checkpoints
 import data
 import distributed
-import eval as evaluation
+import flags
 import losses
 import models
 import rewards
 import sde
-from distributed import RANK, WORLD, is_main, print0
+from distributed import RANK, WORLD, print0
+from flags import FRACTION, NONNEG, NONNEG_INT, POSITIVE, POSITIVE_INT, SEED, bounded
+import policy as policy_mod
+import run as run_mod
+from policy import Policy
+from run import Run, check_rm_types, mean_stats, setup_or_exit
 
 # Settings that differ between the CPU model and hub models; anything given on the command line wins.
 # Hub settings are Flow-GRPO's SD3.5-M setup (arXiv:2505.05470, Sec. 5.1 and its config/grpo.py).
@@ -124,25 +123,6 @@ PRESETS["tiny-wan"] = dict(PRESETS["tiny"], num_frames=5)  # 5 frames: 2 latent 
 PRESETS["tiny-qwen-image"] = PRESETS["tiny-flux2-klein"] = PRESETS["tiny-z-image"] = PRESETS["tiny"]
 FLUX_HUB = dict(guidance_scale=3.5, num_steps=16)  # FLUX.1-dev: distilled guidance, no CFG (MixGRPO uses 16 steps)
 GUIDANCE_EMBEDDED = ("flux", "tiny-flux")  # FLUX.1-dev takes its guidance scale through an embedding, not CFG
-FORWARD_LOSSES = ("nft", "awm")  # trained on the forward (noising) process: no SDE, no log-prob of a sampler step
-LOSSES = ("grpo", "guard", "flowdppo") + FORWARD_LOSSES
-# Defaults a loss sets over the model's (the command line still wins). The forward-process losses are CFG-free
-# (guidance 1 on CFG models; FLUX.1 keeps its distilled guidance), sample with a deterministic solver, and train
-# at 9 of 10 (NFT, config/base.py L87) or 6 strata of 90 % (AWM, config/dgx_awm.py L56-60) of the schedule.
-# On hub models their KL weights are their authors' (DiffusionNFT config/nft.py L24, AWM config/dgx_awm.py L55).
-LOSS_PRESETS = {
-    "nft": dict(sampler="dpm2", timestep_fraction=0.99, old_decay="nft", guidance_scale=1.0),
-    "awm": dict(sampler="dpm2", timestep_fraction=0.9, old_decay="awm", guidance_scale=1.0, clip_range=1.0),
-}
-LOSS_HUB_PRESETS = {"nft": dict(kl_beta=1e-4), "awm": dict(kl_beta=1e-3)}
-# The decay d(k) of the old policy after k optimizer steps, old <- d old + (1 - d) current (DiffusionNFT
-# train_nft_sd3.py return_decay L169-189, applied L1034-1039; AWM train_sd3_awm.py L1409-1419).
-OLD_DECAYS = {
-    "nft": lambda k: min(0.001 * k, 0.5),  # DiffusionNFT decay_type 1 (GenEval, PickScore)
-    "nft-ocr": lambda k: 0.0 if k < 75 else min(0.0075 * (k - 75), 0.999),  # decay_type 2 (OCR): more off-policy
-    "awm": lambda k: min(0.3, 0.001 * k),  # AWM's EMA-KL anchor (kl_ema_decay 0.3, 'linear')
-    "on-policy": lambda k: 0.0,  # decay_type 0: the old copy is the weights of the step before
-}
 
 
 def preset(model):
@@ -150,16 +130,375 @@ def preset(model):
     return PRESETS.get(model, dict(PRESETS["hub"], **(FLUX_HUB if model == "flux" else {})))
 
 
+def main(argv=None, *, on_step=None):
+    """Train: SAMPLING -> REWARDS -> ADVANTAGES -> TRAINING -> LOG/EVAL/SAVE per step. on_step(info) is called after
+    each step is logged (bench.py times the model's calls there)."""
+    p, args = parse_args(argv)
+    loss = losses.LOSSES[args.loss]
+    per_rank = check_args(p, args, WORLD)
+    device = distributed.init()
+    torch.manual_seed(args.seed + RANK)  # per-rank seed for anything not explicitly seeded below
+    np.random.seed(args.seed + RANK)
+    print_totals(args, loss, per_rank)
+    run = Run(args, device, on_step)  # refuses a used --out without --resume / --overwrite; verifies checkpoints
+    prompts, held_out = load_prompt_sets(args)
+    reward_fn = setup_or_exit(rewards.build_reward, args.reward, device=device,
+                              **{name: getattr(args, name) for name in rewards.option_defaults()})  # reward flags
+    policy = setup_or_exit(Policy, args, device, old_copy=bool(loss.old_copy and loss.old_copy(vars(args))))
+    setup_or_exit(models.latent_shape, policy.pipe, args.resolution, num_frames=args.num_frames)  # one line if not
+    sigmas = setup_or_exit(models.sigmas, policy.pipe, args.num_steps, args.resolution, shift=args.shift)  # [T+1]
+    if not run.start(policy, held_out, reward_fn):  # resumed a run that is already done
+        return distributed.finish()
+    for step in range(run.step, args.steps):
+        run.lap()
+        # ===================================================================== SAMPLING
+        batch, pending = sample(policy, loss, args, prompts, sigmas, step, reward_fn, run)
+        # ===================================================================== REWARDS
+        got = run.wait_for_rewards(pending, step)
+        info = {"skip_reason": got.skip} if got.skip else {}
+        if not got.skip:
+            # ================================================================= ADVANTAGES
+            adv, info = advantages(got, loss, args, step, per_rank)
+            # ================================================================= TRAINING
+            info |= train_on_batch(policy, loss, batch, adv, sigmas, args, step, run)
+        # ===================================================================== LOG / EVAL / SAVE
+        run.log(step + 1, info, batch, got)
+        if run.checkpoint_or_stop(step + 1):
+            break
+    run.finish()
+
+
+# ----------------------------------------------------------------------------- SAMPLING
+def sample(policy, loss, args, prompts, sigmas, step, reward_fn, run):
+    """This rank's rollouts of the step -> (batch, pending rewards). batch: latents [n, N, ...] (the forward process
+    keeps only the clean sample: [n, 1, ...]), log_probs [n, K], means [n, K, ...], stds [n, K], steps [n, K] (each
+    sample's trained steps), embeds {k: [n, ...]}, prompts, the first rollout batch's images; pending: one
+    [(future of the reward, prompts)] per rollout batch, scored while the next is sampled."""
+    texts, metadata = prompts
+    prompt_ids = data.step_prompt_ids(len(texts), step, prompts_per_step=args.prompts_per_step, seed=args.seed,
+                                      shuffle=not args.no_shuffle)
+    my_ids, my_groups = data.rank_samples(prompt_ids, group_size=args.group_size, rank=RANK, world_size=WORLD)
+    unique = sorted(set(my_ids))  # each prompt encoded once, then one row per sample
+    sample_guidance, train_guidance = guidance_scales(args)
+    embeds = models.encode_prompts(policy.pipe, [texts[i] for i in unique], negative_prompt=args.negative_prompt,
+                                   guidance_scale=max(sample_guidance, train_guidance),
+                                   max_sequence_length=args.max_sequence_length)
+    row = torch.tensor([unique.index(i) for i in my_ids])
+    embeds = {k: v[row.to(v.device)] for k, v in embeds.items()}  # [n, ...]
+    batch = dict(embeds=embeds, prompts=[texts[i] for i in my_ids], trajectories=[])
+    pending, size = [], args.sample_batch_size
+    policy.transformer.eval()
+    with policy.frozen("old") if loss.samples_with_old else torch.no_grad():  # DiffusionNFT: train_nft_sd3.py L640
+        for b in range(len(my_ids) // size):
+            idx = slice(b * size, (b + 1) * size)
+            gen = data.seeded(args.seed, step, RANK, b)  # resumable noise
+            x = starting_noise(policy.pipe, args, step, my_groups[idx], gen).to(policy.device)
+            if loss.process == "forward":  # a deterministic solver, only the clean sample kept
+                rollout = dict(solver=args.sampler)
+            else:  # the stochastic, trained steps; --sde-window fast draws them per rollout batch (Fast)
+                rollout = dict(sde_steps=sde.sde_steps(args.num_steps, **window_kwargs(args, step, (RANK, b))),
+                               kind=args.sde, eta=args.eta, generator=gen, flash=args.flash,
+                               flash_ratio=args.flash_ratio)
+            traj, images = models.generate(policy.pipe, x, sigmas, {k: v[idx] for k, v in embeds.items()},
+                                           guidance_scale=sample_guidance, autocast=policy.autocast, **rollout)
+            batch["trajectories"].append(traj)
+            pending.append((run.submit(reward_fn, images, batch["prompts"][idx], [metadata[i] for i in my_ids[idx]]),
+                            batch["prompts"][idx]))
+            batch.setdefault("images", images)  # the first rollout batch's, for the sample grid
+    trajs = batch.pop("trajectories")
+    batch.update({k: torch.cat([t[k] for t in trajs]) for k in ("latents", "log_probs", "means", "stds")
+                  if k in trajs[0]})
+    if loss.process == "reverse":
+        batch["steps"] = torch.cat([t["steps"].expand(len(t["latents"]), -1) for t in trajs])  # [n, K]
+    return batch, pending
+
+
+def starting_noise(pipe, args, step, group_ids, generator):
+    """x at sigma = 1 for one rollout batch, [len(group_ids), ...]. With --same-noise-per-group every sample of a
+    group starts from one x_T drawn from (seed, step, group): the same on every rank that holds part of the group
+    and after a resume (MixGRPO draws one per GPU, which holds whole groups there); `generator` then draws
+    only the SDE noise, which still differs from sample to sample."""
+    size = dict(resolution=args.resolution, num_frames=args.num_frames)
+    if not args.same_noise_per_group:
+        return models.initial_noise(pipe, len(group_ids), generator=generator, **size)
+    return torch.cat([models.initial_noise(pipe, 1, generator=data.seeded(args.seed, step, -1, g), **size)
+                      for g in group_ids])
+
+
+def window_kwargs(args, step, draw=()):
+    """sde.sde_steps' arguments at `step`; `draw` (rank, rollout batch) picks the batch's own fast window."""
+    return dict(window=args.sde_window, iteration=step, timestep_fraction=args.timestep_fraction,
+                window_size=args.window_size, window_range=args.window_range, stride=args.window_stride,
+                iters_per_window=args.iters_per_window, roll_back=args.roll_back, seed=(args.seed, *draw))
+
+
+def guidance_scales(args):
+    """(sampling, training forward) guidance: the training forward drops CFG unless --train-cfg (FLUX.1-dev's
+    embedded guidance is part of the model, always)."""
+    return args.guidance_scale, args.guidance_scale if (args.train_cfg or args.model in GUIDANCE_EMBEDDED) else 1.0
+
+
+# ----------------------------------------------------------------------------- ADVANTAGES
+def advantages(got, loss, args, step, per_rank):
+    """Group-relative advantages over every rank's rewards (each group normalised over all its members, then this
+    rank's slice) -> ({adv [per_rank], ids: the samples to train, rank_weight}, the step's reward statistics)."""
+    device = got.dropped.device
+    all_rewards = distributed.all_gather_cat(got.scores[args.reward_key].to(device))  # [samples]
+    groups = torch.arange(args.prompts_per_step, device=device).repeat_interleave(args.group_size)  # [samples]
+    keep = ~got.dropped[groups]  # [samples]; at least one group (a step without any is skipped)
+    all_adv = torch.zeros_like(all_rewards)
+    all_adv[keep] = losses.group_advantages(all_rewards[keep], groups[keep], global_std=args.global_std,
+                                            clip=args.adv_clip)
+    mine = slice(RANK * per_rank, (RANK + 1) * per_rank)
+    # Samples with advantage 0 (saturated groups, dropped groups) carry no policy gradient and leave the update
+    # (departure 4); each rank keeps its micro-batch count and trains its kept samples in smaller micro-batches.
+    # The forward-process losses train every sample of the kept groups, as their references (departure 8).
+    live = keep[mine].float() if loss.process == "forward" else all_adv[mine]  # [per_rank]
+    ids = trained_samples(live, per_rank // args.train_batch_size, data.seeded(args.seed, step, RANK, 2))
+    counts = distributed.all_gather_cat(torch.tensor([len(ids)], device=device))  # [WORLD]
+    info = dict(reward_mean=all_rewards[keep].mean().item(),
+                reward_std=all_rewards[keep].std().item() if keep.sum() > 1 else 0.0,
+                dropped_groups=int(got.dropped.sum()), zero_adv_fraction=(all_adv == 0).float().mean().item())
+    for name, value in got.scores.items():  # every component, and the total where it is not the trained key
+        if name != "reward" or args.reward_key != "reward":
+            key = f"reward/{name}_mean" if name != "reward" else "reward/total_mean"
+            info[key] = torch.nanmean(distributed.all_gather_cat(value.to(device))).item()
+    # DDP averages the ranks' gradients: weighting each rank by its share makes the step the mean over all samples.
+    return dict(adv=all_adv[mine], ids=ids, rank_weight=WORLD * len(ids) / counts.sum().item()), info
+
+
+def trained_samples(adv, n_micro, generator):
+    """Indices of this rank's samples that the update trains: those with a nonzero advantage, as Flow-GRPO's
+    train_sd3.py keeps (its `mask = advantages.abs().sum(dim=1) != 0` block), topped up with randomly drawn
+    advantage-0 samples to a multiple of n_micro, at least n_micro, as it does (to num_batches_per_epoch). Every
+    rank then runs its n_micro micro-batches (the same forwards and backwards everywhere, as FSDP and DDP need),
+    each of len / n_micro samples. Returns an int64 CPU tensor."""
+    adv = adv.cpu()
+    live, zero = torch.nonzero(adv != 0).flatten(), torch.nonzero(adv == 0).flatten()
+    size = max(1, math.ceil(len(live) / n_micro))  # size * n_micro <= len(adv): enough zeros to top up
+    return torch.cat([live, zero[torch.randperm(len(zero), generator=generator)[:size * n_micro - len(live)]]])
+
+
+# ----------------------------------------------------------------------------- TRAINING
+def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
+    """--updates-per-batch passes over the trained samples, each in --minibatches optimizer steps of micro-batches;
+    one loss term per micro-batch and trained step (or training sigma), built by reverse_terms / forward_terms and
+    scored by loss.fn. Then the on-policy check (departure 2) and the old copy's decay. -> the step's statistics."""
+    policy.model.train()
+    hyper, train_guidance = vars(args), guidance_scales(args)[1]
+    n_micro = len(batch["prompts"]) // args.train_batch_size  # micro-batches per pass, the same on every rank
+    stats, optim_steps, failed = {}, 0, {"overflow": 0, "skipped": 0}
+    orders = [adv["ids"][torch.randperm(len(adv["ids"]), generator=data.seeded(args.seed, step, RANK, u, 1))]
+              for u in range(args.updates_per_batch)]  # the order of the trained samples in each pass
+
+    def micro_batches(update, m):  # the micro-batches (sample indices) of optimizer step (update, m)
+        micros = orders[update].split(len(adv["ids"]) // n_micro)  # n_micro of them
+        return micros[m * n_micro // args.minibatches:(m + 1) * n_micro // args.minibatches]
+
+    old_stats = {}  # (update, m, i) -> [n, b]: the forward-process statistic of later optimizer steps (departure 10)
+    if loss.old_stat is not None and args.updates_per_batch * args.minibatches > 1:
+        old_stats = frozen_stats(policy, loss, batch, sigmas, micro_batches, args, step)
+    for update in range(args.updates_per_batch):
+        for m in range(args.minibatches):
+            micro = micro_batches(update, m)
+            n_terms, done = len(micro) * n_trained(loss, batch, args), 0
+            for i, ids in enumerate(micro):
+                sub = {k: v[ids.to(v.device)] for k, v in batch["embeds"].items()}
+                terms = reverse_terms(policy, batch, ids, sub, adv["adv"][ids], sigmas, args) \
+                    if loss.process == "reverse" else forward_terms(policy, loss, batch, ids, sub, adv["adv"][ids],
+                                                                    sigmas, args, (step, update, m, i), old_stats)
+                for x, sigma, complete in terms:  # one trained step (or sigma) of every sample of the micro-batch
+                    policy.sync_gradients(last=done == n_terms - 1)
+                    t = complete(policy.velocity(x, sigma, sub, train_guidance, train=True))
+                    value, info = loss.fn(t, **hyper)
+                    policy.backward(value * adv["rank_weight"] / n_terms)  # the mean over all trained samples
+                    done += 1
+                    first = optim_steps == 0 and update == 0  # the weights the batch was sampled with
+                    if first and loss.process == "reverse":  # on-policy: ratio 1 (departure 2)
+                        log_ratio = (t["log_prob"].detach() - t["old_log_prob"]).abs().max()
+                        info["first_ratio_dev"] = log_ratio.exp().item() - 1
+                        if "ratio_max" in info:  # the loss's own ratio (GRPO-Guard's RatioNorm one)
+                            info["first_clip_dev"] = max(info["ratio_max"] - 1, 1 - info["ratio_min"])
+                    elif not first and "ratio_mean" in info:  # the ratio that moves: off-policy updates
+                        info.update(off_policy_ratio_mean=info["ratio_mean"], off_policy_clipfrac=info["clipfrac"])
+                    info["loss"] = value.item()
+                    for key, val in info.items():
+                        stats.setdefault(key, []).append(val)
+            status, grad_norm = policy.step()  # one optimizer step per minibatch; a non-finite gradient skips it
+            if status != "ok":
+                failed[status] += 1
+                continue
+            optim_steps += 1
+            stats.setdefault("grad_norm", []).append(grad_norm)
+    return after_update(policy, loss, batch, stats, optim_steps, failed, args, run)
+
+
+def reverse_terms(policy, batch, ids, sub, adv, sigmas, args):
+    """The trained sampler steps of micro-batch `ids`, the j-th of every sample at a time: its input x and sigma, and
+    complete(v), the step's tensors for the loss from the current velocity v (losses.py, "the algorithms"): the
+    stored transition scored by sde.sde_step, and with --kl-beta the frozen base model's mean of it."""
+    train_guidance = guidance_scales(args)[1]
+    step = dict(kind=args.sde, eta=args.eta, sigma_max=sigmas[1].item())  # sigmas[1] stands in for s = 1, as in rollout
+    for j in range(batch["steps"].shape[1]):
+        k = batch["steps"][ids, j]  # [b]: each sample's j-th trained step
+        x, x_next = batch["latents"][ids, k], batch["latents"][ids, k + 1]  # [b, ...]: its stored transition
+        sigma, sigma_next = sigmas[k], sigmas[k + 1]  # [b]
+
+        def complete(v):  # called before the generator moves on: x, sigma, ... are this step's
+            out = sde.sde_step(v, x, sigma, sigma_next, prev_sample=x_next, **step)
+            t = dict(log_prob=out.log_prob, old_log_prob=batch["log_probs"][ids, j], mean=out.mean,
+                     old_mean=batch["means"][ids, j], std=out.std, dt=sigma_next - sigma, adv=adv)
+            if args.kl_beta > 0:  # the frozen base: the same transformer, its adapter off
+                with policy.frozen("reference"):
+                    v_ref = policy.velocity(x, sigma, sub, train_guidance)
+                t["ref_mean"] = sde.sde_step(v_ref, x, sigma, sigma_next, prev_sample=x_next, **step).mean
+            return t
+        yield x, sigma, complete
+
+
+def forward_terms(policy, loss, batch, ids, sub, adv, sigmas, args, key, old_stats):
+    """The training sigmas of micro-batch `ids` (key: step, update, minibatch, micro-batch): each clean sample
+    re-noised there with fresh noise (renoised), the frozen models' no-grad velocities at every x_t first (the old
+    copy's, the base's with --kl-beta: each set up once per micro-batch), then per sigma its input and complete(v)."""
+    fp, train_guidance, frozen = renoised(loss, batch, ids, sigmas, args, key), guidance_scales(args)[1], {}
+    for name, needed in (("old", policy.copies["old"] is not None), ("reference", args.kl_beta > 0)):
+        if needed:
+            with policy.frozen(name):
+                frozen[name] = [policy.velocity(x, fp["s"][:, j], sub, train_guidance) for j, x in enumerate(fp["x_t"])]
+    old_stat = old_stats.get(key[1:])  # [n, b] on the optimizer steps after the batch's first, else None
+    for j, x_t in enumerate(fp["x_t"]):
+        def complete(v):
+            return dict(v=v, x_t=x_t, x0=fp["x0"], noise=fp["noise"][j], sigma=fp["s"][:, j], adv=adv,
+                        v_old=frozen["old"][j] if "old" in frozen else None,
+                        v_ref=frozen["reference"][j] if "reference" in frozen else None,
+                        old_stat=None if old_stat is None else old_stat[j])
+        yield x_t, fp["s"][:, j], complete
+
+
+def renoised(loss, batch, ids, sigmas, args, key):
+    """Micro-batch `ids`' clean samples x0 [b, ...], its training sigmas s [b, n] of the schedule (loss.times), fresh
+    noise [n, b, ...] and the inputs x_t = (1 - s) x0 + s eps (n of [b, ...]), seeded by key (step, update,
+    minibatch, micro-batch): the same draws wherever they are needed again."""
+    step, update, m, i = key
+    gen = data.seeded(args.seed, step, RANK, update, m, i, 2)
+    x0 = batch["latents"][ids, -1]  # the clean rollout samples
+    times = loss.times(len(ids), gen, **vars(args))  # [b, n]
+    s = sigmas[times].to(x0.device)
+    noise = torch.randn((times.shape[1],) + tuple(x0.shape), generator=gen).to(x0.device)
+    return dict(x0=x0, s=s, noise=noise, x_t=[sde.renoise(x0, eps, s[:, j]) for j, eps in enumerate(noise)])
+
+
+def frozen_stats(policy, loss, batch, sigmas, micro_batches, args, step):
+    """loss.old_stat under the current weights for every micro-batch of the optimizer steps after the batch's first
+    (AWM's old log-probs, departure 10), before the first step moves them: {(update, m, i): [n, b]}."""
+    out, train_guidance = {}, guidance_scales(args)[1]
+    for update in range(args.updates_per_batch):
+        for m in range(args.minibatches):
+            for i, ids in enumerate(micro_batches(update, m) if (update, m) != (0, 0) else []):
+                sub = {k: v[ids.to(v.device)] for k, v in batch["embeds"].items()}
+                fp = renoised(loss, batch, ids, sigmas, args, (step, update, m, i))
+                with torch.no_grad():
+                    out[update, m, i] = torch.stack([loss.old_stat(dict(
+                        v=policy.velocity(x, fp["s"][:, j], sub, train_guidance), x0=fp["x0"], noise=fp["noise"][j],
+                        sigma=fp["s"][:, j]), **vars(args)) for j, x in enumerate(fp["x_t"])])
+    return out
+
+
+def after_update(policy, loss, batch, stats, optim_steps, failed, args, run):
+    """The step's statistics (means over its micro-steps), the on-policy check of departure 2, the old copy's decay."""
+    info = mean_stats({k: v for k, v in stats.items() if not k.startswith("first_")})
+    sample_guidance, train_guidance = guidance_scales(args)
+    first_ratio_dev = max(stats.get("first_ratio_dev", [0.0]))  # exact forwards must reproduce the rollout's log-probs
+    same_forward = policy.amp_dtype is None and train_guidance == sample_guidance
+    if distributed.any_rank(same_forward and first_ratio_dev > 1e-3, policy.device):  # all ranks stop together
+        raise SystemExit(f"error: ratio on the first update of an on-policy batch is off by {first_ratio_dev:.2e} "
+                         "(must be 1): the training forward differs from the rollout's (CFG, dtype or adapter)")
+    # The loss's own ratio (GRPO-Guard's RatioNorm one) against the clip: beyond it, rollout/train mismatch alone
+    # (e.g. bf16 kernels that differ with the batch shape, 1e-3 on the tiny model) is clipped. Warned once.
+    first_clip_dev = max(stats.get("first_clip_dev", [0.0]))
+    run.warn_ratio(first_clip_dev, args.clip_range if loss.clip else 0.1,  # FlowDPPO has no clip
+                   "--train-cfg is off while sampling uses CFG" if train_guidance != sample_guidance
+                   else f"{args.mixed_precision} rounding")
+    if policy.copies["old"] is not None:  # old <- d old + (1 - d) current; d from the run's optimizer steps (resumed)
+        info["old_decay"] = decay = losses.OLD_DECAYS[args.old_decay](policy.optimizer_steps)
+        policy.update_old(decay)
+    if loss.process == "reverse":
+        info.update(first_ratio_dev=first_ratio_dev, first_clip_dev=first_clip_dev)
+    if failed["overflow"]:  # fp16: the loss scale overflowed and was lowered, not a bad step
+        info["fp16_overflows"] = failed["overflow"]
+    if failed["skipped"]:
+        info.update(skipped=1, skip_reason="non-finite gradient", skipped_updates=failed["skipped"])
+    return dict(info, updates=optim_steps, trained_steps=n_trained(loss, batch, args))
+
+
+def n_trained(loss, batch, args):
+    """Loss terms per sample: its trained steps K (reverse process) or training sigmas (forward)."""
+    if loss.process == "reverse":
+        return batch["steps"].shape[1]
+    return loss.times(1, torch.Generator(), **vars(args)).shape[1]
+
+
+# ----------------------------------------------------------------------------- set-up
+def print_totals(args, loss, per_rank):
+    """Derived totals, printed once so that a wrong recipe shows here and not at step 3000 (check_args asserts them)."""
+    print0(f"{WORLD} processes | {args.prompts_per_step} prompts x {args.group_size} = "
+           f"{args.prompts_per_step * args.group_size} samples/step ({per_rank} per GPU, "
+           f"{per_rank // args.sample_batch_size} rollout batches of {args.sample_batch_size}) | "
+           f"{args.updates_per_batch * args.minibatches} optimizer steps/step"
+           + (f" | {args.sampler} rollouts, {n_trained(loss, None, args)} training sigmas per sample"
+              if loss.process == "forward" else ""))
+
+
+def load_prompt_sets(args):
+    """((texts, metadata) of --prompts, of --eval-prompts or empty), malformed files refused in one line."""
+    keys = dict(input_key=args.input_key, metadata_key=args.metadata_key)
+    prompts = setup_or_exit(data.load_prompts, args.prompts, **keys)
+    check_rm_types(args.prompts, *prompts)
+    held_out = setup_or_exit(data.load_prompts, args.eval_prompts, **keys) if args.eval_prompts else ([], [])
+    if [name for name, _ in rewards.parse_spec(args.reward)] == ["ocr"] and \
+            (missing := data.ocr_targets_missing(prompts[0])):
+        print0(f"warning: {missing} of {len(prompts[0])} prompts in {args.prompts} have no quoted target; "
+               "the OCR reward scores them 0")
+    return prompts, held_out
+
 def parse_args(argv=None):
-    """The flags, grouped as the phases of a step (flag types and the recipe-file parser are at the end of the file);
-    unset flags take --model's preset."""
-    p = RecipeParser(description=__doc__.split("\n")[0], fromfile_prefix_chars="@", formatter_class=HelpFormatter)
+    """The flags (add_arguments); unset flags take --model's preset, then the loss's. -> (parser, args)"""
+    shown = {name: preset(name) for name in ("shapes", "tiny", "sd3", "flux")}  # --help: each one's value
+    p = flags.RecipeParser(description=__doc__.split("\n")[0], fromfile_prefix_chars="@",
+                           formatter_class=flags.preset_help(shown, PRESETS["hub"]))
+    add_arguments(p)
+    args = p.parse_args(argv)
+    loss = losses.LOSSES[args.loss]
+    if loss.process == "forward" and args.sde is not None:  # flags that would be silently ignored
+        p.error(f"--sde chooses the stochastic step of the reverse-process losses; --loss {args.loss} samples with a "
+                "deterministic --sampler: drop --sde")
+    if args.window_range is not None and args.sde_window != "fast":
+        p.error("--window-range places the Flow-GRPO-Fast window: use it with --sde-window fast, or drop it")
+    defaults = dict(preset(args.model), timestep_fraction=1.0)  # the loss's defaults win over the model's
+    loss_defaults = dict(loss.defaults, **(loss.hub_defaults if args.model not in PRESETS else {}))
+    if args.model in GUIDANCE_EMBEDDED:  # FLUX.1-dev's guidance is a distilled embedding, not CFG: the model's
+        loss_defaults.pop("guidance_scale", None)
+    defaults.update(loss_defaults)
+    for key, value in defaults.items():  # fill what the command line left unset
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.lora_alpha is None:  # a rank given without alpha: scale alpha / rank = 1
+        args.lora_alpha = float(args.lora_rank)
+    if args.train_cfg is None:
+        args.train_cfg = args.guidance_scale > 1 and args.model not in GUIDANCE_EMBEDDED
+    return p, args
+
+
+def add_arguments(p):
+    """Every flag, grouped as the phases of a step: the model, data and sampling here; the reward, loss, optimizer and
+    run flags where their code is (rewards.py, losses.py, policy.py, run.py); flag types and @recipe files in
+    flags.py."""
     # model
     p.add_argument("--model", default="shapes", choices=list(models.MODELS),
                    help="model family (shapes: pretrained, learns on a CPU in minutes; tiny: random, the fastest)")
     p.add_argument("--model-path", default=None,
                    help="hub id or local folder of the pipeline (default: the family's hub id)")
-    p.add_argument("--resolution", type=resolution_arg, default=None,
+    p.add_argument("--resolution", type=flags.resolution_arg, default=None,
                    help="image side in pixels, or HEIGHTxWIDTH (sd3, wan, z-image)")
     p.add_argument("--num-frames", type=POSITIVE_INT, default=None,
                    help="video models (wan): frames per sample, 4 k + 1 (default: the pipeline's 81)")
@@ -184,7 +523,27 @@ def parse_args(argv=None):
                    help="JSONL key of the per-sample metadata (rm_type, ...); '' takes the whole row (GenEval's files)")
     p.add_argument("--no-shuffle", action="store_true",
                    help="keep file order instead of a seeded permutation per epoch")
-    # sampling
+    add_sampling_arguments(p)
+    # reward
+    p.add_argument("--reward", default=None, help='reward spec: a name or weighted mix, e.g. "ocr=0.8,pickscore=0.2"; '
+                   "choices: " + ", ".join(rewards.REWARDS))
+    p.add_argument("--reward-key", default="reward",
+                   help="which reward entry trains (a component name or the weighted total 'reward')")
+    rewards.add_arguments(p)  # the reward options, declared and defaulted in rewards.py
+    losses.add_arguments(p)  # the loss flags, declared in losses.py: --loss takes choices=LOSSES
+    # optim
+    policy_mod.add_arguments(p)  # AdamW, clipping and the EMA, declared in policy.py
+    p.add_argument("--train-batch-size", type=POSITIVE_INT, default=None, help="samples per training forward, per GPU")
+    p.add_argument("--minibatches", type=POSITIVE_INT, default=None, help="optimizer steps per pass over the batch")
+    p.add_argument("--updates-per-batch", type=POSITIVE_INT, default=1, help="passes over each sampled batch")
+    # the run: its length and seed here; its folder, logs, checkpoints and evaluation in run.py
+    p.add_argument("--steps", type=POSITIVE_INT, default=None, help="training steps (each: one sampled batch)")
+    p.add_argument("--seed", type=SEED, default=0, help="seed; rank r samples with seed-derived noise per step")
+    run_mod.add_arguments(p)
+
+
+def add_sampling_arguments(p):
+    """The rollout: the schedule, guidance, the stochastic step and which steps train, the batch of groups."""
     p.add_argument("--num-steps", type=bounded(int, 2, 1000), default=None,
                    help="denoising steps of a training rollout (at most the 1000 of the training grid)")
     p.add_argument("--shift", type=POSITIVE, default=None,
@@ -229,600 +588,8 @@ def parse_args(argv=None):
     p.add_argument("--same-noise-per-group", action=argparse.BooleanOptionalAction, default=False,
                    help="every image of a prompt's group starts from the same noise x_T (MixGRPO's --init_same_noise; "
                         "Flow-GRPO's same_latent); the SDE noise still differs")
-    # reward
-    p.add_argument("--reward", default=None, help='reward spec: a name or weighted mix, e.g. "ocr=0.8,pickscore=0.2"; '
-                   "choices: " + ", ".join(rewards.REWARDS))
-    p.add_argument("--reward-key", default="reward",
-                   help="which reward entry trains (a component name or the weighted total 'reward')")
-    rewards.add_arguments(p)  # the reward options, declared and defaulted in rewards.py
-    # loss
-    p.add_argument("--loss", default="grpo", choices=LOSSES,
-                   help="GRPO (PPO clip), GRPO-Guard (RatioNorm), FlowDPPO (KL-ADV mask); forward process: "
-                        "DiffusionNFT, Advantage Weighted Matching")
-    p.add_argument("--clip-range", type=POSITIVE, default=None,
-                   help="PPO clip range of the ratio (log-probs are means over latent dims, hence ~1e-4 on hub models; "
-                        "--loss awm: 1)")
-    p.add_argument("--adv-clip", type=POSITIVE, default=5.0, help="advantages clipped to +-this")
-    p.add_argument("--kl-beta", type=NONNEG, default=None,
-                   help="weight of the KL to the frozen base model (0: no reference forward; --loss nft / awm: "
-                        "mean squared velocity difference, 1e-4 / 1e-3 on hub models)")
-    p.add_argument("--kl-form", default="flow-grpo", choices=["flow-grpo", "exact"],
-                   help="the KL penalty's scale: flow-grpo = the exact Gaussian KL x |dt| per step, as Flow-GRPO's "
-                        "code computes it; the default because every published --kl-beta (0.04 OCR/GenEval, 0.01 "
-                        "PickScore) was tuned on it; exact = the KL itself, about 1/|dt| (~10x at 10 steps) larger "
-                        "for the same beta (--sde cps: both are its exact form, as in Flow-GRPO)")
-    p.add_argument("--kl-mask-threshold", type=POSITIVE, default=1e-5,
-                   help="FlowDPPO: KL above which a term pushing the ratio further is masked")
-    p.add_argument("--global-std", action=argparse.BooleanOptionalAction, default=None,
-                   help="normalise advantages by the batch-wide reward std instead of each group's")
-    p.add_argument("--old-decay", default=None, choices=list(OLD_DECAYS),
-                   help="--loss nft / awm: schedule of the old copy's decay d, old <- d old + (1 - d) current after "
-                        "each step (default: nft, awm)")
-    p.add_argument("--nft-beta", type=POSITIVE, default=1.0,
-                   help="DiffusionNFT's beta: v+ = beta v + (1 - beta) v_old (its OCR setup: 0.1)")
-    p.add_argument("--nft-adaptive", action=argparse.BooleanOptionalAction, default=True,
-                   help="DiffusionNFT: normalise each sample's x0 error by its own mean absolute error")
-    p.add_argument("--awm-weighting", default="ghuber", choices=losses.AWM_WEIGHTINGS,
-                   help="AWM: weighting of the flow-matching error in its surrogate log-likelihood")
-    p.add_argument("--ghuber-power", type=POSITIVE, default=0.25, help="AWM: the power p of the ghuber weighting")
-    p.add_argument("--train-timesteps", type=POSITIVE_INT, default=6,
-                   help="AWM: stratified schedule sigmas per micro-batch (one forward + backward each)")
-    p.add_argument("--awm-timesteps", default="discrete_wo_init", choices=sde.AWM_TIMESTEPS,
-                   help="AWM: strata over schedule indices 1.. (never sigma = 1) or 0..")
-    p.add_argument("--ema-kl-beta", type=NONNEG, default=1.0,
-                   help="AWM: weight of the velocity-space KL to the old copy (its EMA-KL anchor; 0: none)")
-    # optim
-    p.add_argument("--lr", type=POSITIVE, default=None, help="AdamW learning rate")
-    p.add_argument("--weight-decay", type=NONNEG, default=1e-4, help="AdamW weight decay")
-    p.add_argument("--max-grad-norm", type=POSITIVE, default=1.0, help="gradient clipping norm")
-    p.add_argument("--train-batch-size", type=POSITIVE_INT, default=None, help="samples per training forward, per GPU")
-    p.add_argument("--minibatches", type=POSITIVE_INT, default=None, help="optimizer steps per pass over the batch")
-    p.add_argument("--updates-per-batch", type=POSITIVE_INT, default=1, help="passes over each sampled batch")
-    p.add_argument("--ema-decay", type=bounded(float, 0, 1, high_open=True), default=None,
-                   help="EMA of the trained weights (0: off), warmed up as flow_grpo/ema.py: the decay after n "
-                        "optimizer steps is min((1 + n) / (10 + n), this). Evaluation (--eval-every) and the "
-                        "exported lora/ use the EMA; trainable.safetensors keeps the live weights to resume from")
-    p.add_argument("--ema-every", type=POSITIVE_INT, default=1,
-                   help="update the EMA after optimizer steps n with (n + 1) %% this == 0, as flow_grpo/ema.py")
-    p.add_argument("--ema-repeat", type=POSITIVE_INT, default=1,
-                   help="apply the decay this many times per update: Flow-GRPO steps its EMA after every micro-batch, "
-                        "so each due update repeats once per accumulated micro-batch (2 in its 32-GPU configs, 4 in "
-                        "GRPO-Guard's 16-GPU ones)")
-    # logging and checkpoints
-    p.add_argument("--steps", type=POSITIVE_INT, default=None, help="training steps (each: one sampled batch)")
-    p.add_argument("--seed", type=SEED, default=0, help="seed; rank r samples with seed-derived noise per step")
-    p.add_argument("--out", default="runs/default", help="run folder: args.json, metrics.jsonl, samples/, checkpoints/")
-    p.add_argument("--save-every", type=NONNEG_INT, default=0, help="steps between checkpoints (0: only at the end)")
-    p.add_argument("--keep-checkpoints", type=POSITIVE_INT, default=3, help="checkpoints kept in --out/checkpoints")
-    p.add_argument("--overwrite", action="store_true",
-                   help="start a fresh run in an --out that already holds one, deleting its run files first")
-    p.add_argument("--resume", default=None,
-                   help="checkpoint folder, run folder, or 'auto' (the newest checkpoint in --out that verifies, if "
-                        "any; default: a fresh run)")
-    p.add_argument("--eval-every", type=NONNEG_INT, default=None,
-                   help="steps between ODE evaluations on --eval-prompts (0: off)")
-    p.add_argument("--eval-steps", type=POSITIVE_INT, default=None, help="ODE steps of an evaluation")
-    p.add_argument("--log-images-every", type=NONNEG_INT, default=None,
-                   help="steps between saved sample grids (0: never)")
-    p.add_argument("--max-bad-steps", type=POSITIVE_INT, default=5,
-                   help="stop after this many consecutive skipped (non-finite) steps")
-    p.add_argument("--wandb", action="store_true", help="also log to Weights & Biases")
-    try:
-        args = p.parse_args(argv)
-    except UnicodeDecodeError as e:
-        p.error(f"a recipe file is not UTF-8 text ({e.reason} at byte {e.start}); re-save it as UTF-8")
-    except RecursionError:
-        p.error("a recipe file includes itself (an @file line that leads back to it)")
-
-    defaults = dict(preset(args.model), timestep_fraction=1.0)
-    if args.loss in LOSS_PRESETS:  # the loss's defaults win over the model's
-        loss_defaults = dict(LOSS_PRESETS[args.loss], **(LOSS_HUB_PRESETS[args.loss] if args.model not in PRESETS
-                                                          else {}))
-        if args.model in GUIDANCE_EMBEDDED:  # FLUX.1-dev's guidance is a distilled embedding, not CFG: the model's
-            loss_defaults.pop("guidance_scale")
-        defaults.update(loss_defaults)
-    for key, value in defaults.items():  # fill what the command line left unset
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.lora_alpha is None:  # a rank given without alpha: scale alpha / rank = 1
-        args.lora_alpha = float(args.lora_rank)
-    if args.train_cfg is None:
-        args.train_cfg = args.guidance_scale > 1 and args.model not in GUIDANCE_EMBEDDED
-    return p, args
 
 
-def window_kwargs(args, step, draw=()):
-    """sde.sde_steps' arguments at `step`; `draw` (rank, rollout batch) picks the batch's own fast window."""
-    return dict(window=args.sde_window, iteration=step, timestep_fraction=args.timestep_fraction,
-                window_size=args.window_size, window_range=args.window_range, stride=args.window_stride,
-                iters_per_window=args.iters_per_window, roll_back=args.roll_back, seed=(args.seed, *draw))
-
-
-def guidance_scales(args):
-    """(sampling, training forward) guidance: the training forward drops CFG unless --train-cfg (FLUX.1-dev's
-    embedded guidance is part of the model, always)."""
-    return args.guidance_scale, args.guidance_scale if (args.train_cfg or args.model in GUIDANCE_EMBEDDED) else 1.0
-
-
-def seeded(*parts):
-    """A CPU generator seeded from integers (seed, step, rank, ...): the same numbers after a resume."""
-    seed = 0
-    for part in parts:
-        seed = (seed * 1_000_003 + int(part)) % 2**63
-    return torch.Generator().manual_seed(seed)
-
-
-def starting_noise(pipe, args, step, group_ids, generator):
-    """x at sigma = 1 for one rollout batch, [len(group_ids), ...]. With --same-noise-per-group every sample of a
-    group starts from one x_T drawn from (seed, step, group): the same on every rank that holds part of the group
-    and after a resume (MixGRPO draws one per GPU, which holds whole groups there); `generator` then draws
-    only the SDE noise, which still differs from sample to sample."""
-    size = dict(resolution=args.resolution, num_frames=args.num_frames)
-    if not args.same_noise_per_group:
-        return models.initial_noise(pipe, len(group_ids), generator=generator, **size)
-    return torch.cat([models.initial_noise(pipe, 1, generator=seeded(args.seed, step, -1, g), **size)
-                      for g in group_ids])
-
-
-def main(argv=None):
-    p, args = parse_args(argv)
-    per_rank, components = check_args(p, args, WORLD)
-    device = distributed.init()
-    torch.manual_seed(args.seed + RANK)  # per-rank seed for anything not explicitly seeded below
-    np.random.seed(args.seed + RANK)
-    amp_dtype = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.mixed_precision]
-    autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
-
-    # Derived totals, printed and checked once so a wrong recipe fails here and not at step 3000.
-    samples = args.prompts_per_step * args.group_size  # global samples per step
-    num_sample_batches = per_rank // args.sample_batch_size
-    n_micro = per_rank // args.train_batch_size  # training micro-batches per update, the same on every rank
-    forward_process = args.loss in FORWARD_LOSSES
-    print0(f"{WORLD} processes | {args.prompts_per_step} prompts x {args.group_size} = {samples} samples/step "
-           f"({per_rank} per GPU, {num_sample_batches} rollout batches of {args.sample_batch_size}) | "
-           f"{args.updates_per_batch * args.minibatches} optimizer steps/step"
-           + (f" | {args.sampler} rollouts, {forward_times(args)} training sigmas per sample"
-              if forward_process else ""))
-
-    resume_from = checkpoints.prepare(args)  # refuses a used --out without --resume / --overwrite; verifies checkpoints
-    prompt_keys = dict(input_key=args.input_key, metadata_key=args.metadata_key)
-    prompts, metadata = setup_or_exit(data.load_prompts, args.prompts, **prompt_keys)
-    check_rm_types(args.prompts, prompts, metadata)
-    eval_prompts, eval_meta = ([], [])
-    if args.eval_prompts:
-        eval_prompts, eval_meta = setup_or_exit(data.load_prompts, args.eval_prompts, **prompt_keys)
-    if components == ["ocr"] and (missing := data.ocr_targets_missing(prompts)):
-        print0(f"warning: {missing} of {len(prompts)} prompts in {args.prompts} have no quoted target; "
-               "the OCR reward scores them 0")
-    reward_fn = setup_or_exit(rewards.build_reward, args.reward, device=device,
-                              **{name: getattr(args, name) for name in rewards.option_defaults()})  # reward flags
-
-    # The policy: the pipeline, its trainable weights (LoRA adapter or all), the wrapper the training forward calls.
-    pipe, model, trainable, optimizer, copies = build_policy(args, device, amp_dtype)
-    # fp16 (as Flow-GRPO's configs, through accelerate) needs loss scaling: the tiny gradients of mean-reduced
-    # log-probs underflow its range (26 % of the gradient norm lost on the tiny model). Disabled: every call a no-op.
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
-    transformer = pipe.transformer
-
-    start_step, bad_in_a_row, optimizer_steps = 0, 0, 0  # optimizer_steps: all of the run's, for the EMA
-    if resume_from:
-        state, saved = checkpoints.load(resume_from, args, trainable, optimizer,
-                                        fsdp_model=transformer if args.fsdp else None)
-        start_step, bad_in_a_row = state["step"], state.get("bad_in_a_row", 0)
-        optimizer_steps = state.get("optimizer_steps", 0)
-        for name in copies:  # the EMA and the old policy continue where they were (if this run keeps them)
-            if copies[name] is not None and name in saved:
-                copies[name] = saved[name]
-        print0(f"resumed from {resume_from} at step {start_step}")
-        if start_step >= args.steps:
-            print0(f"the run is already at step {start_step} of --steps {args.steps}: nothing to train; "
-                   "raise --steps to continue it")
-            return distributed.finish()
-        checkpoints.trim_metrics(args.out, start_step)  # a killed run's rows after the checkpoint are redone
-    ema, old = copies["ema"], copies["old"]  # {name: float32 tensor} or None
-    checkpoints.start_run(args)
-    wandb_run = None
-    if args.wandb and is_main:
-        import wandb
-        wandb_run = wandb.init(config=vars(args), dir=args.out, resume="allow")
-
-    stop = {"signal": None}  # preemption: finish the step on every rank, save, exit 0
-
-    def on_signal(signum, frame):
-        stop["signal"] = signal.Signals(signum).name
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-
-    setup_or_exit(models.latent_shape, pipe, args.resolution, num_frames=args.num_frames)  # one line if they don't fit
-    sigmas = setup_or_exit(models.sigmas, pipe, args.num_steps, args.resolution, shift=args.shift)  # [T+1], 1 -> 0
-    sigma_max = sigmas[1].item()  # stands in for s = 1 in 1 - s (sde.py (3)), as in the rollout
-    sample_guidance, train_guidance = guidance_scales(args)
-    reward_pool = ThreadPoolExecutor(max_workers=1)  # scores batch b while batch b+1 is sampled
-    step, ratio_warned = start_step, False
-    from tqdm import tqdm
-    # A live bar on rank 0's terminal; none in log files, where the per-step lines already say everything.
-    bar = tqdm(total=args.steps, initial=start_step, disable=not (is_main and sys.stderr.isatty()), dynamic_ncols=True)
-
-    def log_metrics(info):  # one line per step in metrics.jsonl (and wandb), rank 0
-        bar.update(1)
-        checkpoints.append_metrics(args.out, info)
-        if wandb_run:
-            wandb_run.log(info, step=info["step"])
-
-    def run_state():  # what a checkpoint's state.json carries besides the step
-        return dict(bad_in_a_row=bad_in_a_row, optimizer_steps=optimizer_steps)
-
-    def check_and_checkpoint(info):  # stop on too many bad steps; save when due or preempted; True = end the run
-        if bad_in_a_row >= args.max_bad_steps:
-            raise SystemExit(f"error: {bad_in_a_row} consecutive steps were skipped (last: {info.get('skip_reason')}); "
-                             "fix the reward, or lower --lr for non-finite gradients (see --max-bad-steps)")
-        stopping = distributed.any_rank(stop["signal"] is not None, device)
-        if (args.save_every and step % args.save_every == 0) or step == args.steps or stopping:
-            checkpoints.write(args, step, pipe, trainable, optimizer, copies, device, run_state())
-        if stopping:
-            print0(f"stopped by {stop['signal'] or 'a signal on another rank'} after step {step}; "
-                   f"checkpoint saved, continue with --resume auto --out {args.out}")
-        return stopping
-
-    def evaluate_held_out(step):
-        """Held-out ODE samples, fixed noise, scored into eval.jsonl. Under FSDP every forward is collective: all
-        ranks sample, rank 0 scores. With --ema-decay the EMA weights are evaluated, as Flow-GRPO does."""
-        if not (is_main or args.fsdp):
-            return
-        pipe.transformer.eval()
-        with checkpoints.ema_weights(dict(trainable), ema):
-            eval_images = evaluation.sample_images(pipe, eval_prompts, resolution=args.resolution,
-                                                   num_steps=args.eval_steps, guidance_scale=sample_guidance,
-                                                   seed=args.seed, device=device, batch_size=args.sample_batch_size,
-                                                   negative_prompt=args.negative_prompt, shift=args.shift,
-                                                   num_frames=args.num_frames,
-                                                   max_sequence_length=args.max_sequence_length)
-        if is_main:
-            eval_scores = evaluation.score(reward_fn, eval_images, eval_prompts, eval_meta)
-            evaluation.append_scores(os.path.join(args.out, "eval.jsonl"), step, eval_scores)
-            bar.write(f"eval  {step:5d} | " + evaluation.summary_line(eval_scores))
-
-    if args.eval_every and start_step == 0:  # the model before training, as Flow-GRPO evaluates at epoch 0
-        evaluate_held_out(0)
-    trained_here = 0  # steps of this process that updated the weights
-    while step < args.steps:
-        t0 = time.time()
-        info = {"step": step + 1}
-        # ===================================================================== SAMPLING
-        prompt_ids = data.step_prompt_ids(len(prompts), step, prompts_per_step=args.prompts_per_step,
-                                          seed=args.seed, shuffle=not args.no_shuffle)
-        my_prompt_ids, my_groups = data.rank_samples(prompt_ids, group_size=args.group_size, rank=RANK,
-                                                     world_size=WORLD)
-        my_prompts = [prompts[i] for i in my_prompt_ids]
-        my_meta = [metadata[i] for i in my_prompt_ids]
-        unique = sorted(set(my_prompt_ids))
-        embeds = models.encode_prompts(pipe, [prompts[i] for i in unique], negative_prompt=args.negative_prompt,
-                                       guidance_scale=max(sample_guidance, train_guidance),
-                                       max_sequence_length=args.max_sequence_length)
-        row = torch.tensor([unique.index(i) for i in my_prompt_ids])
-        embeds = {k: v[row.to(v.device)] for k, v in embeds.items()}  # one row per sample, [per_rank, ...]
-        pipe.transformer.eval()
-        batches, futures = [], []
-        # DiffusionNFT samples with the old policy (train_nft_sd3.py L640); the other losses with the weights.
-        with models.swapped(trainable, old) if args.loss == "nft" else contextlib.nullcontext():
-            for b in range(num_sample_batches):
-                idx = slice(b * args.sample_batch_size, (b + 1) * args.sample_batch_size)
-                gen = seeded(args.seed, step, RANK, b)  # resumable noise
-                x = starting_noise(pipe, args, step, my_groups[idx], gen).to(device)
-                sub = {k: v[idx] for k, v in embeds.items()}
-
-                def velocity(x_, s_, sub=sub):  # what the sampler calls; CFG lives inside
-                    return models.velocity(pipe, x_, s_, sub, guidance_scale=sample_guidance)
-                with autocast():
-                    if forward_process:  # a deterministic solver; only the clean sample is kept: [b, 1, ...]
-                        traj = {"latents": sde.ode_sample(velocity, x, sigmas, solver=args.sampler)[:, None]}
-                    else:  # the stochastic, trained steps; --sde-window fast draws them per rollout batch (Fast)
-                        trained_steps = sde.sde_steps(args.num_steps, **window_kwargs(args, step, (RANK, b)))
-                        traj = sde.rollout(velocity, x, sigmas, sde_steps=trained_steps, kind=args.sde, eta=args.eta,
-                                           generator=gen, flash=args.flash, flash_ratio=args.flash_ratio)
-                    images = models.decode(pipe, traj["latents"][:, -1])  # uint8 [b, H, W, 3] (video [b, F, H, W, 3])
-                batches.append(traj)
-                futures.append(reward_pool.submit(reward_fn, images, my_prompts[idx], my_meta[idx]))
-                if b == 0 and is_main:
-                    first_images = images
-        # latents [n, T+1, ...] (forward process: [n, 1, ...]), log_probs [n, K], means [n, K, ...], stds [n, K],
-        # steps [n, K] (each sample's)
-        batch = {k: torch.cat([t[k] for t in batches]) for k in ("latents", "log_probs", "means", "stds")
-                 if k in batches[0]}
-        if forward_process:
-            n_trained = forward_times(args)  # training sigmas per sample
-        else:
-            batch["steps"] = torch.cat([t["steps"].expand(len(t["latents"]), -1) for t in batches])
-            n_trained = len(trained_steps)  # K, the same for every batch and rank
-
-        # ===================================================================== REWARDS
-        t_sampled = time.time()
-        scores, failed, bad = collect_rewards(futures, my_prompts, args, step, device, reward_pool, stop)
-        if scores is None:  # a signal arrived while waiting: keep the last complete step, redo this one on resume
-            if not os.path.isfile(os.path.join(args.out, "checkpoints", str(step), "state.json")):
-                checkpoints.write(args, step, pipe, trainable, optimizer, copies, device, run_state())
-            print0(f"stopped by {stop['signal'] or 'a signal on another rank'} while waiting for rewards in step "
-                   f"{step + 1}; checkpoint {step} saved, continue with --resume auto --out {args.out}")
-            reward_pool.shutdown(wait=False, cancel_futures=True)
-            distributed.finish()
-            sys.stdout.flush(), sys.stderr.flush()
-            os._exit(0)  # a reward request may still be blocked on the network: do not wait for its thread
-        # Groups with a sample whose reward service gave up (--reward-on-error skip) are dropped whole (departure 4).
-        all_groups = torch.arange(args.prompts_per_step, device=device).repeat_interleave(args.group_size)  # [samples]
-        bad_groups = torch.zeros(args.prompts_per_step, dtype=torch.bool, device=device)  # [prompts_per_step]
-        if bad is None:
-            bad_groups[all_groups[distributed.all_gather_cat(failed.to(device))]] = True
-            if bad_groups.all():  # not one reward: an update would only replay Adam's momentum and weight decay
-                info["dropped_groups"] = int(bad_groups.sum())
-                bad = f"every group lost its reward ({args.reward} gave up on every sample)"
-        if bad is not None:  # skip the update, not the bookkeeping: the step is logged, counted, checkpointed
-            bad_in_a_row += 1
-            info.update(skipped=1, skip_reason=bad, bad_in_a_row=bad_in_a_row, seconds=time.time() - t0)
-            print0(f"step {step + 1}: skipped ({bad})")
-            step += 1
-            log_metrics(info)
-            if check_and_checkpoint(info):
-                break
-            continue
-        train_reward = scores[args.reward_key].to(device)
-
-        t_rewarded = time.time()  # the wait for rewards not hidden behind sampling
-        # ===================================================================== ADVANTAGES
-        # Gather every rank's rewards so each group is normalised over all its members, then take our slice.
-        all_rewards = distributed.all_gather_cat(train_reward)  # [samples]
-        keep = ~bad_groups[all_groups]  # [samples]; at least one group (a step without any is skipped above)
-        all_adv = torch.zeros_like(all_rewards)
-        all_adv[keep] = losses.group_advantages(all_rewards[keep], all_groups[keep], global_std=args.global_std,
-                                                clip=args.adv_clip)
-        adv = all_adv[RANK * per_rank:(RANK + 1) * per_rank]  # [per_rank]
-        # Samples with advantage 0 (saturated groups, dropped groups) carry no policy gradient and leave the update
-        # (departure 4); each rank keeps its micro-batch count and trains its kept samples in smaller micro-batches.
-        # The forward-process losses train every sample of the kept groups, as their references (departure 8).
-        live = keep[RANK * per_rank:(RANK + 1) * per_rank].float() if forward_process else adv  # [per_rank]
-        train_ids = trained_samples(live, n_micro, seeded(args.seed, step, RANK, 2))
-        counts = distributed.all_gather_cat(torch.tensor([len(train_ids)], device=device))  # [WORLD]
-        rank_weight = WORLD * len(train_ids) / counts.sum().item()  # DDP's mean over ranks -> the mean over samples
-        info.update(reward_mean=all_rewards[keep].mean().item(),
-                    reward_std=all_rewards[keep].std().item() if keep.sum() > 1 else 0.0,
-                    dropped_groups=int(bad_groups.sum()), zero_adv_fraction=(all_adv == 0).float().mean().item())
-        for name, value in scores.items():
-            if name != "reward":
-                info[f"reward/{name}_mean"] = torch.nanmean(distributed.all_gather_cat(value.to(device))).item()
-        if args.reward_key != "reward":
-            info["reward/total_mean"] = torch.nanmean(distributed.all_gather_cat(scores["reward"].to(device))).item()
-
-        # ===================================================================== TRAINING
-        model.train()
-        stats, optim_steps, skipped_updates, overflows = {}, 0, 0, 0
-        micro_size = len(train_ids) // n_micro  # --train-batch-size when no sample has advantage 0
-        orders = [train_ids[torch.randperm(len(train_ids), generator=seeded(args.seed, step, RANK, update, 1))]
-                  for update in range(args.updates_per_batch)]  # the order of the trained samples in each pass
-
-        def micro_batches(update, m):  # the micro-batches (sample indices) of optimizer step (update, m)
-            micros = orders[update].split(micro_size)  # n_micro of them
-            return micros[m * n_micro // args.minibatches:(m + 1) * n_micro // args.minibatches]
-
-        def renoised(ids, update, m, i):
-            """Forward process: micro-batch i's clean samples x0 [b, ...], training sigmas s [b, n] of the schedule,
-            fresh noise [n, b, ...] and inputs x_t = (1 - s) x0 + s eps (n of [b, ...]), seeded per micro-batch."""
-            gen = seeded(args.seed, step, RANK, update, m, i, 2)
-            x0 = batch["latents"][ids, -1]  # the clean rollout samples
-            if args.loss == "nft":  # each sample its own permutation of the schedule
-                times = sde.nft_timesteps(args.num_steps, len(ids), fraction=args.timestep_fraction, generator=gen)
-            else:  # stratified, shared by the micro-batch
-                times = sde.awm_timesteps(args.num_steps, args.train_timesteps, fraction=args.timestep_fraction,
-                                          kind=args.awm_timesteps, generator=gen).expand(len(ids), -1)
-            s = sigmas[times].to(device)  # [b, n]
-            noise = torch.randn((times.shape[1],) + tuple(x0.shape), generator=gen).to(device)  # [n, b, ...]
-            return dict(x0=x0, s=s, noise=noise, x_t=[sde.renoise(x0, eps, s[:, j]) for j, eps in enumerate(noise)])
-
-        def frozen_velocities(fp, sub):
-            """No-grad velocities at each x_t of the old copy (NFT's v_old, AWM's EMA-KL anchor) and of the base
-            model (the KL to it); each frozen model is set up once per micro-batch, not once per sigma."""
-            v_old = v_ref = None
-            with torch.no_grad():
-                if old is not None:
-                    with models.swapped(trainable, old), autocast():
-                        v_old = [models.velocity(pipe, x, fp["s"][:, j], sub, guidance_scale=train_guidance)
-                                 for j, x in enumerate(fp["x_t"])]
-                if args.kl_beta > 0:
-                    with models.reference(pipe), autocast():
-                        v_ref = [models.velocity(pipe, x, fp["s"][:, j], sub, guidance_scale=train_guidance)
-                                 for j, x in enumerate(fp["x_t"])]
-            return dict(v_old=v_old, v_ref=v_ref)
-
-        def forward_process_loss(v, j, ids, fp):
-            """DiffusionNFT or AWM at the j-th training sigma of a micro-batch, plus the velocity-space KL terms."""
-            x0, sigma, x_t = fp["x0"], fp["s"][:, j], fp["x_t"][j]
-            if args.loss == "nft":
-                loss, loss_info = losses.nft_loss(v, fp["v_old"][j], x_t, x0, sigma, r[ids], beta=args.nft_beta,
-                                                  adaptive=args.nft_adaptive)
-                loss = args.adv_clip * loss  # the reference's constant factor adv_clip_max (train_nft_sd3.py L960)
-            else:
-                log_prob = losses.awm_log_prob(v, x0, fp["noise"][j], sigma, weighting=args.awm_weighting,
-                                               p=args.ghuber_power)
-                old_log_prob = log_prob.detach() if fp["old_log_probs"] is None else fp["old_log_probs"][j]  # (10.)
-                loss, loss_info = losses.awm_loss(log_prob, old_log_prob, adv[ids], clip_range=args.clip_range,
-                                                  adv_clip=args.adv_clip)
-                if args.ema_kl_beta > 0:  # EMA-KL to the slowly updated old copy (train_sd3_awm.py L1341-1350)
-                    ema_kl, _ = losses.velocity_kl(v, fp["v_old"][j])
-                    loss = loss + args.ema_kl_beta * ema_kl
-                    loss_info["ema_kl"] = ema_kl.item()
-            if args.kl_beta > 0:  # KL to the frozen base, in velocity space (NFT L966-970, AWM L1337)
-                kl, _ = losses.velocity_kl(v, fp["v_ref"][j])
-                loss = loss + args.kl_beta * kl
-                loss_info["kl"] = kl.item()
-            return loss, loss_info
-
-        if forward_process:
-            r = losses.nft_optimality(adv, adv_clip=args.adv_clip)  # [per_rank] DiffusionNFT's optimality probability
-        awm_old = {}  # (update, m, i) -> [n, b]: AWM's old log-probs of the optimizer steps after the first (10.)
-        if args.loss == "awm" and args.updates_per_batch * args.minibatches > 1:
-            for update in range(args.updates_per_batch):
-                for m in range(args.minibatches):
-                    for i, ids in enumerate(micro_batches(update, m) if (update, m) != (0, 0) else []):
-                        sub = {k: v[ids.to(v.device)] for k, v in embeds.items()}
-                        fp = renoised(ids, update, m, i)
-                        with torch.no_grad(), autocast():
-                            awm_old[update, m, i] = torch.stack([losses.awm_log_prob(
-                                models.velocity(pipe, x, fp["s"][:, j], sub, guidance_scale=train_guidance),
-                                fp["x0"], fp["noise"][j], fp["s"][:, j], weighting=args.awm_weighting,
-                                p=args.ghuber_power) for j, x in enumerate(fp["x_t"])])
-
-        for update in range(args.updates_per_batch):
-            for m in range(args.minibatches):
-                micro = micro_batches(update, m)
-                n_backward, done = len(micro) * n_trained, 0
-                for i, ids in enumerate(micro):
-                    sub = {k: v[ids.to(v.device)] for k, v in embeds.items()}
-                    if forward_process:  # fresh noise at the training sigmas, and the frozen models' velocities
-                        fp = renoised(ids, update, m, i)
-                        fp.update(frozen_velocities(fp, sub), old_log_probs=awm_old.get((update, m, i)))
-                    for j in range(n_trained):
-                        if forward_process:  # the j-th training sigma of each sample
-                            x, sigma = fp["x_t"][j], fp["s"][:, j]
-                        else:  # each sample's j-th trained step and its stored transition
-                            k = batch["steps"][ids, j]  # [b]
-                            x, x_next = batch["latents"][ids, k], batch["latents"][ids, k + 1]  # [b, ...]
-                            sigma, sigma_next = sigmas[k], sigmas[k + 1]  # [b]
-                        last = (done == n_backward - 1)
-                        if args.fsdp:  # FSDP's no_sync: accumulate unsharded, reduce-scatter after the last backward
-                            transformer.set_requires_gradient_sync(last)
-                        sync = contextlib.nullcontext() if (last or WORLD == 1 or args.fsdp) else model.no_sync()
-                        with sync:
-                            with autocast():
-                                v = models.velocity(pipe, x, sigma, sub, guidance_scale=train_guidance,
-                                                    transformer=model)
-                            if forward_process:
-                                loss, loss_info = forward_process_loss(v, j, ids, fp)
-                            else:
-                                out = sde.sde_step(v, x, sigma, sigma_next, kind=args.sde, eta=args.eta,
-                                                   prev_sample=x_next, sigma_max=sigma_max)
-                                old_log_prob, adv_mb = batch["log_probs"][ids, j], adv[ids]
-                                if args.loss == "grpo":
-                                    loss, loss_info = losses.grpo_loss(out.log_prob, old_log_prob, adv_mb,
-                                                                       clip_range=args.clip_range)
-                                elif args.loss == "guard":
-                                    loss, loss_info = losses.guard_loss(out.log_prob, old_log_prob, out.mean,
-                                                                        batch["means"][ids, j], out.std,
-                                                                        sigma_next - sigma, adv_mb,
-                                                                        clip_range=args.clip_range)
-                                else:
-                                    loss, loss_info = losses.flowdppo_loss(out.log_prob, old_log_prob, out.mean,
-                                                                           batch["means"][ids, j], out.std, adv_mb,
-                                                                           threshold=args.kl_mask_threshold)
-                                if args.kl_beta > 0:  # KL to the frozen base: the same transformer, adapter off
-                                    with torch.no_grad(), models.reference(pipe), autocast():
-                                        v_ref = models.velocity(pipe, x, sigma, sub, guidance_scale=train_guidance)
-                                    ref = sde.sde_step(v_ref, x, sigma, sigma_next, kind=args.sde, eta=args.eta,
-                                                       prev_sample=x_next, sigma_max=sigma_max)
-                                    kl_dt = None if args.kl_form == "exact" or args.sde == "cps" else sigma_next - sigma
-                                    kl, _ = losses.kl_penalty(out.mean, ref.mean, out.std, dt=kl_dt)
-                                    loss = loss + args.kl_beta * kl
-                                    loss_info["kl"] = kl.item()
-                            scaler.scale(loss * rank_weight / n_backward).backward()
-                        done += 1
-                        if not forward_process and optim_steps == 0 and update == 0:  # on-policy: ratio 1 at first
-                            log_ratio = (out.log_prob.detach() - old_log_prob).abs().max()
-                            loss_info["first_ratio_dev"] = log_ratio.exp().item() - 1
-                            loss_info["first_clip_dev"] = max(loss_info["ratio_max"] - 1, 1 - loss_info["ratio_min"])
-                        loss_info["loss"] = loss.item()
-                        for key, val in loss_info.items():
-                            stats.setdefault(key, []).append(val)
-                # One optimizer step per minibatch; a non-finite gradient (NaN loss, log-prob or reward) skips it.
-                scaler.unscale_(optimizer)  # fp16: the loss-scaled gradients back to their size (else a no-op)
-                grad_norm = torch.nn.utils.clip_grad_norm_([q for _, q in trainable], args.max_grad_norm)
-                if args.fsdp:  # the norm over all shards, as a DTensor: a plain tensor, the same on every rank
-                    grad_norm = grad_norm.full_tensor()
-                if not math.isfinite(grad_norm.item()):
-                    if scaler.get_scale() > 1:  # fp16: the loss scale overflowed; update() lowers it, not a bad step
-                        overflows += 1
-                    else:
-                        skipped_updates += 1
-                    scaler.update()
-                    optimizer.zero_grad(set_to_none=True)
-                    continue
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                optim_steps += 1
-                optimizer_steps += 1
-                stats.setdefault("grad_norm", []).append(grad_norm.item())
-                if ema is not None and (optimizer_steps + 1) % args.ema_every == 0:  # flow_grpo/ema.py's schedule
-                    decay = min((1 + optimizer_steps) / (10 + optimizer_steps), args.ema_decay) ** args.ema_repeat
-                    with torch.no_grad():
-                        for name, param in trainable:
-                            ema[name].lerp_(param.detach().float(), 1 - decay)
-
-        # The ratio check (departure 2): exact forwards must reproduce the rollout's log-probs.
-        first_ratio_dev = max(stats.get("first_ratio_dev", [0.0]))
-        same_forward = amp_dtype is None and train_guidance == sample_guidance
-        if distributed.any_rank(same_forward and first_ratio_dev > 1e-3, device):  # all ranks stop together
-            raise SystemExit(f"error: ratio on the first update of an on-policy batch is off by {first_ratio_dev:.2e} "
-                             "(must be 1): the training forward differs from the rollout's (CFG, dtype or adapter)")
-        # The loss's own ratio (GRPO-Guard's RatioNorm one) against the clip: beyond it, rollout/train mismatch alone
-        # (e.g. bf16 kernels that differ with the batch shape, 1e-3 on the tiny model) is clipped. Warned once.
-        first_clip_dev = max(stats.get("first_clip_dev", [0.0]))
-        clip_limit = args.clip_range if args.loss in ("grpo", "guard") else 0.1  # FlowDPPO has no clip
-        if first_clip_dev > clip_limit and not ratio_warned:
-            ratio_warned = True
-            cause = ("--train-cfg is off while sampling uses CFG" if train_guidance != sample_guidance
-                     else f"{args.mixed_precision} rounding")
-            print0(f"warning: on-policy ratio deviates from 1 by {first_clip_dev:.2e}, more than the clip range "
-                   f"{clip_limit:g}: the training forward does not match the rollout ({cause}); try --mixed-precision "
-                   "fp16 or no, or --train-cfg")
-        if old is not None:  # old <- d old + (1 - d) current; d from the run's optimizer steps so far (resumed)
-            decay = OLD_DECAYS[args.old_decay](optimizer_steps)
-            with torch.no_grad():
-                for name, param in trainable:
-                    old[name].lerp_(param.detach().float(), 1 - decay)  # weight 1 (d = 0) copies exactly
-            info["old_decay"] = decay
-
-        t_trained = time.time()
-        # ===================================================================== LOG / SAVE
-        if overflows:
-            info["fp16_overflows"] = overflows
-        if skipped_updates:
-            bad_in_a_row += 1
-            info.update(skipped=1, skip_reason="non-finite gradient", skipped_updates=skipped_updates)
-        else:
-            bad_in_a_row = 0
-        trained_here += optim_steps > 0
-        info.update({k: float(np.mean(v)) for k, v in stats.items() if k not in ("first_ratio_dev", "first_clip_dev")})
-        if not forward_process:
-            info.update(first_ratio_dev=first_ratio_dev, first_clip_dev=first_clip_dev)
-        info.update(bad_in_a_row=bad_in_a_row, trained_steps=n_trained, seconds=time.time() - t0,
-                    seconds_sampling=t_sampled - t0, seconds_reward_wait=t_rewarded - t_sampled,
-                    seconds_training=t_trained - t_rewarded)
-        step += 1
-        log_metrics(info)
-        if is_main:
-            accuracy = info.get("reward/geneval_correct_mean")  # GenEval: the share of samples officially correct
-            bar.write(f"step {step:5d} | reward {info['reward_mean']:+.4f} +- {info['reward_std']:.4f} | "
-                      + (f"accuracy {accuracy:.3f} | " if accuracy is not None else "") +
-                      f"loss {info.get('loss', float('nan')):+.5f} | "
-                      + ("" if args.loss == "nft" else  # NFT has no ratio (AWM's is PPO's)
-                         f"ratio {info.get('ratio_mean', float('nan')):.5f} | "
-                         f"clipfrac {info.get('clipfrac', float('nan')):.3f} | "
-                         f"approx_kl {info.get('approx_kl', float('nan')):.2e} | ") + f"{info['seconds']:.1f}s")
-            if args.log_images_every and step % args.log_images_every == 0:  # prompt, reward and verdict per sample
-                captions = sample_captions(my_prompts, scores, args.reward_key, len(first_images))
-                evaluation.save_sample_grid(os.path.join(args.out, "samples", f"{step:06d}.png"), first_images,
-                                            captions, fps=args.fps)
-            warn_divergence(info, args)
-        if args.eval_every and step % args.eval_every == 0:
-            evaluate_held_out(step)
-        if check_and_checkpoint(info):
-            break
-    bar.close()
-    reward_pool.shutdown()
-    distributed.finish()
-    if step == args.steps > start_step and trained_here == 0:  # every step skipped: say so, not exit 0 silently
-        raise SystemExit(f"error: none of the {step - start_step} steps of this run updated the weights (last skip: "
-                         f"{info.get('skip_reason')}); checkpoint {step} holds the weights it started from")
-
-
-# ----------------------------------------------------------------------------- plumbing of the phases above
 def check_args(p, args, world_size):
     """Refuse flag combinations that cannot work, before any model is loaded."""
     if args.group_size < 2:  # every loss here is group-relative
@@ -841,9 +608,10 @@ def check_args(p, args, world_size):
         p.error("--train-cfg needs CFG at sampling: set --guidance-scale > 1 or drop --train-cfg")
     if args.train_cfg and args.model in GUIDANCE_EMBEDDED:
         p.error("FLUX.1-dev uses a guidance embedding, not CFG: drop --train-cfg")
-    if args.sde == "cps" and args.loss == "guard":
-        p.error("--loss guard needs a Gaussian transition log-prob; --sde cps scores -mean(delta^2) instead: "
-                "use --sde flow or dance")
+    loss = losses.LOSSES[args.loss]
+    if loss.process == "reverse" and args.sde not in loss.sde_kinds:
+        p.error(f"--loss {args.loss} needs a Gaussian transition log-prob, which --sde {args.sde} does not have "
+                f"(cps scores -mean(delta^2)): use --sde {' or '.join(loss.sde_kinds)}")
     if args.eval_every and not args.eval_prompts:
         p.error("--eval-every needs --eval-prompts (a held-out prompt file)")
     if args.fsdp and args.mixed_precision == "fp16":
@@ -854,16 +622,12 @@ def check_args(p, args, world_size):
     if args.kl_beta > 0 and args.lora_rank == 0:
         p.error("--kl-beta > 0 needs a LoRA adapter (the reference is the base model with it disabled): "
                 "set --lora-rank > 0 or --kl-beta 0")
-    if args.loss in FORWARD_LOSSES:
+    if loss.process == "forward":
         if args.sde_window != "all" or args.flash:
             p.error(f"--sde-window / --flash choose the SDE steps of the reverse-process losses; --loss {args.loss} "
                     "samples with a deterministic --sampler and trains at re-noised samples: drop them")
         try:  # the training sigmas must fit the schedule (one-line errors naming the flags)
-            if args.loss == "nft":
-                sde.nft_timesteps(args.num_steps, 1, fraction=args.timestep_fraction)
-            else:
-                sde.awm_timesteps(args.num_steps, args.train_timesteps, fraction=args.timestep_fraction,
-                                  kind=args.awm_timesteps)
+            n_trained(loss, None, args)
         except ValueError as e:
             p.error(str(e))
     else:
@@ -891,212 +655,7 @@ def check_args(p, args, world_size):
         sde.sde_steps(args.num_steps, **window_kwargs(args, 0))
     except ValueError as e:
         p.error(str(e))
-    return per_rank, components
-
-
-def forward_times(args):
-    """Training sigmas per sample of --loss nft (int(T x fraction)) or awm (--train-timesteps)."""
-    return int(args.num_steps * args.timestep_fraction) if args.loss == "nft" else args.train_timesteps
-
-
-def trained_samples(adv, n_micro, generator):
-    """Indices of this rank's samples that the update trains: those with a nonzero advantage, as Flow-GRPO's
-    train_sd3.py keeps (its `mask = advantages.abs().sum(dim=1) != 0` block), topped up with randomly drawn
-    advantage-0 samples to a multiple of n_micro, at least n_micro, as it does (to num_batches_per_epoch). Every
-    rank then runs its n_micro micro-batches (the same forwards and backwards everywhere, as FSDP and DDP need),
-    each of len / n_micro samples. Returns an int64 CPU tensor."""
-    adv = adv.cpu()
-    live, zero = torch.nonzero(adv != 0).flatten(), torch.nonzero(adv == 0).flatten()
-    size = max(1, math.ceil(len(live) / n_micro))  # size * n_micro <= len(adv): enough zeros to top up
-    return torch.cat([live, zero[torch.randperm(len(zero), generator=generator)[:size * n_micro - len(live)]]])
-
-
-def build_policy(args, device, amp_dtype):
-    """Load the model, add LoRA (or train everything), shard (FSDP) or wrap (DDP), compile; build AdamW and the
-    copies of the trained weights: the evaluation EMA, and the old policy of --loss nft (and of awm with EMA-KL)."""
-    load_dtype = amp_dtype if (amp_dtype and args.lora_rank > 0) else torch.float32  # LoRA: frozen base in half
-    pipe = setup_or_exit(models.load_pipeline, args.model, args.model_path, dtype=load_dtype, device=device)
-    if load_dtype == torch.float16:  # decode in float32, as Flow-GRPO keeps its VAE: fp16 VAE activations can overflow
-        pipe.vae.to(torch.float32)
-    transformer = pipe.transformer
-    models.add_lora(pipe, args.lora_rank, args.lora_alpha)  # the adapter (float32) trains, or all weights for rank 0
-    trainable = [(n, q) for n, q in transformer.named_parameters() if q.requires_grad]
-    print0(f"model {args.model}: {sum(q.numel() for q in transformer.parameters()) / 1e6:.2f} M params, "
-           f"{sum(q.numel() for _, q in trainable) / 1e6:.3f} M trained "
-           f"({'LoRA r%d' % args.lora_rank if args.lora_rank else 'full'})")
-    if args.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-    if args.fsdp:  # pipe.transformer itself becomes sharded, so rollouts and evaluations run through FSDP too
-        distributed.shard_transformer(transformer, device)
-        trainable = [(n, q) for n, q in transformer.named_parameters() if q.requires_grad]  # same names, shards
-    optimizer = torch.optim.AdamW([q for _, q in trainable], lr=args.lr, weight_decay=args.weight_decay)
-    model = transformer  # what the training forward calls
-    if WORLD > 1 and not args.fsdp:
-        device_ids = [device.index] if device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(transformer, device_ids=device_ids)
-    if args.compile:
-        model = torch.compile(model)
-
-    def copy():  # float32, sharded like trainable under FSDP
-        return {n: q.detach().float().clone() for n, q in trainable}
-    needs_old = args.loss == "nft" or (args.loss == "awm" and args.ema_kl_beta > 0)
-    copies = {"ema": copy() if args.ema_decay > 0 else None, "old": copy() if needs_old else None}
-    return pipe, model, trainable, optimizer, copies
-
-
-def collect_rewards(futures, my_prompts, args, step, device, reward_pool, stop):
-    """Wait for this rank's reward batches -> (scores {name: [per_rank]}, failed [per_rank] bool, skip reason or None).
-
-    A NaN / inf reward skips the step on every rank; a reward service that failed after its retries
-    (--reward-on-error raise) stops every rank with one line naming the service, the step and the prompts.
-    A SIGTERM / SIGINT during the wait returns (None, None, None) on every rank at once."""
-    bad = fatal = None
-    scores, failed, interrupted = {}, None, False
-    try:
-        results = []
-        for b, future in enumerate(futures):
-            try:
-                while not interrupted:
-                    try:
-                        results.append(future.result(timeout=0.2))
-                        break
-                    except TimeoutError:
-                        interrupted = stop["signal"] is not None
-                if interrupted:
-                    break
-            except rewards.RewardServiceError as e:  # its "sample i" counts within rollout batch b
-                batch_prompts = my_prompts[b * args.sample_batch_size:(b + 1) * args.sample_batch_size]
-                names = list(dict.fromkeys(batch_prompts))
-                names = ", ".join(repr(q) for q in names[:3]) + (", ..." if len(names) > 3 else "")
-                raise rewards.RewardServiceError(f"step {step + 1}, rank {RANK}, rollout batch {b} "
-                                                 f"(prompts {names}): {e}") from None
-        if interrupted:
-            raise InterruptedError
-        failed = torch.cat([r.get("failed", torch.zeros(len(r["reward"]), dtype=torch.bool)) for r in results]).bool()
-        names = sorted({k for r in results for k in r} - {"failed"})  # rm_type overrides may leave a component out
-        scores = {k: torch.cat([r[k].float() if k in r else torch.full((len(r["reward"]),), float("nan"))
-                                for r in results]) for k in names}  # each [per_rank]
-        if not torch.isfinite(scores[args.reward_key][~failed]).all():
-            bad = f"--reward-key {args.reward_key} is NaN for some samples (an rm_type override without it?)"
-    except rewards.NonFiniteReward as e:
-        bad = str(e)
-    except rewards.RewardServiceError as e:  # after the retries, with --reward-on-error raise
-        fatal = (" ".join(str(e).split()) + "; retry later, raise --reward-retries / --reward-timeout, or use "
-                 "--reward-on-error skip")  # one line, even when the service sent a multi-line error page
-    except (ValueError, TypeError) as e:  # a scorer returned something unusable (wrong length, strings): no retry helps
-        fatal = " ".join(str(e).split())
-    except InterruptedError:
-        pass
-    if distributed.any_rank(interrupted, device):  # every rank stops waiting, saves and exits together
-        return None, None, None
-    if distributed.any_rank(fatal is not None, device):  # every rank stops, not only the one whose reward failed
-        reward_pool.shutdown(wait=False, cancel_futures=True)  # later batches' requests are not sent
-        raise SystemExit(f"error: {fatal or 'the reward failed on another rank'}")
-    if distributed.any_rank(bad is not None, device):
-        bad = bad or "non-finite reward on another rank"
-    return scores, failed, bad
-
-
-def check_rm_types(path, prompts, metadata):
-    """Every row's metadata.rm_type must name known rewards: a typo fails now, not at the step that draws it."""
-    for i, meta in enumerate(metadata):
-        if meta.get("rm_type"):
-            try:
-                rewards.parse_spec(meta["rm_type"])
-            except ValueError as e:
-                raise SystemExit(f"error: {path}, prompt {i + 1} ({prompts[i][:40]!r}): metadata rm_type: {e}")
-
-
-def sample_captions(prompts, scores, reward_key, n):
-    """Captions of the first n samples: the prompt, the trained reward and, for GenEval, the official verdict."""
-    captions = []
-    for i in range(n):
-        line = f"{reward_key} {scores[reward_key][i].item():.3f}"
-        if "geneval_correct" in scores:
-            line += " | " + ("correct" if scores["geneval_correct"][i] > 0.5 else "wrong")
-        captions.append(f"{prompts[i]}\n{line}")
-    return captions
-
-
-def warn_divergence(info, args):
-    """One actionable line when the statistics say the policy is running away (FlowDPPO's debug checklist)."""
-    if info.get("clipfrac", 0) > 0.8:
-        print0(f"warning: clipfrac {info['clipfrac']:.2f} ~ 1: the policy moves too far per step; "
-               "lower --lr or raise --clip-range")
-    if info.get("masked_fraction", 0) > 0.8:
-        print0(f"warning: FlowDPPO masked_fraction {info['masked_fraction']:.2f} ~ 1: most terms are masked; "
-               "raise --kl-mask-threshold or lower --lr")
-    if abs(info.get("ratio_mean", 1) - 1) > 0.5:
-        print0(f"warning: ratio mean {info['ratio_mean']:.3f} far from 1; lower --lr")
-
-
-def setup_or_exit(fn, *a, **k):
-    """Run a set-up call; its errors (a missing model offline, an unknown reward, a bad config) become one line."""
-    try:
-        return fn(*a, **k)
-    except (ValueError, OSError, RuntimeError, ImportError) as e:
-        raise SystemExit(f"error: {e}")
-
-
-# ----------------------------------------------------------------------------- flag types, recipe files, --help
-class RecipeParser(argparse.ArgumentParser):
-    """argparse with @recipe files: shell-quoted flags, several per line, '#' starts a comment."""
-
-    def convert_arg_line_to_args(self, line):
-        try:
-            return shlex.split(line, comments=True)
-        except ValueError as e:  # unbalanced quotes
-            self.error(f"recipe line {line.strip()!r}: {e}")
-
-
-def bounded(cast, low=None, high=None, *, low_open=False, high_open=False):
-    """An argparse type: int or finite float within [low, high] (either end open or absent), with a one-line error."""
-    what = "an integer" if cast is int else "a number"
-    interval = ("(" if low_open else "[") + ("-inf" if low is None else str(low)) + ", " + \
-               ("inf" if high is None else str(high)) + (")" if high_open or high is None else "]")
-
-    def parse(text):
-        try:
-            value = cast(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not math.isfinite(value) or (low is not None and (value < low or (low_open and value == low))) or \
-                (high is not None and (value > high or (high_open and value == high))):
-            raise argparse.ArgumentTypeError(f"must be {what} in {interval}, got {text}")
-        return value
-    return parse
-
-
-POSITIVE_INT, NONNEG_INT = bounded(int, 1), bounded(int, 0)
-POSITIVE, NONNEG = bounded(float, 0, low_open=True), bounded(float, 0)
-FRACTION = bounded(float, 0, 1, low_open=True)  # (0, 1]
-SEED = bounded(int, 0, 2**32 - 1)  # numpy's seed range
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows, for a flag whose default depends on --model, the value each preset gives it."""
-
-    def _get_help_string(self, action):
-        if action.default is None and action.dest in PRESETS["hub"]:
-            values = {"shapes": PRESETS["shapes"].get(action.dest, "unset"),
-                      "tiny": PRESETS["tiny"].get(action.dest, "unset"), "sd3": preset("sd3")[action.dest],
-                      "flux": preset("flux")[action.dest]}
-            return action.help + " (default by --model: " + ", ".join(f"{k} {v}" for k, v in values.items()) + ")"
-        if action.default is None and "default" in (action.help or ""):  # the help says what unset means
-            return action.help
-        return super()._get_help_string(action)
-
-
-def resolution_arg(text):
-    """--resolution: a side in pixels, or HEIGHTxWIDTH (for models with unpacked latents: sd3, wan, z-image)."""
-    try:
-        sides = [int(v) for v in text.lower().split("x")]
-    except ValueError:
-        sides = []
-    if len(sides) not in (1, 2) or min(sides) <= 0:
-        raise argparse.ArgumentTypeError(f"--resolution takes a side or HEIGHTxWIDTH in pixels, e.g. 512 or 240x416, "
-                                         f"got {text!r}")
-    return sides[0] if len(sides) == 1 else tuple(sides)
+    return per_rank
 
 
 

@@ -12,8 +12,8 @@ on a batch of B samples has E|g_B|^2 = |G|^2 + tr(Sigma) / B, and the simple noi
 is the batch size at which a step's noise equals its signal. A step on far fewer samples is mostly
 noise, and so is a run made of such steps until its steps add up to about B_simple samples.
 
-Estimated here from n independent batch gradients g_1 .. g_n of B samples each (train.py's rollout
-and GRPO loss at ratio 1, each batch with its own prompts and noise): for i != j, E[g_i . g_j] = |G|^2,
+Estimated here from n independent batch gradients g_1 .. g_n of B samples each (train.py's rollout,
+loss terms and --loss at ratio 1, each batch with its own prompts and noise): for i != j, E[g_i . g_j] = |G|^2,
 so
 
     |G|^2   ~ mean over pairs i < j of g_i . g_j
@@ -38,6 +38,7 @@ import models  # noqa: E402
 import rewards  # noqa: E402
 import sde  # noqa: E402
 import train  # noqa: E402
+from policy import Policy  # noqa: E402
 
 
 def noise_scale(grads, batch_size):
@@ -59,36 +60,30 @@ def noise_scale(grads, batch_size):
             "b_simple": trace / g2 if g2 > 0 else math.inf}
 
 
-def batch_gradient(pipe, args, prompts, metadata, reward_fn, sigmas, gen):
-    """The gradient of train.py's GRPO loss (ratio 1, its trained steps, one optimizer step's batch) on one freshly
-    sampled batch: args.prompts_per_step prompts and all noise drawn from `gen`, args.group_size samples each.
-    Returns (the flattened gradient of the transformer, the batch's mean reward)."""
+def batch_gradient(policy, loss, args, prompts, metadata, reward_fn, sigmas, gen):
+    """The gradient of train.py's loss at ratio 1 (its trained steps, terms and loss function, one optimizer step's
+    batch) on one freshly sampled batch: args.prompts_per_step prompts and all noise drawn from `gen`,
+    args.group_size samples each. Returns (the flattened gradient of the transformer, the batch's mean reward)."""
     ids = torch.randperm(len(prompts), generator=gen)[:args.prompts_per_step].tolist()
     sample_ids, groups = data.rank_samples(ids, group_size=args.group_size, rank=0, world_size=1)
     texts, meta = [prompts[i] for i in sample_ids], [metadata[i] for i in sample_ids]
     sample_guidance, train_guidance = train.guidance_scales(args)
-    embeds = models.encode_prompts(pipe, texts, negative_prompt=args.negative_prompt,
+    embeds = models.encode_prompts(policy.pipe, texts, negative_prompt=args.negative_prompt,
                                    guidance_scale=max(sample_guidance, train_guidance),
                                    max_sequence_length=args.max_sequence_length)
-    x = models.initial_noise(pipe, len(texts), args.resolution, num_frames=args.num_frames, generator=gen)
+    x = models.initial_noise(policy.pipe, len(texts), args.resolution, num_frames=args.num_frames, generator=gen)
     steps = sde.sde_steps(args.num_steps, **train.window_kwargs(args, 0))
-    with torch.no_grad():
-        traj = sde.rollout(lambda x_, s_: models.velocity(pipe, x_, s_, embeds, guidance_scale=sample_guidance), x,
-                           sigmas, sde_steps=steps, kind=args.sde, eta=args.eta, generator=gen, flash=args.flash,
-                           flash_ratio=args.flash_ratio)
-        images = models.decode(pipe, traj["latents"][:, -1])
-    scores = reward_fn(images, texts, meta)
-    reward = torch.as_tensor(scores[args.reward_key]).float()
-    adv = losses.group_advantages(reward, groups)
-    pipe.transformer.zero_grad(set_to_none=True)
-    for j, k in enumerate(traj["steps"].tolist()):
-        xk, xn = traj["latents"][:, k], traj["latents"][:, k + 1]
-        v = models.velocity(pipe, xk, sigmas[k].item(), embeds, guidance_scale=train_guidance)
-        out = sde.sde_step(v, xk, sigmas[k].item(), sigmas[k + 1].item(), kind=args.sde, eta=args.eta, prev_sample=xn,
-                           sigma_max=sigmas[1].item())
-        loss, _ = losses.grpo_loss(out.log_prob, traj["log_probs"][:, j], adv, clip_range=args.clip_range)
-        (loss / len(steps)).backward()
-    grad = torch.cat([q.grad.flatten() for q in pipe.transformer.parameters() if q.grad is not None])
+    traj, images = models.generate(policy.pipe, x, sigmas, embeds, guidance_scale=sample_guidance, sde_steps=steps,
+                                   kind=args.sde, eta=args.eta, generator=gen, flash=args.flash,
+                                   flash_ratio=args.flash_ratio, autocast=policy.autocast)
+    reward = torch.as_tensor(reward_fn(images, texts, meta)[args.reward_key]).float()
+    adv = losses.group_advantages(reward, groups, global_std=args.global_std, clip=args.adv_clip)
+    batch = dict(traj, steps=traj["steps"].expand(len(texts), -1))  # [n, K]
+    policy.transformer.zero_grad(set_to_none=True)
+    for x_k, sigma, complete in train.reverse_terms(policy, batch, torch.arange(len(texts)), embeds, adv, sigmas, args):
+        value, _ = loss.fn(complete(policy.velocity(x_k, sigma, embeds, train_guidance)), **vars(args))
+        (value / len(steps)).backward()
+    grad = torch.cat([q.grad.flatten() for q in policy.transformer.parameters() if q.grad is not None])
     return grad, reward.mean().item()
 
 
@@ -101,20 +96,23 @@ def main(argv=None):
     own = p.parse_args(argv[:cut])
     if own.batches < 2:
         p.error("--batches must be at least 2")
-    _, args = train.parse_args(["--out", os.devnull, *argv[cut + 1:]])
-    if args.loss != "grpo" or args.lora_rank:
-        p.error("noise_scale measures full fine-tuning with --loss grpo (the gradient of every transformer weight)")
+    train_parser, args = train.parse_args(["--out", os.devnull, *argv[cut + 1:]])
+    train.check_args(train_parser, args, 1)  # train.py's own refusals (--group-size 1, sizes that do not divide)
+    loss = losses.LOSSES[args.loss]
+    if loss.process != "reverse" or args.lora_rank:
+        p.error(f"noise_scale measures full fine-tuning (--lora-rank 0) with a reverse-process loss "
+                f"({', '.join(k for k, v in losses.LOSSES.items() if v.process == 'reverse')}): the gradient of every "
+                "transformer weight at ratio 1")
     torch.manual_seed(args.seed)
-    pipe = models.load_pipeline(args.model, args.model_path)
-    pipe.transformer.requires_grad_(True)  # full fine-tuning, as train.py's --lora-rank 0
     prompts, metadata = data.load_prompts(args.prompts, input_key=args.input_key, metadata_key=args.metadata_key)
     reward_fn = rewards.build_reward(args.reward, device="cpu",
                                      **{name: getattr(args, name) for name in rewards.option_defaults()})
-    sigmas = models.sigmas(pipe, args.num_steps, args.resolution, shift=args.shift)
+    policy = Policy(args, torch.device("cpu"), old_copy=False)  # full fine-tuning: every transformer weight trains
+    sigmas = models.sigmas(policy.pipe, args.num_steps, args.resolution, shift=args.shift)
     batch = args.prompts_per_step * args.group_size
     grads, means = [], []
     for b in range(own.batches):
-        grad, mean = batch_gradient(pipe, args, prompts, metadata, reward_fn, sigmas, train.seeded(own.seed, b))
+        grad, mean = batch_gradient(policy, loss, args, prompts, metadata, reward_fn, sigmas, data.seeded(own.seed, b))
         grads.append(grad)
         means.append(mean)
     est = noise_scale(grads, batch)

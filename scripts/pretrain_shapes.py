@@ -8,7 +8,7 @@ Each step renders a batch of scenes for captions drawn from GenEval's six templa
 the rectified-flow path and regresses the velocity (SD3, Esser et al. 2024, eq. 1-3 with the
 rectified-flow choice): x_s = (1 - s) x0 + s eps, target eps - x0, s from the logit-normal
 distribution (SD3 Sec. 3.1, m = 0, s = 1). The transformer and both CLIP text encoders (all but
-their token tables, see shapes.trained_state) train jointly; 10 % of captions are dropped to "" so
+their token tables, see models.shapes_trained_state) train jointly; 10 % of captions are dropped to "" so
 that classifier-free guidance works (Ho & Salimans 2022). The prediction goes through
 models.velocity, the same call the RL code samples with, so the timestep convention (SD3 takes
 t = 1000 s) cannot drift. The saved weights are an exponential moving average of the trained ones.
@@ -48,12 +48,12 @@ def batch(rng, size, *, tags, dropout):
 
 
 def save_ema(pipe, params, ema, path):
-    """Write the EMA weights with shapes.save_weights, leaving the trained ones in place."""
+    """Write the EMA weights with models.save_shapes_weights, leaving the trained ones in place."""
     with torch.no_grad():
         trained = [q.detach().clone() for q in params]
         for e, q in zip(ema, params):
             q.copy_(e)
-        shapes.save_weights(pipe, path)
+        models.save_shapes_weights(pipe, path)
         for t, q in zip(trained, params):
             q.copy_(t)
 
@@ -80,8 +80,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
-    pipe = shapes.build_pipeline(seed=args.seed)
-    params = shapes.trainable_parameters(pipe)  # transformer and text encoders; the token tables stay seeded
+    pipe = models.build_shapes(seed=args.seed)
+    params = models.shapes_trainable_parameters(pipe)  # transformer and text encoders; the token tables stay seeded
     opt = torch.optim.Adam(params, lr=args.lr, betas=(0.9, 0.99))
     ema = [q.detach().clone() for q in params]
     print(f"shapes pretraining: {sum(q.numel() for q in params) / 1e6:.2f} M parameters "

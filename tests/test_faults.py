@@ -193,13 +193,13 @@ def test_nan_gradient_skips_update_without_touching_weights(tmp_path):
 
 
 def test_divergence_warnings_name_the_knob(capsys):
-    import train as train_module
-    train_module.warn_divergence({"clipfrac": 0.95, "masked_fraction": 0.9, "ratio_mean": 2.0}, None)
+    import run
+    run.warn_divergence({"clipfrac": 0.95, "masked_fraction": 0.9, "ratio_mean": 2.0})
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 3
     assert "--lr" in lines[0] and "--clip-range" in lines[0]
     assert "--kl-mask-threshold" in lines[1]
-    train_module.warn_divergence({"clipfrac": 0.1, "masked_fraction": 0.1, "ratio_mean": 1.0}, None)
+    run.warn_divergence({"clipfrac": 0.1, "masked_fraction": 0.1, "ratio_mean": 1.0})
     assert capsys.readouterr().out == ""
 
 

@@ -19,8 +19,9 @@ METRICS = ("reward_mean", "reward_std", "loss", "ratio_mean", "approx_kl", "grad
 # FSDP and DDP differ only in float rounding (the gathered weights sit in other buffers, so CPU kernels block the
 # matmuls differently): ratios agree to ~1e-8 and weights to ~3e-7, against a ratio change of ~5e-4 and weight
 # updates of ~lr = 1e-3 per step. The loss is a mean of -A * ratio with zero-mean A, so it is compared absolutely.
+# approx_kl (~1e-4, the mean squared log-ratio) agrees to 1e-6 of itself on an AMD EPYC, 7e-6 on an Intel Xeon.
 SAME = dict(reward_mean=dict(rel=1e-5), reward_std=dict(rel=1e-4), loss=dict(abs=1e-7), ratio_mean=dict(abs=1e-7),
-            approx_kl=dict(abs=1e-10), grad_norm=dict(rel=1e-5))
+            approx_kl=dict(rel=1e-4, abs=1e-10), grad_norm=dict(rel=1e-5))
 
 
 def torchrun(out, *flags):

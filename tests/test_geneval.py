@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 import data
 import geneval
+import rewards
 from geneval import geneval_judge, relative_position
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -527,12 +528,12 @@ def images_for(indices):
 
 
 def test_reward_end_to_end(monkeypatch):
-    monkeypatch.setitem(geneval.DETECTORS, "stub", stub_detector)
+    monkeypatch.setitem(rewards.GENEVAL_DETECTORS, "stub", stub_detector)
     calls = []
     monkeypatch.setattr(geneval, "clip_colour_classifier", stub_colours(calls))
     prompts, metadata = zip(*PROMPT_ROWS)
     order = [0, 1, 2, 3, 4, 3, 0]
-    score = geneval.reward(device="cpu", geneval_batch_size=3, **OPTIONS)
+    score = rewards.geneval_reward(device="cpu", geneval_batch_size=3, **OPTIONS)
     out = score(images_for(order), [prompts[k] for k in order], [metadata[k] for k in order])
     # per scene: (correct, strict, partial): bench x3 (1, 0, -1); two buses (1, 1, 1); blue car for "red car"
     # (0, 0, 0.5); dog left of cat (0, 0, 0.75); red car + blue bus (1, 1, 1)
@@ -548,19 +549,19 @@ def test_reward_end_to_end(monkeypatch):
         assert [None if math.isnan(g) else g for g in got] == want
     assert geneval.summary_of_scores(out)["overall"] == pytest.approx((1 + 1 + 0 + 0 + 1) / 5)
     # the batch size of the detector calls does not change any result
-    one = geneval.reward(device="cpu", geneval_batch_size=1, **OPTIONS)(
+    one = rewards.geneval_reward(device="cpu", geneval_batch_size=1, **OPTIONS)(
         images_for(order), [prompts[k] for k in order], [metadata[k] for k in order])
     for key in out:
         assert torch.equal(out[key].nan_to_num(-7), one[key].nan_to_num(-7)), key
     # the other scores
-    corrected = geneval.reward(device="cpu", geneval_batch_size=8, **dict(OPTIONS, geneval_score="corrected"))
+    corrected = rewards.geneval_reward(device="cpu", geneval_batch_size=8, **dict(OPTIONS, geneval_score="corrected"))
     assert corrected(images_for(order), [prompts[k] for k in order], [metadata[k] for k in order])["reward"].tolist() \
         == pytest.approx([1.0, 1.0, 0.5, 2 / 3, 1.0, 2 / 3, 1.0])
 
 
 def test_reward_refuses_rows_without_geneval_metadata(monkeypatch):
-    monkeypatch.setitem(geneval.DETECTORS, "stub", stub_detector)
-    score = geneval.reward(device="cpu", geneval_batch_size=2, **OPTIONS)
+    monkeypatch.setitem(rewards.GENEVAL_DETECTORS, "stub", stub_detector)
+    score = rewards.geneval_reward(device="cpu", geneval_batch_size=2, **OPTIONS)
     for meta in ({}, {"rm_type": "geneval"}, None):
         with pytest.raises(ValueError, match='--input-key prompt') as err:
             score(images_for([0]), ["a photo of a bench"], [meta])
@@ -570,7 +571,7 @@ def test_reward_refuses_rows_without_geneval_metadata(monkeypatch):
 def test_build_reward_accepts_nan_tag_entries(monkeypatch):
     import rewards
 
-    monkeypatch.setitem(geneval.DETECTORS, "stub", stub_detector)
+    monkeypatch.setitem(rewards.GENEVAL_DETECTORS, "stub", stub_detector)
     assert rewards.geneval_judge is geneval_judge
     reward_fn = rewards.build_reward("geneval", geneval_detector="stub", geneval_clip_path="unused")
     out = reward_fn(torch.from_numpy(images_for([0, 1])), ["a photo of a bench", "a photo of two buses"],
@@ -602,7 +603,7 @@ def test_options_declared_once():
     for action in parser._actions[1:]:
         assert action.help, action.dest
     with pytest.raises(TypeError):  # the factory has no defaults of its own
-        geneval.reward(device="cpu")
+        rewards.geneval_reward(device="cpu")
 
 
 # ----------------------------------------------------------------------------- train.py and eval.score
@@ -618,7 +619,7 @@ def test_train_two_steps_with_geneval_reward(tmp_path, monkeypatch):
     import train
 
     monkeypatch.chdir(ROOT)
-    monkeypatch.setitem(geneval.DETECTORS, "stub", brightness_detector)
+    monkeypatch.setitem(rewards.GENEVAL_DETECTORS, "stub", brightness_detector)
     prompts = tmp_path / "geneval.jsonl"
     geneval.write_prompts(prompts, [dict(SINGLE, prompt="a photo of a bench"),
                                     dict(COUNT2, prompt="a photo of two buses")])

@@ -13,7 +13,6 @@ in the commit message) with
 """
 import hashlib
 import json
-import math
 import os
 import platform
 import subprocess
@@ -43,7 +42,8 @@ RUNS = {
                          "--ema-decay", "0.9", "--global-std"],
     "guard-lora-kl-exact": ["--loss", "guard", "--lora-rank", "4", "--kl-beta", "0.1", "--kl-form", "exact"],
     "nft-lora-kl": ["--loss", "nft", "--lora-rank", "4", "--kl-beta", "0.01", "--nft-beta", "0.5"],
-    "awm-updates-ema": ["--loss", "awm", "--train-timesteps", "2", "--updates-per-batch", "2", "--ema-decay", "0.9", "--sampler", "euler"],
+    "awm-updates-ema": ["--loss", "awm", "--train-timesteps", "2", "--updates-per-batch", "2", "--ema-decay", "0.9",
+                        "--sampler", "euler"],
     "grpo-fast-cfg": ["--loss", "grpo", "--sde-window", "fast", "--window-size", "1", "--guidance-scale", "3"],
     "grpo-mix-flash-same-noise": ["--loss", "grpo", "--sde-window", "mix", "--window-size", "2",
                                   "--iters-per-window", "1", "--flash", "--same-noise-per-group"],
@@ -148,13 +148,15 @@ def test_golden_run_reproduces(results, golden, name):
         assert got["tensors"] == want["tensors"], f"{name}: trained tensors changed"
         assert got["logged"] == want["logged"], f"{name}: logged rewards / losses changed"
         return
-    # Another CPU or torch: float rounding may differ in the last bits, the numbers may not.
-    assert got["weight_sum"] == pytest.approx(want["weight_sum"], rel=1e-4, abs=1e-4), name
-    assert got["weight_abs"] == pytest.approx(want["weight_abs"], rel=1e-4), name
+    # Another CPU or torch: float rounding may differ in the last bits, the numbers may not. bf16 kernels differ
+    # between CPUs by up to bf16's own precision (2^-8) per operation, hence a wider margin for that run.
+    rel = 5e-2 if "bf16" in name else 1e-3
+    assert got["weight_sum"] == pytest.approx(want["weight_sum"], rel=rel / 10, abs=1e-4), name
+    assert got["weight_abs"] == pytest.approx(want["weight_abs"], rel=rel / 10), name
     for a, b in zip(got["logged_values"], want["logged_values"]):
         assert set(a) == set(b), name
         for key in a:
-            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), (name, key)
+            assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-6), (name, key)
 
 
 def test_resumed_run_equals_the_uninterrupted_one(results):

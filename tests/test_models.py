@@ -9,6 +9,7 @@ import huggingface_hub.constants
 import pytest
 import torch
 
+import families
 import models
 
 PROMPTS = ['a sign that says "hello"', "a red cube on a blue sphere"]
@@ -44,7 +45,7 @@ def test_clip_tokenizer_is_clips():
     from open_clip.tokenizer import SimpleTokenizer
 
     reference = SimpleTokenizer()
-    tokenizer = models.clip_tokenizer()
+    tokenizer = families.clip_tokenizer()
     for text in PROMPTS + ["Naïve café: 42 résumés, don't STOP!!"]:
         assert tokenizer(text).input_ids == [49406] + reference.encode(text) + [49407]
 

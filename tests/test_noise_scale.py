@@ -43,7 +43,7 @@ def test_estimator_needs_two_batches():
 
 def test_command_on_the_tiny_model(capsys):
     est = noise_scale.main(["--batches", "3", "--", "--model", "tiny", "--group-size", "4", "--prompts-per-step", "2",
-                            "--num-steps", "4"])
+                            "--num-steps", "4", "--sample-batch-size", "8", "--train-batch-size", "8"])
     out = capsys.readouterr().out
     assert "2 prompts x 4" in out and "B_simple" in out
     assert math.isfinite(est["G2"]) and est["trace"] > 0  # a real gradient: noise of positive size
@@ -54,3 +54,5 @@ def test_command_refuses_what_it_cannot_measure():
         noise_scale.main(["--batches", "1"])
     with pytest.raises(SystemExit):
         noise_scale.main(["--batches", "2", "--", "--model", "tiny", "--loss", "nft"])
+    with pytest.raises(SystemExit, match="2"):  # train.py's own check, before any model loads (not a ZeroDivision)
+        noise_scale.main(["--batches", "2", "--", "--model", "tiny", "--group-size", "1"])

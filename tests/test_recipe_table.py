@@ -47,6 +47,7 @@ import shlex
 
 import pytest
 
+import losses
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -191,7 +192,7 @@ def test_recipe_matches_the_authors_settings(recipe, monkeypatch):
         assert (steps, samples // args.minibatches) == OPTIMIZER[recipe], source
     # A beta means nothing without its KL's scale: the row names it (the forward-process losses have one form, the
     # mean squared velocity difference).
-    if args.kl_beta > 0 and args.loss not in train.FORWARD_LOSSES:
+    if args.kl_beta > 0 and losses.LOSSES[args.loss].process == "reverse":
         assert "kl_form" in expected, f"{recipe}: which KL form did {source} use?"
 
 

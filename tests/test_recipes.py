@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+import losses
 import models
 import rewards
 import train
@@ -87,7 +88,7 @@ def test_recipe_runs_one_step_on_tiny(recipe, tmp_path, tiny_reward_models, monk
     name = lambda flag: flag[2:].replace("-", "_").removeprefix("no_")
     keys = {name(f) for f in flags} - {name(f) for f in shrink} - {"steps"}
     assert {"loss", "reward", "lora_rank", "lr"} <= keys
-    assert ("sampler" if published.loss in train.FORWARD_LOSSES else "sde") in keys
+    assert ("sampler" if losses.LOSSES[published.loss].process == "forward" else "sde") in keys
     for key in keys:
         value = getattr(published, key)
         assert args[key] == (list(value) if isinstance(value, tuple) else value), key

@@ -121,7 +121,9 @@ def test_fp16_gradients_are_loss_scaled(tmp_path, monkeypatch):
         (row,) = metrics(str(tmp_path / precision))
         assert not row.get("skipped") and "fp16_overflows" not in row
         norms[precision] = row["grad_norm"]
-    assert norms["fp16"] == pytest.approx(norms["no"], rel=0.02)
+    # fp16 rounding of the forwards differs by CPU (its kernels): within 2 % on the AMD EPYC this was first measured on,
+    # 2.4 % on an Intel Xeon; unscaled, the norm falls 5-7 % short.
+    assert norms["fp16"] == pytest.approx(norms["no"], rel=0.03)
     # A loss scale too large overflows: that optimizer step is skipped and the scale lowered (here to 2^10), as
     # accelerate does, and the next one trains; not a bad step.
     real_scaler = torch.amp.GradScaler

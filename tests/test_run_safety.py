@@ -344,3 +344,98 @@ def test_a_custom_reward_of_the_wrong_length_stops_in_one_line(tmp_path):
         sys.path.remove(str(tmp_path))
     message = str(e.value)
     assert message.startswith("error:") and "--custom-rm-path" in message and len(message.splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- concurrency and honest resumes
+def test_a_second_run_into_a_folder_in_use_is_refused_and_a_dead_runs_lock_is_not(tmp_path):
+    out = str(tmp_path / "run")
+    first = start([sys.executable, "train.py", *FAST, "--steps", "500", "--out", out])
+    wait_for(lambda: os.path.isfile(os.path.join(out, "metrics.jsonl")), first)
+    second = run([sys.executable, "train.py", *FAST, "--steps", "2", "--out", out, "--seed", "9"], tmp_path,
+                 check=False)
+    assert second.returncode != 0 and "Traceback" not in second.stderr
+    assert "in use by another run" in second.stderr.strip().splitlines()[-1]
+    assert str(first.pid) in second.stderr
+    os.killpg(first.pid, signal.SIGKILL)  # a dead run's lock goes with it
+    first.wait()
+    with open(os.path.join(out, "args.json")) as f:
+        assert json.load(f)["args"]["seed"] == 0  # the folder still holds the first run only
+    run([sys.executable, "train.py", *FAST, "--steps", "2", "--out", out, "--overwrite"], tmp_path)
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+
+
+def test_overwrite_keeps_the_old_run_until_the_new_one_is_valid(tmp_path):
+    out = tmp_path / "run"
+    main("--steps", "2", "--save-every", "1", out=out)
+    for bad in (["--prompts", str(tmp_path / "missing.txt")], ["--num-frames", "5"]):  # refused before / at load
+        with pytest.raises(SystemExit):
+            main("--steps", "2", "--overwrite", *bad, out=out)
+        assert [r["step"] for r in metrics(out)] == [1, 2]
+        assert sorted(os.listdir(out / "checkpoints")) == ["1", "2"]
+
+
+def test_a_run_that_failed_in_its_set_up_does_not_block_the_rerun(tmp_path, capsys):
+    out = tmp_path / "run"
+    (tmp_path / "broken.py").write_text("def score(images, prompts, metadata, args):\n    return [1.0]\n")
+    with pytest.raises(SystemExit, match="1 score"):  # found after args.json was written: the reward's first answer
+        main("--steps", "2", "--reward", "custom", "--custom-rm-path", f"{tmp_path / 'broken.py'}:score", out=out)
+    assert os.path.isfile(out / "args.json") and not os.path.isfile(out / "metrics.jsonl")
+    main("--steps", "2", out=out)  # no "already holds a run": it never completed a step
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+
+
+@pytest.mark.parametrize("step", [1, -2, "2"])
+def test_an_edited_state_json_is_not_trusted(three_checkpoints, tmp_path, step, capsys):
+    run_dir, _ = three_checkpoints
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    rows_before = metrics(copy)
+    path = copy / "checkpoints" / "3" / "state.json"
+    state = json.loads(path.read_text())
+    state["step"] = step
+    path.write_text(json.dumps(state))
+    assert "state.json" in checkpoints.verify(str(copy / "checkpoints" / "3"))
+    with pytest.raises(SystemExit, match="state.json"):  # named explicitly: refused, nothing truncated
+        main("--steps", "4", "--resume", str(copy / "checkpoints" / "3"), out=copy)
+    assert metrics(copy) == rows_before
+    main("--steps", "4", "--resume", "auto", out=copy)  # auto: the newest that verifies, 2
+    assert "skipping checkpoint" in capsys.readouterr().out
+    assert [r["step"] for r in metrics(copy)] == [1, 2, 3, 4]
+
+
+def test_metrics_that_cannot_be_written_mid_run_stop_in_one_line(tmp_path):
+    out = tmp_path / "run"
+
+    def break_metrics(info):  # after step 1: metrics.jsonl becomes a folder, which nobody can append to
+        if info["step"] == 1:
+            os.remove(out / "metrics.jsonl")
+            os.mkdir(out / "metrics.jsonl")
+    with pytest.raises(SystemExit) as e:
+        train_module.main([*FAST, "--steps", "3", "--save-every", "1", "--out", str(out)], on_step=break_metrics)
+    assert str(e.value).startswith("error: cannot write") and "--resume auto" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--loss", "nft", "--sde", "flow"], "drop --sde"),
+    (["--loss", "awm", "--sde", "cps"], "drop --sde"),
+    (["--window-range", "0", "3"], "--sde-window fast"),
+])
+def test_flags_that_would_be_ignored_are_refused(flags, needle, capsys):
+    with pytest.raises(SystemExit):
+        train_module.parse_args([*FAST, *flags])
+    assert needle in capsys.readouterr().err
+
+
+def test_the_fp16_loss_scale_is_checkpointed_and_restored(tmp_path):
+    from policy import Policy
+    _, args = train_module.parse_args([*FAST, "--mixed-precision", "fp16", "--out", str(tmp_path / "run")])
+    args.resume = None
+    first = Policy(args, torch.device("cpu"), old_copy=False)
+    first.scaler.load_state_dict(dict(first.scaler.state_dict(), scale=1024.0))  # as after overflows lowered it
+    os.makedirs(tmp_path / "run" / "checkpoints")
+    first.checkpoint(args, 3, {})
+    second = Policy(args, torch.device("cpu"), old_copy=False)
+    assert second.scaler.get_scale() == 65536.0
+    second.resume(str(tmp_path / "run" / "checkpoints" / "3"), args)
+    assert second.scaler.get_scale() == 1024.0

@@ -69,6 +69,12 @@ def ode_samples(model, n=2000):
         return sde.rollout(model, x, sde.sd3_sigmas(NUM_STEPS), sde_steps=[], kind="ode")["latents"][:, -1]
 
 
+# The flags the losses read, as train.py passes them (vars(args)); the toy has no reference model (kl_beta 0).
+HYPER = dict(clip_range=0.2, kl_beta=0.0, kl_form="flow-grpo", sde="flow", kl_mask_threshold=1e-4, adv_clip=5.0,
+             nft_beta=1.0, nft_adaptive=True, ema_kl_beta=1.0, awm_weighting="ghuber", ghuber_power=0.25,
+             num_steps=NUM_STEPS, train_timesteps=6, awm_timesteps="discrete_wo_init")
+
+
 def fine_tune(model, loss_name, *, lr, iters=30, batch=128, group=16, updates=2, eta=0.7):
     sigmas = sde.sd3_sigmas(NUM_STEPS)
     steps = sde.sde_steps(NUM_STEPS)  # all but the last
@@ -88,15 +94,9 @@ def fine_tune(model, loss_name, *, lr, iters=30, batch=128, group=16, updates=2,
                 x, x_next = traj["latents"][:, k], traj["latents"][:, k + 1]
                 out = sde.sde_step(model(x, s), x, s, s_next, kind="flow", eta=eta, prev_sample=x_next,
                                    sigma_max=sigmas[1].item())
-                old_lp, old_mean = traj["log_probs"][:, j], traj["means"][:, j]
-                if loss_name == "grpo":
-                    loss, info = losses.grpo_loss(out.log_prob, old_lp, adv, clip_range=0.2)
-                elif loss_name == "guard":
-                    loss, info = losses.guard_loss(out.log_prob, old_lp, out.mean, old_mean, out.std, s_next - s, adv,
-                                                   clip_range=0.2)
-                else:
-                    loss, info = losses.flowdppo_loss(out.log_prob, old_lp, out.mean, old_mean, out.std, adv,
-                                                      threshold=1e-4)
+                t = dict(log_prob=out.log_prob, old_log_prob=traj["log_probs"][:, j], mean=out.mean,
+                         old_mean=traj["means"][:, j], std=out.std, dt=s_next - s, adv=adv)
+                loss, info = losses.LOSSES[loss_name].fn(t, **HYPER)  # the registry, as train.py calls it
                 (loss / len(steps)).backward()
                 log.append(dict(info, update=update))
             opt.step()
@@ -130,7 +130,11 @@ def test_online_rl_moves_the_samples_to_the_rewarded_mode(base_model, loss_name,
 
 
 def fine_tune_forward(model, loss_name, *, lr, iters=30, batch=128, group=16):
-    """DiffusionNFT (train_nft_sd3.py) or AWM (train_sd3_awm.py) on the toy, one optimizer step per batch."""
+    """DiffusionNFT (train_nft_sd3.py) or AWM (train_sd3_awm.py) on the toy through the registry (its training
+    sigmas, its loss, its old copy's decay), one optimizer step per batch."""
+    loss_fn = losses.LOSSES[loss_name]
+    hyper = dict(HYPER, timestep_fraction=loss_fn.defaults["timestep_fraction"], clip_range=loss_fn.defaults.get(
+        "clip_range", HYPER["clip_range"]))
     sigmas = sde.sd3_sigmas(NUM_STEPS)
     old = copy.deepcopy(model).requires_grad_(False)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
@@ -138,16 +142,12 @@ def fine_tune_forward(model, loss_name, *, lr, iters=30, batch=128, group=16):
     group_ids = torch.arange(batch) // group
     log = []
     for k in range(iters):
-        sampler = old if loss_name == "nft" else model  # NFT samples with the old policy, AWM on-policy
-        solver = "dpm2" if loss_name == "nft" else "euler"
+        sampler = old if loss_fn.samples_with_old else model  # NFT samples with the old policy, AWM on-policy
+        solver = "dpm2" if loss_fn.samples_with_old else "euler"
         x0 = sde.ode_sample(sampler, torch.randn(batch, 2, generator=g), sigmas, solver=solver)  # [B, 2]
         adv = losses.group_advantages((x0[:, 0] > 0).float(), group_ids)
         opt.zero_grad()
-        if loss_name == "nft":  # 9 of the 10 schedule sigmas, a random permutation per sample
-            order = sde.nft_timesteps(NUM_STEPS, batch, fraction=0.99, generator=g)  # [B, 9]
-            r = losses.nft_optimality(adv)
-        else:  # 6 stratified schedule sigmas, shared by the batch
-            order = sde.awm_timesteps(NUM_STEPS, 6, fraction=0.9, generator=g).expand(batch, 6)  # [B, 6]
+        order = loss_fn.times(batch, g, **hyper)  # NFT: 9 of 10 sigmas, each sample its own; AWM: 6 strata, shared
         n = order.shape[1]
         for j in range(n):
             s = sigmas[order[:, j]]  # [B]
@@ -156,19 +156,11 @@ def fine_tune_forward(model, loss_name, *, lr, iters=30, batch=128, group=16):
             v = model(x_t, s)
             with torch.no_grad():
                 v_old = old(x_t, s)
-            if loss_name == "nft":
-                loss, info = losses.nft_loss(v, v_old, x_t, x0, s, r, beta=1.0)
-                loss = 5.0 * loss  # the reference's adv_clip factor
-            else:
-                lp = losses.awm_log_prob(v, x0, eps, s)
-                loss, info = losses.awm_loss(lp, lp.detach(), adv)
-                kl, _ = losses.velocity_kl(v, v_old)  # EMA-KL, weight 1
-                loss = loss + kl
-                info["old_deviate"] = kl.item()
+            loss, info = loss_fn.fn(dict(v=v, x_t=x_t, x0=x0, noise=eps, sigma=s, adv=adv, v_old=v_old), **hyper)
             (loss / n).backward()
             log.append(dict(info, iteration=k))
         opt.step()
-        decay = min(0.001 * (k + 1), 0.5) if loss_name == "nft" else min(0.3, 0.001 * (k + 1))
+        decay = losses.OLD_DECAYS[loss_fn.defaults["old_decay"]](k + 1)
         with torch.no_grad():  # old <- d old + (1 - d) current
             for p_old, p in zip(old.parameters(), model.parameters()):
                 p_old.lerp_(p, 1 - decay)
@@ -181,8 +173,9 @@ def test_forward_process_losses_move_the_samples_to_the_rewarded_mode(base_model
     model = copy.deepcopy(base_model)
     log = fine_tune_forward(model, loss_name, lr=lr)
     # The old copy starts as the model: the first batch is exactly on-policy, later ones are not.
-    assert all(info["old_deviate"] == 0 for info in log if info["iteration"] == 0)
-    assert any(info["old_deviate"] > 0 for info in log if info["iteration"] == 1)
+    deviate = "old_deviate" if loss_name == "nft" else "ema_kl"  # how far the current weights are from the old copy
+    assert all(info[deviate] == 0 for info in log if info["iteration"] == 0)
+    assert any(info[deviate] > 0 for info in log if info["iteration"] == 1)
     y = ode_samples(model)
     right = (y[:, 0] > 0).float().mean().item()
     assert right >= 0.9, right

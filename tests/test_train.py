@@ -222,10 +222,10 @@ def test_ema_is_saved_and_used_by_evaluation(tmp_path, monkeypatch):
 
 def test_sample_grid_captions_show_prompt_reward_and_verdict(tmp_path):
     import eval as evaluation
-    import train as train_module
+    import run
     from PIL import Image
     scores = {"reward": torch.tensor([0.75, 1.0]), "geneval_correct": torch.tensor([0.0, 1.0])}
-    captions = train_module.sample_captions(["a red circle", "two squares"], scores, "reward", 2)
+    captions = run.sample_captions(["a red circle", "two squares"], scores, "reward", 2)
     assert captions == ["a red circle\nreward 0.750 | wrong", "two squares\nreward 1.000 | correct"]
     images = torch.zeros(2, 32, 32, 3, dtype=torch.uint8)
     path = evaluation.save_sample_grid(str(tmp_path / "g.png"), images, captions)[0]

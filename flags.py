@@ -1,0 +1,81 @@
+"""Command-line plumbing shared by the scripts: @recipe files and flag types that refuse bad values in one line.
+
+    RecipeParser                          argparse with @recipe files (shell quoting, several flags a line, # comments)
+    bounded(cast, low, high, ...)         a flag type: an int or finite float within an interval
+    POSITIVE_INT, NONNEG_INT, POSITIVE, NONNEG, FRACTION, SEED
+    resolution_arg                        --resolution: a side, or HEIGHTxWIDTH
+    preset_help(shown, keys)              --help showing each preset's value of a flag whose default is a preset's
+
+Every refusal is argparse's own one-line `error:`, before anything is loaded.
+"""
+import argparse
+import math
+import shlex
+
+
+class RecipeParser(argparse.ArgumentParser):
+    """argparse with @recipe files: shell-quoted flags, several per line, '#' starts a comment."""
+
+    def convert_arg_line_to_args(self, line):
+        try:
+            return shlex.split(line, comments=True)
+        except ValueError as e:  # unbalanced quotes
+            self.error(f"recipe line {line.strip()!r}: {e}")
+
+    def parse_args(self, args=None, namespace=None):
+        try:
+            return super().parse_args(args, namespace)
+        except UnicodeDecodeError as e:
+            self.error(f"a recipe file is not UTF-8 text ({e.reason} at byte {e.start}); re-save it as UTF-8")
+        except RecursionError:
+            self.error("a recipe file includes itself (an @file line that leads back to it)")
+
+
+def bounded(cast, low=None, high=None, *, low_open=False, high_open=False):
+    """An argparse type: int or finite float within [low, high] (either end open or absent), with a one-line error."""
+    what = "an integer" if cast is int else "a number"
+    interval = ("(" if low_open else "[") + ("-inf" if low is None else str(low)) + ", " + \
+               ("inf" if high is None else str(high)) + (")" if high_open or high is None else "]")
+
+    def parse(text):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(value) or (low is not None and (value < low or (low_open and value == low))) or \
+                (high is not None and (value > high or (high_open and value == high))):
+            raise argparse.ArgumentTypeError(f"must be {what} in {interval}, got {text}")
+        return value
+    return parse
+
+
+POSITIVE_INT, NONNEG_INT = bounded(int, 1), bounded(int, 0)
+POSITIVE, NONNEG = bounded(float, 0, low_open=True), bounded(float, 0)
+FRACTION = bounded(float, 0, 1, low_open=True)  # (0, 1]
+SEED = bounded(int, 0, 2**32 - 1)  # numpy's seed range
+
+
+def resolution_arg(text):
+    """--resolution: a side in pixels, or HEIGHTxWIDTH (for models with unpacked latents: sd3, wan, z-image)."""
+    try:
+        sides = [int(v) for v in text.lower().split("x")]
+    except ValueError:
+        sides = []
+    if len(sides) not in (1, 2) or min(sides) <= 0:
+        raise argparse.ArgumentTypeError(f"--resolution takes a side or HEIGHTxWIDTH in pixels, e.g. 512 or 240x416, "
+                                         f"got {text!r}")
+    return sides[0] if len(sides) == 1 else tuple(sides)
+
+
+def preset_help(shown, keys):
+    """An argparse formatter: a flag whose default is None and whose dest is in `keys` (the flags a preset fills) shows
+    the value each of `shown` ({name: {dest: value}}) gives it; one whose help says what unset means, only the help."""
+    class PresetHelp(argparse.ArgumentDefaultsHelpFormatter):
+        def _get_help_string(self, action):
+            if action.default is None and action.dest in keys:
+                values = ", ".join(f"{name} {values.get(action.dest, 'unset')}" for name, values in shown.items())
+                return f"{action.help} (default by --model: {values})"
+            if action.default is None and "default" in (action.help or ""):  # the help says what unset means
+                return action.help
+            return super()._get_help_string(action)
+    return PresetHelp

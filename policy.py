@@ -1,0 +1,179 @@
+"""The trained policy: the pipeline, the weights that train, how they are sharded and stepped, and their copies.
+
+    policy = Policy(args, device)      load the model; LoRA adapter or every weight; FSDP2 shards or DDP; compile;
+                                       AdamW; fp16 loss scaling; the evaluation EMA and the old copy (float32)
+    policy.velocity(x, sigma, embeds, guidance_scale, train=False)   a forward (train: through DDP / compile)
+    policy.frozen("old" | "reference") context: the old copy's weights, or the base model (LoRA off)
+    policy.sync_gradients(last)        before a training forward: reduce gradients over ranks after it or not
+    policy.backward(loss)              backward (fp16: of the scaled loss)
+    policy.step() -> "ok" | "overflow" | "skipped", grad norm      one optimizer step (clip; skip non-finite)
+    policy.update_old(decay), policy.ema_weights()
+    policy.checkpoint(args, step, device, extra) / policy.resume(path, args)
+
+The algorithm lives in train.py and losses.py; this is what they run it on.
+"""
+import contextlib
+import math
+
+import torch
+
+import checkpoints
+import distributed
+import flags
+import models
+from distributed import WORLD, print0
+
+
+class Policy:
+    def __init__(self, args, device, *, old_copy):
+        """args: train.py's flags; old_copy: whether the loss keeps an old copy of the weights (Loss.old_copy)."""
+        amp_dtype = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.mixed_precision]
+        load_dtype = amp_dtype if (amp_dtype and args.lora_rank > 0) else torch.float32  # LoRA: frozen base in half
+        self.pipe = pipe = models.load_pipeline(args.model, args.model_path, dtype=load_dtype, device=device)
+        if load_dtype == torch.float16:  # decode in float32, as Flow-GRPO keeps its VAE: fp16 VAE activations overflow
+            pipe.vae.to(torch.float32)
+        transformer = self.transformer = pipe.transformer
+        models.add_lora(pipe, args.lora_rank, args.lora_alpha)  # the adapter (float32) trains, or all weights (rank 0)
+        trainable = [(n, q) for n, q in transformer.named_parameters() if q.requires_grad]
+        print0(f"model {args.model}: {sum(q.numel() for q in transformer.parameters()) / 1e6:.2f} M params, "
+               f"{sum(q.numel() for _, q in trainable) / 1e6:.3f} M trained "
+               f"({'LoRA r%d' % args.lora_rank if args.lora_rank else 'full'})")
+        if args.gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+        if args.fsdp:  # pipe.transformer itself becomes sharded, so rollouts and evaluations run through FSDP too
+            distributed.shard_transformer(transformer, device)
+            trainable = [(n, q) for n, q in transformer.named_parameters() if q.requires_grad]  # same names, shards
+        self.trainable = trainable  # [(name, parameter)]
+        self.optimizer = torch.optim.AdamW([q for _, q in trainable], lr=args.lr, weight_decay=args.weight_decay)
+        model = transformer  # what the training forward calls
+        if WORLD > 1 and not args.fsdp:
+            model = torch.nn.parallel.DistributedDataParallel(
+                transformer, device_ids=[device.index] if device.type == "cuda" else None)
+        self.ddp = model if model is not transformer else None
+        self.model = torch.compile(model) if args.compile else model
+        # fp16 (as Flow-GRPO's configs, through accelerate) needs loss scaling: the tiny gradients of mean-reduced
+        # log-probs underflow its range (26 % of the gradient norm lost on the tiny model). Off: each call a no-op.
+        self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+        self.amp_dtype, self.device, self.args = amp_dtype, device, args
+        self.copies = {"ema": self._copy() if args.ema_decay > 0 else None, "old": self._copy() if old_copy else None}
+        self.optimizer_steps = 0  # all of the run's, for the EMA warm-up and the old copy's decay
+
+    def _copy(self):  # float32, sharded like the trained weights under FSDP
+        return {n: q.detach().float().clone() for n, q in self.trainable}
+
+    # ------------------------------------------------------------------------- forwards
+    def autocast(self):
+        """The forwards' autocast (--mixed-precision); the SDE step and log-probs stay float32."""
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def velocity(self, x, sigma, embeds, guidance_scale, *, train=False):
+        """The velocity at (x, sigma) under autocast; train=True runs the training wrapper (DDP, compile)."""
+        with self.autocast():
+            return models.velocity(self.pipe, x, sigma, embeds, guidance_scale=guidance_scale,
+                                   transformer=self.model if train else None)
+
+    @contextlib.contextmanager
+    def frozen(self, name):
+        """Inside, the transformer runs a frozen model, without gradients: "old", the old copy of the weights
+        (exchanged in place, checkpoints.swapped), or "reference", the base model (the LoRA adapter off)."""
+        with torch.no_grad(), (checkpoints.swapped(self.trainable, self.copies["old"]) if name == "old"
+                               else models.reference(self.pipe)):
+            yield
+
+    # ------------------------------------------------------------------------- the update
+    def sync_gradients(self, last):
+        """Before each training forward: whether its backward reduces the gradients over the ranks, True for the last
+        micro-step of an optimizer step only; before it they are summed locally (DDP's no_sync, which must hold the
+        forward too; FSDP's set_requires_gradient_sync)."""
+        if self.args.fsdp:
+            self.transformer.set_requires_gradient_sync(last)
+        elif self.ddp is not None:
+            self.ddp.require_backward_grad_sync = last
+
+    def backward(self, loss):
+        """Backpropagate (fp16: the scaled loss)."""
+        self.scaler.scale(loss).backward()
+
+    def step(self):
+        """One optimizer step on the accumulated gradients, clipped to --max-grad-norm. A non-finite gradient (NaN
+        loss, log-prob or reward) skips it, weights and Adam state untouched: "overflow" when the fp16 loss scale
+        overflowed (the scaler lowers it; not a bad step), else "skipped". Returns (status, gradient norm)."""
+        self.scaler.unscale_(self.optimizer)  # fp16: the loss-scaled gradients back to their size (else a no-op)
+        grad_norm = torch.nn.utils.clip_grad_norm_([q for _, q in self.trainable], self.args.max_grad_norm)
+        if self.args.fsdp:  # the norm over all shards, as a DTensor: a plain tensor, the same on every rank
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = grad_norm.item()
+        if not math.isfinite(grad_norm):
+            status = "overflow" if self.scaler.get_scale() > 1 else "skipped"
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            return status, grad_norm
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        self._update_ema()
+        return "ok", grad_norm
+
+    def _update_ema(self):
+        """The evaluation EMA, on flow_grpo/ema.py's schedule: due after optimizer steps n with (n + 1) % --ema-every
+        == 0, decay min((1 + n) / (10 + n), --ema-decay), applied --ema-repeat times (train.py departure 6)."""
+        ema, n, args = self.copies["ema"], self.optimizer_steps, self.args
+        if ema is not None and (n + 1) % args.ema_every == 0:
+            decay = min((1 + n) / (10 + n), args.ema_decay) ** args.ema_repeat
+            _lerp(ema, self.trainable, 1 - decay)
+
+    def update_old(self, decay):
+        """old <- decay old + (1 - decay) current (decay 0 copies exactly)."""
+        _lerp(self.copies["old"], self.trainable, 1 - decay)
+
+    def ema_weights(self):
+        """Context: the trained weights hold their EMA (what is evaluated and exported), if the run keeps one."""
+        return checkpoints.ema_weights(dict(self.trainable), self.copies["ema"])
+
+    # ------------------------------------------------------------------------- checkpoints
+    def checkpoint(self, args, step, extra):
+        """Write checkpoint `step` (every rank calls; rank 0 writes). LoRA runs also export the adapter in diffusers'
+        format (lora/), the EMA where there is one."""
+        checkpoints.write(args, step, self.pipe.transformer, self.trainable, self.optimizer, self.copies, self.device,
+                          dict(extra, optimizer_steps=self.optimizer_steps, grad_scaler=self.scaler.state_dict()),
+                          export=(lambda folder: models.save_lora(self.pipe, folder)) if args.lora_rank > 0 else None)
+
+    def resume(self, path, args):
+        """Restore weights, Adam, the copies this run keeps and the RNG from a checkpoint -> its state.json."""
+        state, saved = checkpoints.load(path, args, self.trainable, self.optimizer,
+                                        fsdp_model=self.transformer if args.fsdp else None)
+        self.optimizer_steps = state.get("optimizer_steps", 0)
+        if state.get("grad_scaler") and self.scaler.is_enabled():  # fp16: the loss scale continues where it was
+            self.scaler.load_state_dict(state["grad_scaler"])
+        for name in self.copies:  # the EMA and the old policy continue where they were (if this run keeps them)
+            if self.copies[name] is not None and name in saved:
+                self.copies[name] = saved[name]
+        return state
+
+
+def _lerp(copy, trainable, weight):
+    with torch.no_grad():
+        for name, param in trainable:
+            copy[name].lerp_(param.detach().float(), weight)
+
+
+def add_arguments(parser):
+    """The optimizer and EMA flags, declared once; None means the model's preset (train.py)."""
+    g = parser.add_argument_group("optimizer")
+    g.add_argument("--lr", type=flags.POSITIVE, default=None, help="AdamW learning rate")
+    g.add_argument("--weight-decay", type=flags.NONNEG, default=1e-4, help="AdamW weight decay")
+    g.add_argument("--max-grad-norm", type=flags.POSITIVE, default=1.0, help="gradient clipping norm")
+    g.add_argument("--ema-decay", type=flags.bounded(float, 0, 1, high_open=True), default=None,
+                   help="EMA of the trained weights (0: off), warmed up as flow_grpo/ema.py: the decay after n "
+                        "optimizer steps is min((1 + n) / (10 + n), this). Evaluation (--eval-every) and the "
+                        "exported lora/ use the EMA; trainable.safetensors keeps the live weights to resume from")
+    g.add_argument("--ema-every", type=flags.POSITIVE_INT, default=1,
+                   help="update the EMA after optimizer steps n with (n + 1) %% this == 0, as flow_grpo/ema.py")
+    g.add_argument("--ema-repeat", type=flags.POSITIVE_INT, default=1,
+                   help="apply the decay this many times per update: Flow-GRPO steps its EMA after every micro-batch, "
+                        "so each due update repeats once per accumulated micro-batch (2 in its 32-GPU configs, 4 in "
+                        "GRPO-Guard's 16-GPU ones)")
+    return g

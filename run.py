@@ -1,0 +1,354 @@
+"""The life of a training run around the algorithm: its folder, resume, rewards awaited, logs, checkpoints, signals.
+
+    run = Run(args)                 before any model loads: --out checked and locked, the checkpoint to resume found
+    run.start(policy, held_out, reward_fn)   resume (weights, Adam, copies, RNG, counters) or start; args.json; wandb
+    run.wait_for_rewards(pending, step) -> Rewards(scores, dropped, skip)
+    run.log(step, info, batch, got) metrics.jsonl (and wandb), the step line, the sample grid, the held-out
+                                    evaluation (eval.jsonl) when due; skipped steps too
+    run.checkpoint_or_stop(step)    save when due or signalled; True ends the run
+    run.finish()
+
+A SIGTERM / SIGINT (preemption) lets every rank finish its step, save and exit 0; during the wait for a hung reward
+service the wait is abandoned on every rank and the last complete step is saved. One line per step on rank 0, with
+a live bar on a terminal.
+"""
+import os
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import checkpoints
+import distributed
+import eval as evaluation
+import flags
+import rewards
+from distributed import RANK, is_main, print0
+
+
+class Rewards(NamedTuple):
+    """The outcome of a step's reward wait: `scores` {name: [per_rank]}; `dropped` [prompts_per_step] bool, the groups
+    with a sample whose reward service gave up (--reward-on-error skip); `skip` a reason to skip the update, or None.
+    (A signal during the wait ends the process there, the last complete step saved.)"""
+    scores: dict = None
+    dropped: torch.Tensor = None
+    skip: str = None
+
+
+def add_arguments(parser):
+    """The run's flags: its folder, resume, checkpoints, logs and held-out evaluation; None means the preset."""
+    g = parser.add_argument_group("run")
+    g.add_argument("--out", default="runs/default", help="run folder: args.json, metrics.jsonl, samples/, checkpoints/")
+    g.add_argument("--save-every", type=flags.NONNEG_INT, default=0,
+                   help="steps between checkpoints (0: only at the end)")
+    g.add_argument("--keep-checkpoints", type=flags.POSITIVE_INT, default=3,
+                   help="checkpoints kept in --out/checkpoints")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start a fresh run in an --out that already holds one, deleting its run files first")
+    g.add_argument("--resume", default=None,
+                   help="checkpoint folder, run folder, or 'auto' (the newest checkpoint in --out that verifies, if "
+                        "any; default: a fresh run)")
+    g.add_argument("--eval-every", type=flags.NONNEG_INT, default=None,
+                   help="steps between ODE evaluations on --eval-prompts (0: off)")
+    g.add_argument("--eval-steps", type=flags.POSITIVE_INT, default=None, help="ODE steps of an evaluation")
+    g.add_argument("--log-images-every", type=flags.NONNEG_INT, default=None,
+                   help="steps between saved sample grids (0: never)")
+    g.add_argument("--max-bad-steps", type=flags.POSITIVE_INT, default=5,
+                   help="stop after this many consecutive skipped (non-finite) steps")
+    g.add_argument("--wandb", action="store_true", help="also log to Weights & Biases")
+    return g
+
+
+def setup_or_exit(fn, *a, **k):
+    """Run a set-up call; its errors (a missing model offline, an unknown reward, a bad config) become one line."""
+    try:
+        return fn(*a, **k)
+    except (ValueError, OSError, RuntimeError, ImportError) as e:
+        raise SystemExit(f"error: {e}")
+
+
+class Run:
+    def __init__(self, args, device, on_step=None):
+        """Before any model loads: refuse a used or unwritable --out, find the checkpoint to resume (all ranks agree).
+        on_step(info) is called after each step's line, its timings logged (bench.py measures between steps)."""
+        self.args, self.device, self.on_step = args, device, on_step
+        self.resume_from, self.stale = checkpoints.prepare(args)  # verified, or None; the old run's files
+        self.step = self.bad_in_a_row = self.trained = 0  # trained: steps of this process that updated the weights
+        self.signal, self.policy, self.wandb, self.ratio_warned = None, None, None, False
+        self.pool = ThreadPoolExecutor(max_workers=1)  # scores batch b while batch b + 1 is sampled
+        self.bar, self.marks, self.last_skip = None, {}, None
+
+    def lap(self, phase=None):
+        """The step's clock: lap() starts it, lap(phase) books the seconds since the last mark to that phase."""
+        now = time.time()
+        if phase is None:
+            self.marks = {"start": now, "last": now}
+        else:
+            self.marks[phase], self.marks["last"] = now - self.marks["last"], now
+
+    def start(self, policy, held_out, reward_fn):
+        """Resume the policy from the checkpoint found (and the run's counters), or start fresh: write args.json and
+        evaluate the model before training on held_out (texts, metadata), as Flow-GRPO evaluates at epoch 0.
+        Returns False when a resumed run has nothing left to do."""
+        self.policy, self.held_out, self.reward_fn, args = policy, held_out, reward_fn, self.args
+        if self.resume_from:
+            state = policy.resume(self.resume_from, args)
+            self.step, self.bad_in_a_row = state["step"], state.get("bad_in_a_row", 0)
+            print0(f"resumed from {self.resume_from} at step {self.step}")
+            if self.step >= args.steps:
+                print0(f"the run is already at step {self.step} of --steps {args.steps}: nothing to train; "
+                       "raise --steps to continue it")
+                return False
+            checkpoints.trim_metrics(args.out, self.step)  # a killed run's rows after the checkpoint are redone
+        self.first_step = self.step
+        checkpoints.start_run(args, self.stale)
+        if args.wandb and is_main:
+            import wandb  # optional, heavy: only when asked for
+            self.wandb = wandb.init(config=vars(args), dir=args.out, resume="allow")
+        for signum in (signal.SIGTERM, signal.SIGINT):  # preemption: finish the step on every rank, save, exit 0
+            signal.signal(signum, lambda signum, frame: setattr(self, "signal", signal.Signals(signum).name))
+        # A live bar on rank 0's terminal; none in log files, where the per-step lines already say everything.
+        self.bar = tqdm(total=args.steps, initial=self.step, disable=not (is_main and sys.stderr.isatty()),
+                        dynamic_ncols=True)
+        if args.eval_every and self.step == 0:
+            self.evaluate(0)
+        return True
+
+    def submit(self, reward_fn, images, prompts, metadata):
+        """Score a rollout batch in the background (departure 5): the next batch is sampled meanwhile."""
+        return self.pool.submit(reward_fn, images, prompts, metadata)
+
+    # ------------------------------------------------------------------------- REWARDS
+    def wait_for_rewards(self, pending, step):
+        """Wait for this rank's reward batches (pending: [(future, the batch's prompts)]) -> Rewards.
+
+        A NaN / inf reward skips the step on every rank; a reward service that failed after its retries
+        (--reward-on-error raise) stops every rank with one line naming the service, the step and the prompts;
+        when every group lost a sample to a failed service the step is skipped. A SIGTERM / SIGINT during the
+        wait saves the last complete step and exits 0 on every rank at once."""
+        args, device = self.args, self.device
+        self.lap("sampling")
+        scores, failed, skip, fatal, interrupted = {}, None, None, None, False
+        try:
+            results = []
+            for b, (future, prompts) in enumerate(pending):
+                result = self._result(future, b, prompts, step)
+                if result is None:
+                    raise InterruptedError
+                results.append(result)
+            failed = torch.cat([r.get("failed", torch.zeros(len(r["reward"]), dtype=torch.bool))
+                                for r in results]).bool()
+            names = sorted({k for r in results for k in r} - {"failed"})  # rm_type overrides may leave one out
+            scores = {k: torch.cat([r[k].float() if k in r else torch.full((len(r["reward"]),), float("nan"))
+                                    for r in results]) for k in names}  # each [per_rank]
+            if not torch.isfinite(scores[args.reward_key][~failed]).all():
+                skip = f"--reward-key {args.reward_key} is NaN for some samples (an rm_type override without it?)"
+        except rewards.NonFiniteReward as e:
+            skip = str(e)
+        except rewards.RewardServiceError as e:  # after the retries, with --reward-on-error raise
+            fatal = (" ".join(str(e).split()) + "; retry later, raise --reward-retries / --reward-timeout, or use "
+                     "--reward-on-error skip")  # one line, even when the service sent a multi-line error page
+        except (ValueError, TypeError) as e:  # a scorer returned something unusable (wrong length, strings)
+            fatal = " ".join(str(e).split())
+        except InterruptedError:
+            interrupted = True
+        if distributed.any_rank(interrupted, device):  # every rank stops waiting, saves and exits together
+            self._stop_while_waiting(step)
+        if distributed.any_rank(fatal is not None, device):  # every rank stops, not only the one whose reward failed
+            self.pool.shutdown(wait=False, cancel_futures=True)  # later batches' requests are not sent
+            raise SystemExit(f"error: {fatal or 'the reward failed on another rank'}")
+        if distributed.any_rank(skip is not None, device):
+            return Rewards(skip=skip or "non-finite reward on another rank")
+        # Groups with a sample whose reward service gave up are dropped whole (departure 4).
+        groups = torch.arange(args.prompts_per_step, device=device).repeat_interleave(args.group_size)  # [samples]
+        dropped = torch.zeros(args.prompts_per_step, dtype=torch.bool, device=device)  # [prompts_per_step]
+        dropped[groups[distributed.all_gather_cat(failed.to(device))]] = True
+        if dropped.all():  # not one reward: an update would only replay Adam's momentum and weight decay
+            return Rewards(dropped=dropped, skip=f"every group lost its reward ({args.reward} gave up on every sample)")
+        self.lap("reward_wait")  # the wait not hidden behind sampling
+        return Rewards(scores=scores, dropped=dropped)
+
+    def _result(self, future, b, prompts, step):
+        """One rollout batch's scores, polled so that a signal ends the wait; None when one did."""
+        try:
+            while self.signal is None:
+                try:
+                    return future.result(timeout=0.2)
+                except TimeoutError:
+                    pass
+            return None
+        except rewards.RewardServiceError as e:  # its "sample i" counts within rollout batch b
+            names = list(dict.fromkeys(prompts))
+            names = ", ".join(repr(q) for q in names[:3]) + (", ..." if len(names) > 3 else "")
+            raise rewards.RewardServiceError(f"step {step + 1}, rank {RANK}, rollout batch {b} "
+                                             f"(prompts {names}): {e}") from None
+
+    def _stop_while_waiting(self, step):
+        """A signal arrived while waiting: keep the last complete step, redo this one on resume, exit 0 at once."""
+        if not os.path.isfile(os.path.join(self.args.out, "checkpoints", str(step), "state.json")):
+            self.policy.checkpoint(self.args, step, self._state())
+        print0(f"stopped by {self.signal or 'a signal on another rank'} while waiting for rewards in step "
+               f"{step + 1}; checkpoint {step} saved, continue with --resume auto --out {self.args.out}")
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        distributed.finish()
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(0)  # a reward request may still be blocked on the network: do not wait for its thread
+
+    # ------------------------------------------------------------------------- LOG / SAVE
+    def _state(self):  # what a checkpoint's state.json carries besides the step
+        return dict(bad_in_a_row=self.bad_in_a_row)
+
+    def log(self, step, info, batch, got):
+        """The step's metrics (a row of metrics.jsonl, wandb) and line; a skipped step (info has a skip_reason) is
+        logged and counted too. Every --log-images-every steps a grid of the samples (batch["images"]) with their
+        prompts, rewards and verdicts (got: the step's Rewards); every --eval-every steps the held-out evaluation."""
+        args = self.args
+        if "skip_reason" in info:  # skip the update, not the bookkeeping: logged, counted, checkpointed
+            self.bad_in_a_row += 1
+            self.last_skip = info["skip_reason"]
+            info["skipped"] = 1
+            if got.dropped is not None:
+                info["dropped_groups"] = int(got.dropped.sum())
+        else:
+            self.bad_in_a_row = 0
+        self.trained += info.get("updates", 0) > 0
+        info = dict(step=step, **info, bad_in_a_row=self.bad_in_a_row, seconds=time.time() - self.marks["start"],
+                    **{f"seconds_{k}": v for k, v in self.marks.items() if k not in ("start", "last")})
+        if "updates" in info:
+            info["seconds_training"] = time.time() - self.marks["last"]
+        self._append(info)
+        if is_main:
+            self._show(step, info, batch, got.scores)
+        if self.on_step is not None and is_main:
+            self.on_step(info)
+        if args.eval_every and step % args.eval_every == 0:
+            self.evaluate(step)
+
+    def _show(self, step, info, batch, scores):
+        """The step's line on rank 0, its sample grid when due, and a warning when the statistics diverge."""
+        args = self.args
+        if "updates" not in info:
+            print0(f"step {step}: skipped ({info['skip_reason']})")
+        else:
+            self.bar.write(step_line(step, info))
+            if args.log_images_every and step % args.log_images_every == 0:  # prompt, reward and verdict per sample
+                images = batch["images"]
+                captions = sample_captions(batch["prompts"], scores, args.reward_key, len(images))
+                evaluation.save_sample_grid(os.path.join(args.out, "samples", f"{step:06d}.png"), images, captions,
+                                            fps=args.fps)
+            warn_divergence(info)
+
+    def evaluate(self, step):
+        """Held-out ODE samples, fixed noise, scored into eval.jsonl. Under FSDP every forward is collective: all
+        ranks sample, rank 0 scores. With --ema-decay the EMA weights are evaluated, as Flow-GRPO does."""
+        args, policy = self.args, self.policy
+        if not (is_main or args.fsdp):
+            return
+        policy.transformer.eval()
+        with policy.ema_weights():
+            images = evaluation.sample_images(policy.pipe, self.held_out[0], resolution=args.resolution,
+                                              num_steps=args.eval_steps, guidance_scale=args.guidance_scale,
+                                              seed=args.seed, device=self.device, batch_size=args.sample_batch_size,
+                                              negative_prompt=args.negative_prompt, shift=args.shift,
+                                              num_frames=args.num_frames, max_sequence_length=args.max_sequence_length)
+        if is_main:
+            scores = evaluation.score(self.reward_fn, images, *self.held_out)
+            evaluation.append_scores(os.path.join(args.out, "eval.jsonl"), step, scores)
+            self.bar.write(f"eval  {step:5d} | " + evaluation.summary_line(scores))
+
+    def _append(self, info):
+        self.bar.update(1)
+        checkpoints.append_metrics(self.args.out, info)
+        if self.wandb:
+            self.wandb.log(info, step=info["step"])
+
+    def warn_ratio(self, deviation, limit, cause):
+        """Once per run: the first update's on-policy ratio strays beyond the clip range (departure 2)."""
+        if deviation > limit and not self.ratio_warned:
+            self.ratio_warned = True
+            print0(f"warning: on-policy ratio deviates from 1 by {deviation:.2e}, more than the clip range {limit:g}: "
+                   f"the training forward does not match the rollout ({cause}); try --mixed-precision fp16 or no, "
+                   "or --train-cfg")
+
+    def checkpoint_or_stop(self, step):
+        """Stop on too many bad steps; save when due, at the end or when signalled. True ends the run."""
+        args = self.args
+        if self.bad_in_a_row >= args.max_bad_steps:
+            raise SystemExit(f"error: {self.bad_in_a_row} consecutive steps were skipped (last: {self.last_skip}); "
+                             "fix the reward, or lower --lr for non-finite gradients (see --max-bad-steps)")
+        stopping = distributed.any_rank(self.signal is not None, self.device)
+        if (args.save_every and step % args.save_every == 0) or step == args.steps or stopping:
+            self.policy.checkpoint(args, step, self._state())
+        if stopping:
+            print0(f"stopped by {self.signal or 'a signal on another rank'} after step {step}; "
+                   f"checkpoint saved, continue with --resume auto --out {args.out}")
+        self.step = step
+        return stopping
+
+    def finish(self):
+        self.bar.close()
+        self.pool.shutdown()
+        distributed.finish()
+        if self.step == self.args.steps > self.first_step and self.trained == 0:  # every step skipped: say so
+            raise SystemExit(f"error: none of the {self.step - self.first_step} steps of this run updated the weights "
+                             f"(last skip: {self.last_skip}); checkpoint {self.step} holds the weights "
+                             "it started from")
+
+
+def step_line(step, info):
+    """One greppable line per step: the reward, GenEval's accuracy, and what moves (the gradient norm, KL terms, the
+    share of samples without an advantage); the ratio and its clip only where a batch is trained off-policy."""
+    line = f"step {step:5d} | reward {info['reward_mean']:+.4f} +- {info['reward_std']:.4f}"
+    if "reward/geneval_correct_mean" in info:  # GenEval: the share of samples officially correct
+        line += f" | accuracy {info['reward/geneval_correct_mean']:.3f}"
+    line += f" | grad {info.get('grad_norm', float('nan')):.2e}"
+    for key in ("kl", "ema_kl"):
+        if key in info:
+            line += f" | {key} {info[key]:.2e}"
+    line += f" | zero-adv {info['zero_adv_fraction']:.2f}"
+    if info.get("off_policy_ratio_mean") is not None:  # updates after the first of a batch
+        line += f" | ratio {info['off_policy_ratio_mean']:.5f} | clipfrac {info['off_policy_clipfrac']:.3f}"
+    return line + f" | {info['seconds']:.1f}s"
+
+
+def warn_divergence(info):
+    """One actionable line when the statistics say the policy is running away (FlowDPPO's debug checklist)."""
+    if info.get("clipfrac", 0) > 0.8:
+        print0(f"warning: clipfrac {info['clipfrac']:.2f} ~ 1: the policy moves too far per step; "
+               "lower --lr or raise --clip-range")
+    if info.get("masked_fraction", 0) > 0.8:
+        print0(f"warning: FlowDPPO masked_fraction {info['masked_fraction']:.2f} ~ 1: most terms are masked; "
+               "raise --kl-mask-threshold or lower --lr")
+    if abs(info.get("ratio_mean", 1) - 1) > 0.5:
+        print0(f"warning: ratio mean {info['ratio_mean']:.3f} far from 1; lower --lr")
+
+
+def check_rm_types(path, prompts, metadata):
+    """Every row's metadata.rm_type must name known rewards: a typo fails now, not at the step that draws it."""
+    for i, meta in enumerate(metadata):
+        if meta.get("rm_type"):
+            try:
+                rewards.parse_spec(meta["rm_type"])
+            except ValueError as e:
+                raise SystemExit(f"error: {path}, prompt {i + 1} ({prompts[i][:40]!r}): metadata rm_type: {e}")
+
+
+def sample_captions(prompts, scores, reward_key, n):
+    """Captions of the first n samples: the prompt, the trained reward and, for GenEval, the official verdict."""
+    captions = []
+    for i in range(n):
+        line = f"{reward_key} {scores[reward_key][i].item():.3f}"
+        if "geneval_correct" in scores:
+            line += " | " + ("correct" if scores["geneval_correct"][i] > 0.5 else "wrong")
+        captions.append(f"{prompts[i]}\n{line}")
+    return captions
+
+
+def mean_stats(stats):
+    """{name: [values]} of a step's micro-steps -> {name: mean}."""
+    return {k: float(np.mean(v)) for k, v in stats.items()}
