@@ -432,7 +432,7 @@ class OpenAIJudge:
         return f"{type(self).__name__}(model={self.model!r}, url={self.url!r})"
 
     def redact(self, text):
-        return text.replace(self._key, "***") if self._key else text
+        return services.mask_secrets([self._key])(text)
 
     def build_request(self, image, prompt, metadata):
         if image.ndim != 3:
@@ -581,7 +581,7 @@ def remote(*, rm_url, rm_auth_env, remote_batch_size, remote_max_concurrency, re
         if not token:
             raise ValueError(f"--rm-auth-env {rm_auth_env}: that environment variable is unset or empty; "
                              f"export the Authorization header value in it, e.g. {rm_auth_env}='Bearer <token>'")
-        headers, redact = {"Authorization": token}, (lambda s: s.replace(token, "***"))
+        headers, redact = {"Authorization": token}, services.mask_secrets([token])
     client = http_client(headers)  # the header lives in the client only: not in args, logs or errors
 
     def send(body):

@@ -37,6 +37,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
+import httpcore
 import httpx
 import numpy as np
 import torch
@@ -71,6 +72,44 @@ def _real(value, name, *, minimum=None, positive=False):
         bound = " > 0" if positive else f" >= {minimum:g}" if minimum is not None else ""
         raise ValueError(f"{name} must be a finite number{bound}, got {_show(value)}")
     return float(value)
+
+
+# ----------------------------------------------------------------------------- secrets
+
+PIECE = 4  # characters: a run of this many of a secret's value that shows up in a line is masked
+
+
+def mask_secrets(secrets):
+    """A `redact(text) -> text` that replaces, with "***", each secret whole, its value without a scheme word
+    ("Bearer abc" -> also "abc", which some servers echo), and every run of PIECE or more characters that
+    occurs inside such a value (a reply cut at 300 characters can end in the middle of an echoed token).
+    Shorter runs stay: they carry a few bits at most, and masking them would garble ordinary words."""
+    whole, pieces = set(), set()
+    for secret in secrets:
+        if secret:
+            scheme, _, credential = secret.strip().partition(" ")
+            whole.add(secret)
+            pieces.add(credential.strip() or scheme)  # the value without its scheme word
+    whole = sorted((whole | pieces) - {""}, key=len, reverse=True)  # "Bearer abc" before "abc"
+    pieces.discard("")
+
+    def redact(text):
+        for value in whole:
+            text = text.replace(value, "***")
+        out, i = [], 0
+        while i < len(text):  # greedy: the longest run from i that lies inside a value
+            j = i
+            while j < len(text) and any(text[i:j + 1] in piece for piece in pieces):
+                j += 1
+            if j - i >= PIECE:
+                out.append("***")
+                i = j
+            else:
+                out.append(text[i])
+                i += 1
+        return "".join(out)
+
+    return redact
 
 
 # ----------------------------------------------------------------------------- reward services: configs
@@ -157,10 +196,33 @@ def _time_left(timeout):
     return left if timeout is None else min(timeout, left)
 
 
+def _resolve(host, port, timeout):
+    """The addresses of `host` (an IP address is its own), looked up in a daemon thread that is waited for at most
+    `timeout` seconds (None: without limit): getaddrinfo takes no timeout, and a resolver that never answers would
+    otherwise outlive any deadline. The thread of such a lookup is left to finish on its own."""
+    with contextlib.suppress(ValueError):
+        return [str(ipaddress.ip_address(host))]
+    found, done = {}, threading.Event()
+
+    def lookup():
+        try:
+            found["infos"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as err:  # gaierror: no such name
+            found["error"] = err
+        done.set()
+
+    threading.Thread(target=lookup, name=f"resolve {host}", daemon=True).start()
+    if not done.wait(timeout):
+        raise TimeoutError(f"no address for {host} within {timeout:.3g} s")
+    if "error" in found:
+        raise httpcore.ConnectError(str(found["error"]))  # what httpcore's own lookup failure becomes
+    return list(dict.fromkeys(info[4][0] for info in found["infos"]))
+
+
 class _Deadline:
-    """httpcore's network backend, and each stream it opens, with every socket wait cut at the running attempt's
-    deadline and reads stopped at its byte budget. A pooled connection keeps its stream; each attempt brings
-    its own limits. Everything else (close, get_extra_info, sleep) passes through."""
+    """httpcore's network backend, and each stream it opens, with the name lookup and every socket wait cut at the
+    running attempt's deadline and reads stopped at its byte budget. A pooled connection keeps its stream; each
+    attempt brings its own limits. Everything else (close, get_extra_info, sleep) passes through."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -169,7 +231,15 @@ class _Deadline:
         return getattr(self.inner, name)
 
     def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
-        return _Deadline(self.inner.connect_tcp(host, port, _time_left(timeout), local_address, socket_options))
+        # The lookup is bounded here: each resolved address is then tried in turn, as socket.create_connection does.
+        error = None
+        for address in _resolve(host, port, _time_left(timeout)):
+            try:
+                stream = self.inner.connect_tcp(address, port, _time_left(timeout), local_address, socket_options)
+                return _Deadline(stream)
+            except (httpcore.ConnectError, httpcore.ConnectTimeout) as err:
+                error = err
+        raise error
 
     def start_tls(self, ssl_context, server_hostname=None, timeout=None):
         return _Deadline(self.inner.start_tls(ssl_context, server_hostname, _time_left(timeout)))
