@@ -76,6 +76,7 @@ scripts, e.g. DiffusionNFT's scripts/evaluation.py) weights tags by their prompt
 """
 
 import argparse
+import difflib
 import json
 import math
 import os
@@ -154,31 +155,86 @@ def kept_detections(detections, tag):
     return {name: dets[:MAX_OBJECTS] for name, dets in by_class.items()}
 
 
-def check_metadata(metadata):
-    """Raise a one-line ValueError unless `metadata` is a GenEval object the judge can read."""
+INCLUDE_KEYS, EXCLUDE_KEYS = ("class", "count", "color", "position"), ("class", "count")  # what the judge reads
+
+
+def vocabulary(detector):
+    """(classes, colours) that the detector named `detector` (a DETECTORS name; None: mask2former, the default)
+    can report: GenEval's 80 COCO classes and 10 colours, or the shapes world's shapes and colours; (None, None)
+    for a detector whose vocabulary is not known here."""
+    if detector in (None, "mask2former"):
+        return OBJECT_NAMES, COLORS
+    if detector == "shapes":
+        import shapes  # the synthetic shapes world (as _shapes below)
+
+        return shapes.SHAPES, tuple(shapes.COLORS)
+    return None, None
+
+
+def _known(kind, value, names, detector):
+    """A one-line error for a class or colour the detector never reports, or None."""
+    if names is None or value in names:
+        return None
+    close = difflib.get_close_matches(str(value), names, n=1)
+    shown = ", ".join(names) if len(names) <= 12 else f"GenEval's {len(names)} COCO classes (geneval.OBJECT_NAMES)"
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return (f"{kind} {value!r} is not one the {detector} detector reports, so the clause would score as if the "
+            f"object were never there; the {detector} detector knows {shown}: fix the row{hint}, or pick the "
+            f"detector with --geneval-detector")
+
+
+def check_metadata(metadata, *, detector=None):
+    """Raise a one-line ValueError unless `metadata` is a GenEval object the judge can read; with `detector` (a
+    DETECTORS name), also unless every class and colour is one that detector can report (`vocabulary`).
+
+    Refused: no `tag` or an unknown one; no `include` clause; a clause without a class name, with a `count`
+    that is not an integer >= 1 (true, 2.0 and "2" included), or with a key the judge does not read (a
+    "colour" would be ignored); a colour that is not a name; a `position` that is not [one of RELATIONS,
+    index of an earlier include clause].
+    """
     def bad(why):
         return ValueError(f"GenEval metadata {why}; rows must look like {PROMPT_FORMAT}")
+
+    def integer(value):
+        return isinstance(value, int) and not isinstance(value, bool)
 
     if not isinstance(metadata, dict) or not metadata.get("include"):
         raise bad(f"needs 'tag' and a non-empty 'include' list, got {str(metadata)[:120]!r}")
     if metadata.get("tag") not in TAGS:
-        raise bad(f"tag {metadata.get('tag')!r} is not one of {', '.join(TAGS)}")
-    for key in ("include", "exclude"):
+        raise bad(f"'tag' {metadata.get('tag')!r} is not one of {', '.join(TAGS)}")
+    classes, colours = vocabulary(detector) if detector is not None else (None, None)
+    for key, allowed in (("include", INCLUDE_KEYS), ("exclude", EXCLUDE_KEYS)):
         clauses = metadata.get(key, [])
         if not isinstance(clauses, list):
             raise bad(f"{key!r} must be a list of clauses")
         for i, clause in enumerate(clauses):
             if not (isinstance(clause, dict) and isinstance(clause.get("class"), str)
-                    and isinstance(clause.get("count"), int) and clause["count"] >= 1):
-                raise bad(f"{key} clause {i} needs a 'class' name and an integer 'count' >= 1, got {clause!r}")
+                    and integer(clause.get("count")) and clause["count"] >= 1):
+                raise bad(f"{key} clause {i} needs a 'class' name and a 'count' that is an integer >= 1, "
+                          f"got {clause!r}")
+            unknown = sorted(set(clause) - set(allowed))
+            if unknown:
+                raise bad(f"{key} clause {i} has {', '.join(map(repr, unknown))}, which the judge does not read "
+                          f"(an {key} clause takes {', '.join(allowed)})")
             if key == "include" and "color" in clause and not isinstance(clause["color"], str):
                 raise bad(f"include clause {i}: 'color' must be a colour name, got {clause['color']!r}")
             if key == "include" and "position" in clause:
                 position = clause["position"]
                 if not (isinstance(position, (list, tuple)) and len(position) == 2 and position[0] in RELATIONS
-                        and isinstance(position[1], int) and 0 <= position[1] < i):
+                        and integer(position[1]) and 0 <= position[1] < i):
                     raise bad(f"include clause {i}: 'position' must be [relation, index of an earlier clause] "
                               f"with a relation in {RELATIONS}, got {position!r}")
+            error = _known("class", clause["class"], classes, detector) or (
+                _known("colour", clause["color"], colours, detector) if "color" in clause else None)
+            if error:
+                raise ValueError(f"GenEval metadata, {key} clause {i}: {error}")
+
+
+def metadata_check(detector):
+    """`check_metadata` for one detector (None: mask2former, as `reward`), as the `check` of `data.load_prompts`:
+    every row of a prompt file is then checked when it loads, before any model does."""
+    detector = detector or "mask2former"
+    return lambda metadata: check_metadata(metadata, detector=detector)
 
 
 def _colours(objects, name):
@@ -743,7 +799,7 @@ def reward(*, device, geneval_detector, geneval_detector_path, geneval_clip_path
             raise ValueError(f"geneval: {len(images)} images, {len(prompts)} prompts, {len(metadata)} metadata")
         for i, m in enumerate(metadata):
             try:
-                check_metadata(m)
+                check_metadata(m, detector=geneval_detector)
             except ValueError as err:
                 raise ValueError(f"geneval: sample {i} ({prompts[i][:60]!r}): {err}") from None
         detections = []

@@ -269,6 +269,82 @@ def test_shipped_prompt_files():
     assert geneval.make_prompts(800, seed=0, exclude=test) == train
 
 
+SHAPE_ROW = {"tag": "colors", "include": [{"class": "circle", "count": 1, "color": "red"}]}
+BAD_ROWS = {  # metadata -> a word the one-line error must name
+    "no tag": ({"include": [{"class": "circle", "count": 1}]}, "'tag'"),
+    "count true": ({"tag": "counting", "include": [{"class": "circle", "count": True}]}, "'count'"),
+    "count 2.0": ({"tag": "counting", "include": [{"class": "circle", "count": 2.0}]}, "'count'"),
+    "count 0": ({"tag": "counting", "include": [{"class": "circle", "count": 0}]}, "'count'"),
+    "exclude count true": ({"tag": "counting", "include": [{"class": "circle", "count": 2}],
+                            "exclude": [{"class": "circle", "count": True}]}, "'count'"),
+    "relation": ({"tag": "position", "include": [{"class": "circle", "count": 1},
+                                                 {"class": "square", "count": 1, "position": ["beside", 0]}]},
+                 "'position'"),
+    "target true": ({"tag": "position", "include": [{"class": "circle", "count": 1},
+                                                    {"class": "square", "count": 1, "position": ["above", True]}]},
+                    "'position'"),
+    "later target": ({"tag": "position", "include": [{"class": "circle", "count": 1, "position": ["above", 1]},
+                                                     {"class": "square", "count": 1}]}, "'position'"),
+    "dragon": ({"tag": "single_object", "include": [{"class": "dragon", "count": 1}]}, "'dragon'"),
+    "mauve": ({"tag": "colors", "include": [{"class": "circle", "count": 1, "color": "mauve"}]}, "'mauve'"),
+    "orange": ({"tag": "colors", "include": [{"class": "circle", "count": 1, "color": "orange"}]}, "'orange'"),
+    "colour": ({"tag": "colors", "include": [{"class": "circle", "count": 1, "colour": "red"}]}, "'colour'"),
+    "excluded dragon": ({"tag": "counting", "include": [{"class": "circle", "count": 2}],
+                         "exclude": [{"class": "dragon", "count": 3}]}, "'dragon'"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_ROWS))
+def test_prompt_rows_are_checked_against_the_detector_when_they_load(tmp_path, name):
+    """Every row, when the file loads: a row the judge cannot read, or a class or colour the detector never reports
+    (which would score 0, or 1 in an exclude clause, whatever the image shows), is one line naming the file, the
+    line and the fix."""
+    bad, word = BAD_ROWS[name]
+    path = tmp_path / "shapes_prompts.jsonl"
+    rows = [SHAPE_ROW, SHAPE_ROW, bad, SHAPE_ROW]
+    path.write_text("".join(json.dumps({"prompt": f"prompt {i}", "metadata": m}) + "\n" for i, m in enumerate(rows)))
+    with pytest.raises(ValueError) as err:
+        data.load_prompts(path, input_key="prompt", check=geneval.metadata_check("shapes"))
+    message = str(err.value)
+    assert message.startswith(f"{path}, line 3 ('prompt 2'): ") and word in message, message
+    assert "\n" not in message and ("fix" in message or "rows must look like" in message), message
+    path.write_text("".join(json.dumps({"prompt": f"prompt {i}", "metadata": SHAPE_ROW}) + "\n" for i in range(3)))
+    assert data.load_prompts(path, input_key="prompt", check=geneval.metadata_check("shapes"))[1] == [SHAPE_ROW] * 3
+
+
+def test_each_detector_has_its_own_classes_and_colours():
+    import shapes
+
+    assert geneval.vocabulary("shapes") == (shapes.SHAPES, tuple(shapes.COLORS))
+    assert geneval.vocabulary("mask2former") == geneval.vocabulary(None) == (geneval.OBJECT_NAMES, geneval.COLORS)
+    geneval.check_metadata(RED_CAR, detector="mask2former")
+    with pytest.raises(ValueError, match="'car'.*the shapes detector knows circle, square, triangle"):
+        geneval.check_metadata(RED_CAR, detector="shapes")
+    with pytest.raises(ValueError, match="'circle'.*--geneval-detector"):
+        geneval.check_metadata(SHAPE_ROW, detector="mask2former")
+    geneval.check_metadata(SHAPE_ROW)  # without a detector: the form only
+    for name, detector in [("geneval_test.jsonl", "mask2former"), ("geneval_train.jsonl", "mask2former"),
+                           ("shapes_test.jsonl", "shapes"), ("shapes_train.jsonl", "shapes")]:
+        data.load_prompts(os.path.join(PROMPTS, name), input_key="prompt", check=geneval.metadata_check(detector))
+
+
+def test_the_authors_flat_prompt_files_load_as_they_are(tmp_path):
+    """Flow-GRPO's, DiffusionNFT's and AWM's dataset/geneval/{train,test}_metadata.jsonl hold one flat object per
+    line, the clauses beside the prompt: with the recipes' --input-key prompt they load without --metadata-key."""
+    rows = [{"tag": "counting", "include": [{"class": "cup", "count": 3}], "exclude": [{"class": "cup", "count": 4}],
+             "prompt": "a photo of three cups"},
+            {"tag": "color_attr", "include": [{"class": "bench", "count": 1, "color": "green"},
+                                              {"class": "kite", "count": 1, "color": "white"}],
+             "prompt": "a photo of a green bench and a white kite"},
+            {"tag": "position", "include": [{"class": "cat", "count": 1},
+                                            {"class": "bowl", "count": 1, "position": ["below", 0]}],
+             "prompt": "a photo of a bowl below a cat"}]
+    path = tmp_path / "test_metadata.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))  # no newline after the last row, as theirs
+    prompts, metadata = data.load_prompts(path, input_key="prompt", check=geneval.metadata_check("mask2former"))
+    assert prompts == [r["prompt"] for r in rows] and metadata == rows
+
+
 # ----------------------------------------------------------------------------- Mask2Former post-processing
 
 def test_preprocess_sizes_and_padding():
