@@ -119,10 +119,13 @@ TABLE = {
         adv_clip=5.0, kl_beta=0.004, kl_form="exact", global_std=False, same_noise_per_group=False, lora_rank=32,
         lora_alpha=64.0, lr=1e-4, weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="bf16", ema_decay=0.9,
         ema_every=8, ema_repeat=1, eval_every=30, save_every=60, max_sequence_length=512, reward="ocr")),
-    # scripts/train_qwenimage.py (LoraConfig r=64, alpha 128); EMA off (train.ema False).
+    # scripts/train_qwenimage.py (LoraConfig r=64, alpha 128); EMA off (train.ema False). The window: sde_window_range
+    # (0, 5) in the config, but qwenimage_pipeline_with_logprob.py seeds its draw with random.seed(process_index)
+    # (L138) and train_qwenimage.py never passes it (L657-670; default 0, L32): random.seed(0); randint(0, 3) = 3, so
+    # steps 3-4 on every batch, which --window-range 3 5 (a start drawn from 3 .. 3) reproduces.
     "qwen_image_pickscore_grpo.args": ("flow_grpo config/grpo.py pickscore_qwenimage (train_qwenimage.py)", dict(
         model="qwen-image", resolution=512, num_steps=10, eval_steps=50, guidance_scale=4.0, train_cfg=True,
-        sde="flow", eta=1.2, sde_window="fast", window_size=2, window_range=[0, 5], group_size=16,
+        sde="flow", eta=1.2, sde_window="fast", window_size=2, window_range=[3, 5], group_size=16,
         prompts_per_step=32, same_noise_per_group=False, sample_batch_size=4, train_batch_size=4, minibatches=2,
         updates_per_batch=1, loss="grpo", clip_range=1e-4, adv_clip=5.0, kl_beta=0.0, global_std=True, lora_rank=64,
         lora_alpha=128.0, lr=3e-4, weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="bf16", ema_decay=0.0,

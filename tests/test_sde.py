@@ -240,6 +240,19 @@ def test_sde_steps_fast_is_a_seeded_window_in_range():
     assert ranged == {2, 3, 4}
 
 
+def test_a_window_range_as_wide_as_the_window_fixes_it():
+    """Flow-GRPO's Qwen-Image rollouts always train steps 3-4 (their draw is seeded with random.seed(0)):
+    --window-size 2 --window-range 3 5 gives that window for every batch, seed and rank."""
+    import random
+
+    random.seed(0)
+    assert random.randint(0, 5 - 2) == 3  # qwenimage_pipeline_with_logprob.py L138-141 with process_index 0
+    windows = {tuple(sde.sde_steps(10, window="fast", iteration=it, window_size=2, window_range=(3, 5),
+                                   seed=(seed, rank, b)))
+               for it in range(50) for seed in (0, 1) for rank in (0, 3) for b in (0, 2)}
+    assert windows == {(3, 4)}
+
+
 def test_sde_steps_fast_window_range_is_flow_grpos():
     """Flow-GRPO's sde_window_range (lo, hi) holds the whole window: start = randint(lo, hi - size), both ends
     inclusive (sd3_pipeline_with_logprob_fast.py); pickscore_sd3_fast_nocfg's (0, 5) with size 3 trains 0..4 only."""
