@@ -131,6 +131,45 @@ def test_flux2_klein_matches_pipeline(distilled, pipes):
         pipe.register_to_config(is_distilled=False)
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen-image", "tiny-flux2-klein", "tiny-flux"])
+def test_bf16_transformer_inputs_and_outputs_are_the_pipelines(name):
+    """Loaded in bf16 (as train.py loads the frozen base of a LoRA run), each adapter hands the transformer what the
+    pipeline's __call__ hands it, bit for bit: the timestep t.to(latents.dtype) / 1000 with t = 1000 s the
+    scheduler's (rounded to bf16 before the division, not s.to(bf16)), hence the same velocity. 10 steps, no CFG
+    (the pipeline runs the two CFG halves as separate forwards, ours as one batch)."""
+    pipe = models.load_pipeline(name, dtype=torch.bfloat16)
+    sigmas = models.sigmas(pipe, 10, 64)
+    rounded_late = (sigmas[:-1] * 1000).to(torch.bfloat16) / 1000
+    assert (sigmas[:-1].to(torch.bfloat16) != rounded_late).any()  # the two orders differ somewhere: it can fail
+    calls = []
+    hook = pipe.transformer.register_forward_hook(
+        lambda module, args, kwargs, out: calls.append((kwargs["hidden_states"], kwargs["timestep"], out[0])),
+        with_kwargs=True)
+    try:
+        x = noise(pipe, name, seed=1)
+        tokens = models.default_tokens(pipe)
+        call = dict(prompt=list(PROMPTS), num_inference_steps=10, height=64, width=64, output_type="latent",
+                    max_sequence_length=tokens)
+        if name == "tiny-qwen-image":
+            pipe(**call, latents=x.clone(), true_cfg_scale=1.0)
+        elif name == "tiny-flux2-klein":
+            pipe(**call, latents=x.permute(0, 2, 1).reshape(2, 16, 8, 8).clone(), guidance_scale=1.0)
+        else:
+            pipe(**call, latents=x.clone(), guidance_scale=3.5)
+        theirs, calls[:] = list(calls), []
+        assert len(theirs) == 10 and theirs[0][0].dtype == torch.bfloat16
+        embeds = models.encode_prompts(pipe, PROMPTS, guidance_scale=1.0, max_sequence_length=tokens)
+        with torch.no_grad():
+            for k, (hidden, _, _) in enumerate(theirs):  # ours at the pipeline's own latents of each step
+                models.velocity(pipe, hidden, sigmas[k].item(), embeds, guidance_scale=3.5 if name == "tiny-flux" else 1)
+    finally:
+        hook.remove()
+    for k, ((_, t_theirs, v_theirs), (hidden, t_ours, v_ours)) in enumerate(zip(theirs, calls)):
+        assert torch.equal(hidden, theirs[k][0]), k
+        assert t_ours.dtype == t_theirs.dtype and torch.equal(t_ours, t_theirs), (k, t_ours, t_theirs)
+        assert torch.equal(v_ours, v_theirs), k
+
+
 def test_noise_is_the_pipelines_noise(pipes):
     for name, pipe in pipes.items():
         ours = noise(pipe, name, seed=3)
