@@ -290,12 +290,16 @@ def qwen_image(model_path=None, dtype=torch.float32, device="cpu"):
     unpadded prompts give the same result); max_sequence_length 512 (the pipeline's default). Native
     schedule: linspace(1, 1/N, N), exponential time shift with mu linear in the image tokens
     (calculate_shift with the scheduler's base/max shift and sequence lengths), stretched to end at
-    shift_terminal (0.02 in the published scheduler config), then 0.
+    shift_terminal (0.02 in the published scheduler config), then 0. The VAE is kept in float32 whatever
+    `dtype`, as Flow-GRPO keeps it (train_qwenimage.py L404); the rollout decodes it under its autocast,
+    as theirs (L655).
     """
     from diffusers import QwenImagePipeline
 
     path = model_path or QWEN_IMAGE_ID
-    return _models()._from_pretrained(QwenImagePipeline, "qwen-image", path, QWEN_IMAGE_ID, dtype)
+    pipe = _models()._from_pretrained(QwenImagePipeline, "qwen-image", path, QWEN_IMAGE_ID, dtype)
+    pipe.vae.to(torch.float32)  # as Flow-GRPO's train_qwenimage.py L404, whatever the mixed precision
+    return pipe
 
 
 def tiny_qwen_image(model_path=None, dtype=torch.float32, device="cpu"):
@@ -332,7 +336,10 @@ def tiny_qwen_image(model_path=None, dtype=torch.float32, device="cpu"):
                              transformer=transformer)
     # The pipeline drops the system prompt by a token count of the real tokenizer (34); ours counts bytes.
     pipe.prompt_template_encode_start_idx = len(tokenizer(pipe.prompt_template_encode.split("{}")[0]).input_ids)
-    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+    if dtype != torch.float32:
+        pipe.to(dtype=dtype)
+        pipe.vae.to(torch.float32)  # as qwen_image
+    return pipe
 
 
 def _packed_shape(pipe, height, width, num_frames):

@@ -170,6 +170,17 @@ def test_bf16_transformer_inputs_and_outputs_are_the_pipelines(name):
         assert torch.equal(v_ours, v_theirs), k
 
 
+def test_qwen_image_vae_stays_float32_in_a_bf16_load(pipes):
+    """Flow-GRPO keeps Qwen-Image's VAE in float32 whatever the mixed precision (train_qwenimage.py L404) and
+    decodes under its rollout's bf16 autocast (L655): a bf16 load decodes as the float32 load does, there."""
+    pipe = models.load_pipeline("tiny-qwen-image", dtype=torch.bfloat16)
+    assert pipe.vae.dtype == torch.float32 and pipe.transformer.dtype == torch.bfloat16
+    z = noise(pipe, "tiny-qwen-image", seed=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as train.py decodes its rollouts
+        ours, reference = models.decode(pipe, z), models.decode(pipes["tiny-qwen-image"], z)
+    assert torch.equal(ours, reference) and ours.float().std() > 1
+
+
 def test_noise_is_the_pipelines_noise(pipes):
     for name, pipe in pipes.items():
         ours = noise(pipe, name, seed=3)
