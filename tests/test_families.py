@@ -391,17 +391,36 @@ def test_published_configs_have_the_published_sizes():
 
 
 def test_sd35_large_runs_through_sd3():
-    """SD3.5-Large is the sd3 family by --model-path: the same adapter, schedule and LoRA targets."""
+    """SD3.5-Large is the sd3 family by --model-path: the same adapter, schedule and LoRA targets. The schedule
+    against diffusers' scheduler of its config after set_timesteps; the adapter against StableDiffusion3Pipeline's
+    __call__ on a tiny transformer of its structure (no second attention in any block, RMS qk-norm)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+
     pipe = models.load_pipeline("sd3-random", device="meta")
     pipe.register_modules(transformer=families.build_published("sd3.5-large", "transformer").eval())
     assert models.family(pipe) == "sd3"
-    torch.testing.assert_close(models.sigmas(pipe, 10, 1024), sde.sd3_sigmas(10, shift=3.0))
-    embeds = models.encode_prompts(pipe, PROMPTS, guidance_scale=3.5)
-    x = models.initial_noise(pipe, 2, 1024)
-    assert models.velocity(pipe, x, 0.5, embeds, guidance_scale=3.5).shape == x.shape == (2, 16, 128, 128)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)  # stabilityai/stable-diffusion-3.5-large's config
+    for num_steps in (10, 28, 40):
+        scheduler.set_timesteps(num_steps)
+        torch.testing.assert_close(models.sigmas(pipe, num_steps, 1024), scheduler.sigmas, atol=0, rtol=0)
     linears = {n for n, m in pipe.transformer.named_modules() if isinstance(m, torch.nn.Linear)}
     for target in models.LORA_TARGETS["sd3"]:  # every block has them (SD3.5-Large has no second attention)
         assert sum(n.endswith("." + target) for n in linears) >= 37
+
+    tiny = models.load_pipeline("tiny")
+    with models._seeded_build(1, "cpu"):
+        large_like = SD3Transformer2DModel.from_config(tiny.transformer.config, dual_attention_layers=()).eval()
+    assert large_like.config.qk_norm == "rms_norm" and not large_like.transformer_blocks[0].use_dual_attention
+    tiny.register_modules(transformer=large_like)
+    x = models.initial_noise(tiny, 2, 64, generator=torch.Generator().manual_seed(0))
+    call = dict(prompt=PROMPTS, negative_prompt="", num_inference_steps=4, guidance_scale=3.5, height=64, width=64,
+                latents=x.clone(), max_sequence_length=0)
+    expected = tiny(**call, output_type="latent").images
+    embeds = models.encode_prompts(tiny, PROMPTS, guidance_scale=3.5)
+    with torch.no_grad():
+        ours = euler(tiny, x, models.sigmas(tiny, 4, 64), embeds, 3.5)
+    assert (ours - x).abs().mean() > 0.1
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", TINY)
