@@ -736,6 +736,10 @@ def add_arguments(parser):
                             "consistent with the official rules, in [0, 1])")
     group.add_argument("--geneval-batch-size", type=int, default=8,
                        help="images per detector forward and object crops per CLIP forward, per GPU")
+    group.add_argument("--geneval-jpeg", action=argparse.BooleanOptionalAction, default=False,
+                       help="score each image after a JPEG round trip at PIL's default quality (75), as AWM's GenEval "
+                            "reward sends its images to the reward server (detection and colours see the decoded "
+                            "pixels); off: the raw pixels, as DiffusionNFT's")
     return group
 
 
@@ -760,8 +764,24 @@ def _as_uint8(images):
     return images
 
 
+def jpeg_roundtrip(images):
+    """uint8 [B, H, W, 3] -> the same images JPEG-encoded at PIL's default quality (75, 4:2:0) and decoded: what
+    AWM's geneval_score sends (flow_grpo/rewards.py L189-196, `img.save(buffer, format="JPEG")`) and its reward
+    server detects on (reward-server/app_geneval.py L33)."""
+    import io
+
+    from PIL import Image
+
+    out = []
+    for image in images:
+        buffer = io.BytesIO()
+        Image.fromarray(image).save(buffer, format="JPEG")
+        out.append(np.asarray(Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")))
+    return np.stack(out)
+
+
 def reward(*, device, geneval_detector, geneval_detector_path, geneval_clip_path, geneval_clip_model, geneval_score,
-           geneval_batch_size, **_):
+           geneval_batch_size, geneval_jpeg, **_):
     """GenEval reward -> score(images uint8 [B, H, W, 3], prompts, metadata) -> {"reward": the
     `geneval_score` [B], "geneval_correct": official 0/1 [B], "geneval_strict" [B], and for each of
     the six TAGS "geneval_<tag>" [B]: official 0/1 on that tag's samples, NaN elsewhere}.
@@ -769,7 +789,8 @@ def reward(*, device, geneval_detector, geneval_detector_path, geneval_clip_path
     Every tag entry is always present (all NaN when the batch has none of that tag) so that every
     batch and every rank reports the same keys. The detector runs on `device` in batches of
     `geneval_batch_size` images; the colour classifier (only for detections without a colour)
-    is loaded now for mask2former, whose detections never have one, else on first use.
+    is loaded now for mask2former, whose detections never have one, else on first use. With `geneval_jpeg`
+    both see each image after `jpeg_roundtrip`, as AWM's reward server did.
     """
     import torch
 
@@ -794,6 +815,8 @@ def reward(*, device, geneval_detector, geneval_detector_path, geneval_clip_path
 
     def score(images, prompts, metadata):
         images = _as_uint8(images)
+        if geneval_jpeg:
+            images = jpeg_roundtrip(images)
         metadata = list(metadata) if metadata is not None else [None] * len(images)
         if not len(images) == len(prompts) == len(metadata):
             raise ValueError(f"geneval: {len(images)} images, {len(prompts)} prompts, {len(metadata)} metadata")

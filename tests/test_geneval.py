@@ -595,7 +595,7 @@ def stub_colours(calls):
 
 
 OPTIONS = dict(geneval_detector="stub", geneval_detector_path="unused", geneval_clip_path="unused",
-               geneval_clip_model="unused", geneval_score="partial")
+               geneval_clip_model="unused", geneval_score="partial", geneval_jpeg=False)
 
 
 def images_for(indices):
@@ -664,6 +664,39 @@ def test_missing_checkpoint_offline_names_the_flag(tmp_path):
     assert "\n" not in str(err.value)
 
 
+def test_jpeg_option_scores_what_awms_reward_server_saw(monkeypatch):
+    """AWM's geneval_score (flow_grpo/rewards.py L189-196) sends each image as a JPEG at PIL's default quality and its
+    server decodes it (reward-server/app_geneval.py L33): with --geneval-jpeg the detector and the colour
+    classifier see those decoded pixels; without it the raw ones (DiffusionNFT's reward)."""
+    import io
+
+    from PIL import Image
+
+    seen = []
+
+    def recording_detector(path, device):
+        def detect(images):
+            seen.append(np.array(images))
+            return [[det("bench", color="red")] for _ in images]
+        return detect
+
+    monkeypatch.setitem(geneval.DETECTORS, "stub", recording_detector)
+    images = np.random.default_rng(0).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
+    rows = [{"tag": "colors", "include": [{"class": "bench", "count": 1, "color": "red"}]}] * 3
+    expected = []
+    for image in images:
+        buffer = io.BytesIO()
+        Image.fromarray(image).save(buffer, format="JPEG")  # quality 75, 4:2:0, PIL's defaults
+        expected.append(np.asarray(Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")))
+    expected = np.stack(expected)
+    assert np.abs(expected.astype(int) - images).mean() > 5  # noise does not survive JPEG: the test can tell
+    for jpeg, pixels in [(True, expected), (False, images)]:
+        seen.clear()
+        out = geneval.reward(device="cpu", geneval_batch_size=2, **dict(OPTIONS, geneval_jpeg=jpeg))(
+            images, ["a photo of a red bench"] * 3, rows)
+        assert np.array_equal(np.concatenate(seen), pixels) and out["reward"].tolist() == [1.0] * 3
+
+
 def test_options_declared_once():
     import argparse
 
@@ -671,7 +704,7 @@ def test_options_declared_once():
     geneval.add_arguments(parser)
     args = parser.parse_args(["--geneval-score", "corrected", "--geneval-batch-size", "4"])
     assert set(geneval.options()) == {"geneval_detector", "geneval_detector_path", "geneval_clip_path",
-                                      "geneval_clip_model", "geneval_score", "geneval_batch_size"}
+                                      "geneval_clip_model", "geneval_score", "geneval_batch_size", "geneval_jpeg"}
     assert args.geneval_score == "corrected" and args.geneval_batch_size == 4
     # the detector is unset by default: geneval.reward reads None as mask2former, train.py's shapes preset fills shapes
     assert geneval.defaults()["geneval_score"] == "partial" and geneval.defaults()["geneval_detector"] is None

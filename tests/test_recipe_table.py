@@ -131,11 +131,13 @@ TABLE = {
         lora_alpha=128.0, lr=3e-4, weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="bf16", ema_decay=0.0,
         gradient_checkpointing=True, eval_every=30, save_every=30, reward="pickscore")),
     # Not published runs, but built on a published config whose every other setting they keep.
-    "sd3_nft_geneval.args": ("DiffusionNFT config/nft.py sd3_geneval", NFT_GENEVAL),
+    # The GenEval rewards: DiffusionNFT's detects on the raw pixels (flow_grpo/rewards.py geneval_score L113-139), AWM's
+    # on each image after a JPEG round trip at PIL's default quality (its flow_grpo/rewards.py L189-196).
+    "sd3_nft_geneval.args": ("DiffusionNFT config/nft.py sd3_geneval", dict(NFT_GENEVAL, geneval_jpeg=False)),
     "sd3_nft_pickscore.args": ("DiffusionNFT config/nft.py sd3_pickscore", dict(NFT_GENEVAL, reward="pickscore")),
     "sd3_nft_ocr.args": ("DiffusionNFT config/nft.py sd3_ocr",
                          dict(NFT_GENEVAL, reward="ocr", nft_beta=0.1, old_decay="nft-ocr", minibatches=2)),
-    "sd3_awm_geneval.args": ("AWM config/dgx_awm.py geneval_sd3_no_cfg_1node", AWM_GENEVAL),
+    "sd3_awm_geneval.args": ("AWM config/dgx_awm.py geneval_sd3_no_cfg_1node", dict(AWM_GENEVAL, geneval_jpeg=True)),
     "sd3_awm_ocr.args": ("AWM config/dgx_awm.py ocr_sd3_no_cfg_1node",
                          dict(AWM_GENEVAL, reward="ocr", kl_beta=0.003, eval_every=20, save_every=20)),
     "sd3_awm_pickscore.args": ("AWM config/dgx_awm.py pickscore_sd3_no_cfg_1node",
