@@ -10,6 +10,9 @@ Sources (read at these commits):
               flow_grpo/ema.py
   AWM         github.com/scxue/advantage_weighted_matching at be51372: advantage_weighted_matching/config/base_awm.py,
               config/dgx_awm.py, scripts/train_sd3_awm.py, flow_grpo/ema.py
+  UniRL       github.com/Tencent-Hunyuan/UniRL at 1a7b501 (FlowDPPO): examples/diffusion/sd3_flowdppo.yaml,
+              FlowDPPO/config.yaml, unirl/algorithms/flowdppo.py, unirl/utils/scheduler_utils.py, unirl/train/stack.py,
+              unirl/types/rollout_resp.py, unirl/models/sd3/text_embed.py
 
 How the authors' knobs map onto train.py's flags:
   sample.num_image_per_prompt -> --group-size; the 48 (64) in num_batches_per_epoch = 48 / (gpus x batch / images
@@ -36,6 +39,11 @@ How the authors' knobs map onto train.py's flags:
   timestep_fraction -> --train-timesteps / --awm-timesteps / --timestep-fraction; train.beta / ema_beta ->
   --kl-beta / --ema-kl-beta; kl_ema_decay 0.3 'linear' -> --old-decay awm; ema_decay 0.99 stepped once per epoch (one
   optimizer step) -> --ema-decay 0.99 --ema-every 1 --ema-repeat 1; its SA-Solver -> --sampler dpm2 (a departure).
+  UniRL (FlowDPPO): batch_size (prompts_per_rollout) -> --prompts-per-step; samples_per_prompt -> --group-size;
+  forward_batch_size / stack.micro_batch_size -> --sample-batch-size / --train-batch-size; num_updates_per_batch,
+  which splits the batch into that many disjoint mini-batches of one optimizer step each (stack.py L91-108) ->
+  --minibatches; kl_mask_threshold -> --kl-mask-threshold; adv_use_global_std -> --global-std; eta -> --eta;
+  AllSDEScheduler num_sde_steps / timestep_fraction [0, 0.5] -> --window-size 3 --window-range 0 5.
   Text: train_sd3.py encodes with max_sequence_length=128; MixGRPO's preprocess_flux_embedding.py with FluxPipeline's
   default 512. Schedule: SD3.5-M's scheduler shift 3 (the pipeline's own, both authors); MixGRPO samples FLUX with
   a static shift 3 on linspace(1, 0, 26) (sd3_time_shift in train_grpo_flux.py), which --shift 3 gives in place
@@ -148,9 +156,21 @@ TABLE = {
     "sd3_ocr_pickscore_mix.args": ("flow_grpo config/grpo.py general_ocr_sd3, OCR 0.8 + PickScore 0.2 reward",
                                    dict(FLOW_GRPO_OCR, reward="ocr=0.8,pickscore=0.2")),
 }
+# UniRL examples/diffusion/sd3_flowdppo.yaml (1a7b501): L19-20 8 GPUs, 48 prompts; L27 adv_use_global_std; L38
+# shift 3; L46-47 FlowSDEStrategy; L64-68 lr 3e-4, weight_decay 0; L76-89 LoRA r32 / alpha 64, the 8 attention
+# projections; L94 forward_batch_size 8; L103 PickScore batch 8; L116-117 kl_mask_threshold 1e-5, add_kl_coefficient;
+# L121-123 micro-batches of 8, max_grad_norm 1, num_updates_per_batch 2; L137-152 10 steps, guidance 1.0, 512 px,
+# eta 0.7, 16 per prompt, init_same_noise false, 3 SDE steps in timestep_fraction [0, 0.5]; L14-16 no EMA; no KL to
+# the base (flowdppo.py has none); unirl/models/sd3/text_embed.py L44 T5 max_sequence_length 256.
+TABLE["sd3_flowdppo_pickscore.args"] = ("UniRL examples/diffusion/sd3_flowdppo.yaml (algorithms/flowdppo.py)", dict(
+    model="sd3", resolution=512, shift=3.0, max_sequence_length=256, num_steps=10, guidance_scale=1.0, sde="flow",
+    eta=0.7, sde_window="fast", window_size=3, window_range=[0, 5], same_noise_per_group=False, group_size=16,
+    prompts_per_step=48, sample_batch_size=8, train_batch_size=8, minibatches=2, updates_per_batch=1,
+    loss="flowdppo", kl_mask_threshold=1e-5, kl_beta=0.0, global_std=True, lora_rank=32, lora_alpha=64.0, lr=3e-4,
+    weight_decay=0.0, max_grad_norm=1.0, mixed_precision="bf16", ema_decay=0.0, reward="pickscore",
+    pickscore_batch_size=8))
 # Recipes with no authors' configuration to check against, and why.
 UNCHECKED = {
-    "sd3_flowdppo_pickscore.args": "FlowDPPO: no authors' code among the sources",
     "sd3_bench.args": "the throughput anchor of bench.py, not a training recipe",
 }
 # What each published run's optimizer sees: (optimizer steps per sampled batch, samples per optimizer step).
@@ -161,8 +181,10 @@ OPTIMIZER = {
     "wan_ocr_grpo.args": (2, 8), "qwen_image_pickscore_grpo.args": (2, 256),
     "sd3_nft_geneval.args": (1, 1152), "sd3_nft_pickscore.args": (1, 1152), "sd3_nft_ocr.args": (2, 576),
     "sd3_awm_geneval.args": (1, 1728), "sd3_awm_ocr.args": (1, 1728), "sd3_awm_pickscore.args": (1, 576),
+    "sd3_flowdppo_pickscore.args": (2, 384),  # 768 samples in 2 disjoint mini-batches
 }
-GPUS = {"wan_ocr_grpo.args": (1,), **{f"sd3_{loss}_{task}.args": (8,) for loss in ("nft", "awm")
+GPUS = {"wan_ocr_grpo.args": (1,), "sd3_flowdppo_pickscore.args": (8,),
+        **{f"sd3_{loss}_{task}.args": (8,) for loss in ("nft", "awm")
                                        for task in ("geneval", "pickscore", "ocr")}}  # where not 8, 16 and 32
 
 
