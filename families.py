@@ -378,7 +378,8 @@ def _qwen_velocity(pipe, model, x, sigma, embeds, guidance_scale):
     if guidance_scale > 1:
         x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])
     v = model(hidden_states=x.to(dtype), timestep=_pipeline_timestep(pipe, sigma, dtype),
-              encoder_hidden_states=text.to(dtype), encoder_hidden_states_mask=None if mask.all() else mask,  # the pipeline drops an all-valid mask
+              encoder_hidden_states=text.to(dtype),
+              encoder_hidden_states_mask=None if mask.all() else mask,  # the pipeline drops an all-valid mask
               img_shapes=[[(1, side, side)]] * x.shape[0], return_dict=False)[0]
     if guidance_scale > 1:
         combined, v_cond = _guided(v, guidance_scale)
@@ -426,7 +427,7 @@ def flux2_klein(model_path=None, dtype=torch.float32, device="cpu"):
     Conventions: latents are the VAE's 32 channels patchified 2 x 2 into 128 and flattened into
     tokens [B, (H/16)(W/16), 128] (row-major, so unpacking is a reshape); the VAE's latent batch-norm
     statistics are undone before decoding. The network predicts eps - x0 (our sign) at timestep s
-    (passed as the pipeline passes t / 1000: `_pipeline_timestep`). Guidance: the base models use true CFG v_u + g (v_c - v_u) with
+    (as the pipeline: `_pipeline_timestep`). Guidance: the base models use true CFG v_u + g (v_c - v_u) with
     the empty prompt as the negative (the pipeline has no negative-prompt argument; ours defaults to
     "" too); the distilled models (`is_distilled` in the pipeline config) have no guidance at all,
     and g is ignored as the pipeline ignores it. No guidance embedding. Text: Qwen3 hidden states of
@@ -507,7 +508,8 @@ def _klein_velocity(pipe, model, x, sigma, embeds, guidance_scale):
         x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])
     img_ids = pipe._prepare_latent_ids(x.new_empty(x.shape[0], 1, side, side)).to(x.device)  # (t, h, w, l) per token
     v = model(hidden_states=x.to(dtype), timestep=_pipeline_timestep(pipe, sigma, dtype), guidance=None,
-              encoder_hidden_states=text.to(dtype), txt_ids=pipe._prepare_text_ids(text).to(x.device), img_ids=img_ids, return_dict=False)[0]
+              encoder_hidden_states=text.to(dtype), txt_ids=pipe._prepare_text_ids(text).to(x.device),
+              img_ids=img_ids, return_dict=False)[0]
     if cfg:
         v, _ = _guided(v, guidance_scale)
     return v
