@@ -90,6 +90,20 @@ LOSSES = {
 }
 
 
+def unwritable(path):
+    """Why the figures could not be written to `path` at the end of the run, or None. Missing folders are made then."""
+    if os.path.isdir(path):
+        return "is a folder; name a file in it, e.g. " + os.path.join(path, "bench.json")
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):  # the nearest folder that exists: the rest is made at the end
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return f"cannot be made: {folder} is not a folder; pick another path"
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        return f"cannot be written (no write permission in {folder}); pick another path"
+    return None
+
+
 def parse_args(argv=None):
     """Bench flags first; train.py flags after `--` and @recipe files anywhere go to train.py unchanged."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -121,6 +135,15 @@ def parse_args(argv=None):
         p.error(f"unknown bench flag(s) {' '.join(unknown)}: put train.py flags after `--` (python bench.py --model tiny -- {' '.join(unknown)})")
     if args.steps < 1 or args.warmup < 0 or args.repeats < 1 or (args.threads is not None and args.threads < 1):
         p.error("--steps, --repeats and --threads must be >= 1 and --warmup >= 0")
+    if args.reward_images < 1 or args.reward_size < 1:
+        p.error(f"--reward-images must be >= 1 and --reward-size must be >= 1, got {args.reward_images} and "
+                f"{args.reward_size}")
+    if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
+        p.error(f"--peak-tflops must be a finite number > 0 (the chip's peak TFLOP/s), got {args.peak_tflops}")
+    if args.json:
+        json_error = unwritable(args.json)
+        if json_error:
+            p.error(f"--json {args.json} {json_error}")
     if not args.windows and args.window_size is not None:
         p.error("--window-size before `--` belongs to --windows; for one run give train.py's --window-size after `--`")
     if args.windows and args.out:

@@ -31,17 +31,22 @@ FORMATS = (".jsonl", ".txt")  # accepted prompt-file extensions
 _EXAMPLE_ROW = '{"input": "a red apple on a table"}'
 
 
-def load_prompts(path, *, input_key="input", metadata_key="metadata"):
+def load_prompts(path, *, input_key="input", metadata_key="metadata", check=None):
     """Read a `.jsonl` or `.txt` prompt file -> (prompts: list[str], metadata: list[dict]).
 
     Prompts are stripped of surrounding whitespace. A JSONL row's metadata is the object under
-    `metadata_key` (missing or null gives {}), or the whole row when `metadata_key` is "". Rows
-    that are blank, not UTF-8, not valid JSON, not a JSON object, without a non-empty string under
-    `input_key`, or with metadata that is not an object are skipped and reported in one warning
-    (path, count per reason, first line number). A trailing newline does not make a blank row.
+    `metadata_key` (missing or null gives {}), or the whole row when `metadata_key` is "" or when
+    the row has no `metadata_key` but GenEval's own keys `tag` and `include` beside its prompt (the
+    flat rows of GenEval's evaluation_metadata.jsonl and of the dataset/geneval/*_metadata.jsonl
+    files of Flow-GRPO, DiffusionNFT and AWM). Rows that are blank, not UTF-8, not valid JSON, not a
+    JSON object, without a non-empty string under `input_key`, or with metadata that is not an
+    object are skipped and reported in one warning (path, count per reason, first line number). A
+    trailing newline does not make a blank row.
 
-    Raises ValueError (unknown extension, no valid row) or FileNotFoundError (missing file),
-    each with a one-line message that names the path and the fix.
+    `check(metadata)`, if given, runs on every kept row (e.g. `rewards.geneval_rows_check(detector)`);
+    the first ValueError it raises is raised again as one line naming the path, the line and the
+    prompt. Raises ValueError (unknown extension, no valid row, a row `check` refuses) or
+    FileNotFoundError (missing file), each with a one-line message that names the path and the fix.
     """
     path = os.fspath(path)
     ext = os.path.splitext(path)[1].lower()
@@ -73,6 +78,11 @@ def load_prompts(path, *, input_key="input", metadata_key="metadata"):
             skipped[reason] = skipped.get(reason, 0) + 1
             first_bad = first_bad or lineno
             continue
+        if check is not None:
+            try:
+                check(meta)
+            except ValueError as err:
+                raise ValueError(f"{path}, line {lineno} ({prompt[:40]!r}): {err}") from None
         prompts.append(prompt)
         metadata.append(meta)
 
@@ -108,7 +118,8 @@ def _parse_row(line, ext, input_key, metadata_key, other_keys):
                 if isinstance(value, str) and value.strip():
                     other_keys[key] = other_keys.get(key, 0) + 1
         return f"no prompt under {input_key!r}", None, None
-    meta = row.get(metadata_key) if metadata_key else row
+    flat = not metadata_key or (metadata_key not in row and "tag" in row and "include" in row)  # GenEval's rows
+    meta = row if flat else row.get(metadata_key)
     if meta is None:
         meta = {}
     if not isinstance(meta, dict):

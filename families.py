@@ -272,6 +272,14 @@ def _guided(v, guidance_scale):
     return v_uncond + guidance_scale * (v_cond - v_uncond), v_cond
 
 
+def _pipeline_timestep(pipe, sigma, dtype):
+    """The timestep FluxPipeline, Flux2KleinPipeline and QwenImagePipeline hand their transformer:
+    `t.expand(B).to(latents.dtype)`, then `timestep / 1000`, with t = the scheduler's timestep (sigmas x
+    num_train_timesteps, float32). In bf16 1000 s is rounded first and divided after, which differs from
+    s.to(bf16) for about a quarter of the sigmas (up to 0.8 %). sigma: float32 [B]."""
+    return (sigma * pipe.scheduler.config.num_train_timesteps).to(dtype) / 1000
+
+
 def _to_uint8(images):
     """[-1, 1] float -> uint8, as the pipelines' "np" output x 255."""
     return ((images.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
@@ -455,7 +463,7 @@ def qwen_image(model_path=None, dtype=torch.float32, device="cpu"):
     """Qwen-Image (`Qwen/Qwen-Image`, a 20 B MMDiT with a Qwen2.5-VL-7B text encoder).
 
     Conventions: latents 2 x 2-packed into tokens [B, (H/16)(W/16), 64] as FLUX.1's; the network
-    predicts eps - x0 (our sign); timestep s (the pipeline passes t / 1000 with t = 1000 s).
+    predicts eps - x0 (our sign); timestep s, passed as the pipeline passes it (`_pipeline_timestep`).
     Guidance: true CFG with a renormalisation (the pipeline's true_cfg_scale):
     v = c * |v_c| / |c| with c = v_u + g (v_c - v_u), norms over each token's channels. No guidance
     embedding. Text: the last hidden layer of Qwen2.5-VL on a system-prompt template whose first 34
@@ -463,12 +471,16 @@ def qwen_image(model_path=None, dtype=torch.float32, device="cpu"):
     unpadded prompts give the same result); max_sequence_length 512 (the pipeline's default). Native
     schedule: linspace(1, 1/N, N), exponential time shift with mu linear in the image tokens
     (calculate_shift with the scheduler's base/max shift and sequence lengths), stretched to end at
-    shift_terminal (0.02 in the published scheduler config), then 0.
+    shift_terminal (0.02 in the published scheduler config), then 0. The VAE is kept in float32 whatever
+    `dtype`, as Flow-GRPO keeps it (train_qwenimage.py L404); the rollout decodes it under its autocast,
+    as theirs (L655).
     """
     from diffusers import QwenImagePipeline
 
     path = model_path or QWEN_IMAGE_ID
-    return from_pretrained(QwenImagePipeline, "qwen-image", path, QWEN_IMAGE_ID, dtype)
+    pipe = from_pretrained(QwenImagePipeline, "qwen-image", path, QWEN_IMAGE_ID, dtype)
+    pipe.vae.to(torch.float32)  # as Flow-GRPO's train_qwenimage.py L404, whatever the mixed precision
+    return pipe
 
 
 def tiny_qwen_image(model_path=None, dtype=torch.float32, device="cpu"):
@@ -504,7 +516,10 @@ def tiny_qwen_image(model_path=None, dtype=torch.float32, device="cpu"):
                              transformer=transformer)
     # The pipeline drops the system prompt by a token count of the real tokenizer (34); ours counts bytes.
     pipe.prompt_template_encode_start_idx = len(tokenizer(pipe.prompt_template_encode.split("{}")[0]).input_ids)
-    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+    if dtype != torch.float32:
+        pipe.to(dtype=dtype)
+        pipe.vae.to(torch.float32)  # as qwen_image
+    return pipe
 
 
 def _packed_shape(pipe, height, width, num_frames):
@@ -542,7 +557,8 @@ def _qwen_velocity(pipe, model, x, sigma, embeds, guidance_scale):
     text, mask = _cfg_halves(embeds, keys) if guidance_scale > 1 else [embeds[k] for k in keys]
     if guidance_scale > 1:
         x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])
-    v = model(hidden_states=x.to(dtype), timestep=sigma.to(dtype), encoder_hidden_states=text.to(dtype),
+    v = model(hidden_states=x.to(dtype), timestep=_pipeline_timestep(pipe, sigma, dtype),
+              encoder_hidden_states=text.to(dtype),
               encoder_hidden_states_mask=None if mask.all() else mask,  # the pipeline drops an all-valid mask
               img_shapes=[[(1, side, side)]] * x.shape[0], return_dict=False)[0]
     if guidance_scale > 1:
@@ -590,7 +606,7 @@ def flux2_klein(model_path=None, dtype=torch.float32, device="cpu"):
     Conventions: latents are the VAE's 32 channels patchified 2 x 2 into 128 and flattened into
     tokens [B, (H/16)(W/16), 128] (row-major, so unpacking is a reshape); the VAE's latent batch-norm
     statistics are undone before decoding. The network predicts eps - x0 (our sign) at timestep s
-    (the pipeline passes t / 1000). Guidance: the base models use true CFG v_u + g (v_c - v_u) with
+    (as the pipeline: `_pipeline_timestep`). Guidance: the base models use true CFG v_u + g (v_c - v_u) with
     the empty prompt as the negative (the pipeline has no negative-prompt argument; ours defaults to
     "" too); the distilled models (`is_distilled` in the pipeline config) have no guidance at all,
     and g is ignored as the pipeline ignores it. No guidance embedding. Text: Qwen3 hidden states of
@@ -669,8 +685,9 @@ def _klein_velocity(pipe, model, x, sigma, embeds, guidance_scale):
     if cfg:
         x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])
     img_ids = pipe._prepare_latent_ids(x.new_empty(x.shape[0], 1, side, side)).to(x.device)  # (t, h, w, l) per token
-    v = model(hidden_states=x.to(dtype), timestep=sigma.to(dtype), guidance=None, encoder_hidden_states=text.to(dtype),
-              txt_ids=pipe._prepare_text_ids(text).to(x.device), img_ids=img_ids, return_dict=False)[0]
+    v = model(hidden_states=x.to(dtype), timestep=_pipeline_timestep(pipe, sigma, dtype), guidance=None,
+              encoder_hidden_states=text.to(dtype), txt_ids=pipe._prepare_text_ids(text).to(x.device),
+              img_ids=img_ids, return_dict=False)[0]
     if cfg:
         v, _ = _guided(v, guidance_scale)
     return v

@@ -76,6 +76,7 @@ scripts, e.g. DiffusionNFT's scripts/evaluation.py) weights tags by their prompt
 """
 
 import argparse
+import difflib
 import json
 import math
 import os
@@ -154,31 +155,67 @@ def kept_detections(detections, tag):
     return {name: dets[:MAX_OBJECTS] for name, dets in by_class.items()}
 
 
-def check_metadata(metadata):
-    """Raise a one-line ValueError unless `metadata` is a GenEval object the judge can read."""
+INCLUDE_KEYS, EXCLUDE_KEYS = ("class", "count", "color", "position"), ("class", "count")  # what the judge reads
+
+
+def _known(kind, value, names, detector):
+    """A one-line error for a class or colour the detector never reports, or None."""
+    if names is None or value in names:
+        return None
+    close = difflib.get_close_matches(str(value), names, n=1)
+    shown = ", ".join(names) if len(names) <= 12 else f"GenEval's {len(names)} COCO classes (geneval.OBJECT_NAMES)"
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return (f"{kind} {value!r} is not one the {detector} detector reports, so the clause would score as if the "
+            f"object were never there; the {detector} detector knows {shown}: fix the row{hint}, or pick the "
+            f"detector with --geneval-detector")
+
+
+def check_metadata(metadata, *, vocabulary=None, detector="the"):
+    """Raise a one-line ValueError unless `metadata` is a GenEval object the judge can read; with `vocabulary`
+    (classes, colours) that the detector named `detector` can report (rewards.GENEVAL_VOCABULARY), also unless
+    every class and colour of the row is one of them.
+
+    Refused: no `tag` or an unknown one; no `include` clause; a clause without a class name, with a `count`
+    that is not an integer >= 1 (true, 2.0 and "2" included), or with a key the judge does not read (a
+    "colour" would be ignored); a colour that is not a name; a `position` that is not [one of RELATIONS,
+    index of an earlier include clause].
+    """
     def bad(why):
         return ValueError(f"GenEval metadata {why}; rows must look like {PROMPT_FORMAT}")
+
+    def integer(value):
+        return isinstance(value, int) and not isinstance(value, bool)
 
     if not isinstance(metadata, dict) or not metadata.get("include"):
         raise bad(f"needs 'tag' and a non-empty 'include' list, got {str(metadata)[:120]!r}")
     if metadata.get("tag") not in TAGS:
-        raise bad(f"tag {metadata.get('tag')!r} is not one of {', '.join(TAGS)}")
-    for key in ("include", "exclude"):
+        raise bad(f"'tag' {metadata.get('tag')!r} is not one of {', '.join(TAGS)}")
+    classes, colours = vocabulary or (None, None)
+    for key, allowed in (("include", INCLUDE_KEYS), ("exclude", EXCLUDE_KEYS)):
         clauses = metadata.get(key, [])
         if not isinstance(clauses, list):
             raise bad(f"{key!r} must be a list of clauses")
         for i, clause in enumerate(clauses):
             if not (isinstance(clause, dict) and isinstance(clause.get("class"), str)
-                    and isinstance(clause.get("count"), int) and clause["count"] >= 1):
-                raise bad(f"{key} clause {i} needs a 'class' name and an integer 'count' >= 1, got {clause!r}")
+                    and integer(clause.get("count")) and clause["count"] >= 1):
+                raise bad(f"{key} clause {i} needs a 'class' name and a 'count' that is an integer >= 1, "
+                          f"got {clause!r}")
+            unknown = sorted(set(clause) - set(allowed))
+            if unknown:
+                raise bad(f"{key} clause {i} has {', '.join(map(repr, unknown))}, which the judge does not read "
+                          f"(an {key} clause takes {', '.join(allowed)})")
             if key == "include" and "color" in clause and not isinstance(clause["color"], str):
                 raise bad(f"include clause {i}: 'color' must be a colour name, got {clause['color']!r}")
             if key == "include" and "position" in clause:
                 position = clause["position"]
                 if not (isinstance(position, (list, tuple)) and len(position) == 2 and position[0] in RELATIONS
-                        and isinstance(position[1], int) and 0 <= position[1] < i):
+                        and integer(position[1]) and 0 <= position[1] < i):
                     raise bad(f"include clause {i}: 'position' must be [relation, index of an earlier clause] "
                               f"with a relation in {RELATIONS}, got {position!r}")
+            error = _known("class", clause["class"], classes, detector) or (
+                _known("colour", clause["color"], colours, detector) if "color" in clause else None)
+            if error:
+                raise ValueError(f"GenEval metadata, {key} clause {i}: {error}")
 
 
 def _colours(objects, name):
@@ -693,6 +730,10 @@ def add_arguments(parser):
                             "consistent with the official rules, in [0, 1])")
     group.add_argument("--geneval-batch-size", type=int, default=8,
                        help="images per detector forward and object crops per CLIP forward, per GPU")
+    group.add_argument("--geneval-jpeg", action=argparse.BooleanOptionalAction, default=False,
+                       help="score each image after a JPEG round trip at PIL's default quality (75), as AWM's GenEval "
+                            "reward sends its images to the reward server (detection and colours see the decoded "
+                            "pixels); off: the raw pixels, as DiffusionNFT's")
     return group
 
 
@@ -717,17 +758,35 @@ def _as_uint8(images):
     return images
 
 
-def reward(*, detect, device, geneval_detector, geneval_clip_path, geneval_clip_model, geneval_score,
-           geneval_batch_size, **_):
+def jpeg_roundtrip(images):
+    """uint8 [B, H, W, 3] -> the same images JPEG-encoded at PIL's default quality (75, 4:2:0) and decoded: what
+    AWM's geneval_score sends (flow_grpo/rewards.py L189-196, `img.save(buffer, format="JPEG")`) and its reward
+    server detects on (reward-server/app_geneval.py L33)."""
+    import io
+
+    from PIL import Image
+
+    out = []
+    for image in images:
+        buffer = io.BytesIO()
+        Image.fromarray(image).save(buffer, format="JPEG")
+        out.append(np.asarray(Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")))
+    return np.stack(out)
+
+
+def reward(*, detect, vocabulary, device, geneval_detector, geneval_clip_path, geneval_clip_model, geneval_score,
+           geneval_batch_size, geneval_jpeg, **_):
     """GenEval reward -> score(images uint8 [B, H, W, 3], prompts, metadata) -> {"reward": the
     `geneval_score` [B], "geneval_correct": official 0/1 [B], "geneval_strict" [B], and for each of
     the six TAGS "geneval_<tag>" [B]: official 0/1 on that tag's samples, NaN elsewhere}.
 
     Every tag entry is always present (all NaN when the batch has none of that tag) so that every
     batch and every rank reports the same keys. detect(uint8 [b, H, W, 3]) -> b lists of detections is the
-    detector named by geneval_detector (rewards.geneval builds it), called in batches of `geneval_batch_size`
-    images; the colour classifier (only for detections without a colour) is loaded now for mask2former, whose
-    detections never have one, else on first use.
+    detector named by geneval_detector (rewards.GENEVAL_DETECTORS builds it; vocabulary: the classes and colours it
+    reports, or None), called in batches of
+    `geneval_batch_size` images; the colour classifier (only for detections without a colour) is loaded now for
+    mask2former, whose detections never have one, else on first use. With `geneval_jpeg` both see each image after
+    `jpeg_roundtrip`, as AWM's reward server did.
     """
     import torch
 
@@ -748,12 +807,14 @@ def reward(*, detect, device, geneval_detector, geneval_clip_path, geneval_clip_
 
     def score(images, prompts, metadata):
         images = _as_uint8(images)
+        if geneval_jpeg:
+            images = jpeg_roundtrip(images)
         metadata = list(metadata) if metadata is not None else [None] * len(images)
         if not len(images) == len(prompts) == len(metadata):
             raise ValueError(f"geneval: {len(images)} images, {len(prompts)} prompts, {len(metadata)} metadata")
         for i, m in enumerate(metadata):
             try:
-                check_metadata(m)
+                check_metadata(m, vocabulary=vocabulary, detector=geneval_detector)
             except ValueError as err:
                 raise ValueError(f"geneval: sample {i} ({prompts[i][:60]!r}): {err}") from None
         detections = []

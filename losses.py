@@ -216,6 +216,30 @@ def flowdppo_loss(log_prob, old_log_prob, mean, old_mean, sigma_t, adv, *, thres
     return loss, info
 
 
+def wan_step_weight(sigma, sigma_next, *, sigma_max, sigma_min):
+    """Flow-GRPO's per-step weight of the policy loss on Wan 2.1, a scalar:
+
+        w = mean_i(std_dev_t_i) / mean_i(sqrt(s_i - s'_i)),   std_dev_t = sigma_min + (sigma_max - sigma_min) s
+
+    flow_grpo scripts/train_wan2_1.py (at 32b48fd; not at 9745241) multiplies the clipped surrogate by
+    `std_dev_t.mean()` and divides it by `dt.mean()`, where its Wan SDE step returns the noise scale above
+    (wan_pipeline_with_logprob.py L51, sigma_max and sigma_min the scheduler's sigmas[1] and sigmas[-1])
+    and dt = sqrt(-dt) (L83). The KL term is added after, unweighted. On Wan's 20 UniPC flow steps (shift 3,
+    sigmas[-1] = 0) w falls from 7.49 at the first step to 0.74 at the last trained one. Both means run over
+    the micro-batch, as there (equal to the per-sample value when every sample is at the same step).
+    sigma, sigma_next: float or [B].
+    """
+    s = torch.as_tensor(sigma, dtype=torch.float64).reshape(-1)
+    s_next = torch.as_tensor(sigma_next, dtype=torch.float64).reshape(-1)
+    if s.shape != s_next.shape and s.numel() != 1 and s_next.numel() != 1:
+        raise ValueError(f"sigma and sigma_next must be floats or [B] of one shape, got {tuple(s.shape)} and "
+                         f"{tuple(s_next.shape)}")
+    if not (s > s_next).all():
+        raise ValueError("wan_step_weight needs sigma > sigma_next (a denoising step)")
+    std_dev_t = sigma_min + (sigma_max - sigma_min) * s
+    return (std_dev_t.mean() / (s - s_next).sqrt().mean()).float()
+
+
 # ----------------------------------------------------------------------------- forward process
 AWM_WEIGHTINGS = ("uniform", "t", "t2", "huber", "ghuber")
 GHUBER_OFFSET = 1e-10  # AWM's epsilon inside the power: part of the definition, (1e-10)^0.25 = 3.2e-3

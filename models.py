@@ -477,7 +477,7 @@ def velocity(pipe, x, sigma, embeds, *, guidance_scale=1.0, transformer=None):
             guidance = torch.full((batch,), float(guidance_scale), device=x.device)
         return model(
             hidden_states=x,
-            timestep=sigma,  # FluxTransformer2DModel multiplies by 1000 inside
+            timestep=families._pipeline_timestep(pipe, sigma, dtype),  # FluxTransformer2DModel multiplies by 1000
             guidance=guidance,
             pooled_projections=embeds["pooled"].to(dtype),
             encoder_hidden_states=embeds["prompt_embeds"].to(dtype),

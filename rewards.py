@@ -43,23 +43,16 @@ Conventions shared by every scorer:
 - Model loading that fails (offline, wrong path) raises one sentence naming the flag that points
   at a local copy.
 
-Reward services (`openai_api`, `custom_api`, `remote`) send requests from a thread pool of at most
-`max_concurrency` in flight (per process). Each attempt has one deadline for everything (connect,
-send, the whole reply): `timeout_s` of the config, else `--reward-timeout`; a server that answers
-one byte a second fails at the deadline. A reply larger than `--reward-max-bytes` (counted on the
-wire; compressed replies are refused, as their size is unknown until decoded) fails the attempt
-without being read further. Attempts are retried with exponential backoff (`reward_backoff *
-2**attempt` seconds) up to `reward_retries` attempts; HTTP 4xx other than 408/429 is not retried.
-Once an attempt fails for good, `reward_on_error="raise"` raises `RewardServiceError` naming the
-service, the sample and the attempts made, and sends nothing more; `"skip"` marks the sample in
-`failed` and gives it reward 0. Secrets (the judge's `api_key_env`, `--rm-auth-env`) are read from
-the environment when the reward is built and never appear in logs, errors or args.json.
-
-Transport: httpx, one pooled client per service (environment proxies honoured). httpx's timeouts
-bound each socket operation, not the request, so `http_client` wraps its socket layer: every read
-or write waits at most until the running attempt's deadline, and reads stop at the byte cap. The
-`openai_api` judge uses the official `openai` client on that same transport, with its own retries
-off: one retry loop (ours) serves every service alike.
+Reward services (`openai_api`, `custom_api`, `remote`) run on services.py: a thread pool of at
+most `max_concurrency` requests in flight (per process), one deadline per attempt for everything
+(name lookup, connect, send, the whole reply: `timeout_s` of the config, else `--reward-timeout`),
+a cap on the reply (`--reward-max-bytes`), retries with exponential backoff, and
+`reward_on_error="raise"` (stop with `RewardServiceError` naming the service, the sample and the
+attempts made) or `"skip"` (the sample is marked in `failed` and gets reward 0). Secrets (the
+judge's `api_key_env`, `--rm-auth-env`) are read from the environment when the reward is built and
+never appear in logs, errors or args.json: every error line is masked (`services.mask_secrets`).
+The `openai_api` judge uses the official `openai` client on services' transport, with its own
+retries off: one retry loop serves every service alike.
 
 The `remote` protocol (POST to `--rm-url`, Content-Type application/json, and with `--rm-auth-env
 NAME` the header `Authorization: <value of $NAME>`):
@@ -72,29 +65,22 @@ NAME` the header `Authorization: <value of $NAME>`):
 `custom` and `custom_api` import and run user code named by a dotted path: only point them at
 code you trust.
 
-Why one file of about 1,150 lines: it holds one concept, "turn images into checked scores", in
-sections read on their own: the offline scorers (~300 lines), the reward services (~480: configs,
-the deadline-bound HTTP transport ~110, the retry loop ~90, the judge and the three services),
-user code, mixtures and the option table (~250). The transport lives here because only the
-reward services use it; splitting the services off would make every scorer's options and checks
-cross a module boundary for no reader's benefit.
+Sections, each read on its own: the offline scorers, the reward services (the judge and the three
+service factories; their HTTP plumbing is services.py), user code, mixtures and the option table.
 
 Run `python bench.py --rewards` for the images/s of the offline scorers on this machine.
 """
 
 import argparse
 import base64
-import contextlib
 import difflib
 import io
 import json
 import logging
 import math
 import os
-import reprlib
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -103,40 +89,16 @@ from PIL import Image
 import geneval  # light at import: its models load inside geneval.reward
 import shapes
 from geneval import geneval_judge  # noqa: F401  (rewards.geneval_judge, as DESIGN.md names it)
+import services  # the HTTP plumbing of the reward services
+from services import (  # noqa: F401  (rewards.post_json, http_client, BadReply, load_config: the names hooks use)
+    BadReply, RewardServiceError, _HTTPStatus, _http_url, _integer, _number, _real, _serve, _service_loop, _show,
+    http_client, load_config, post_json)
 
 log = logging.getLogger(__name__)
 
 
-class RewardServiceError(RuntimeError):
-    """A reward service (API judge, remote server) failed on a sample after all retries."""
-
-
 class NonFiniteReward(ValueError):
     """A scorer returned NaN or inf; it must never reach the advantages."""
-
-
-# ----------------------------------------------------------------------------- checks of options and outputs
-
-def _show(value):
-    """A short one-line picture of what a user function or config gave, for error messages."""
-    return f"{type(value).__name__} {' '.join(reprlib.repr(value).split())}"
-
-
-def _integer(value, low, name):
-    """`value` if it is an integer >= low, else a one-line error naming `name` (True and 1.5 are refused, not cast)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {_show(value)}")
-    return int(value)
-
-
-def _real(value, name, *, minimum=None, positive=False):
-    """`value` as a float if it is a finite number (> 0 with `positive`, >= `minimum` if given), else an error
-    naming `name`."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float, np.number)) and math.isfinite(value)
-    if not ok or (positive and value <= 0) or (minimum is not None and value < minimum):
-        bound = " > 0" if positive else f" >= {minimum:g}" if minimum is not None else ""
-        raise ValueError(f"{name} must be a finite number{bound}, got {_show(value)}")
-    return float(value)
 
 
 # ----------------------------------------------------------------------------- images
@@ -420,260 +382,6 @@ def jpeg_incompressibility(**_):
     return lambda images, prompts, metadata: _jpeg_kb(images) / 500
 
 
-# ----------------------------------------------------------------------------- reward services: configs
-
-def load_config(value, flag):
-    """A reward-service config: a YAML file, inline `base64:<base64 of YAML>`, or a dict; it must hold a mapping.
-
-    `prompt_path` is read relative to the config file and becomes `prompt`; an inline config has
-    no directory, so it must carry `prompt` itself.
-    """
-    if value is None:
-        raise ValueError(f"this reward needs {flag}: a YAML file or base64:<base64-encoded YAML>")
-    import yaml
-
-    folder, text = None, None
-    if isinstance(value, dict):
-        config = dict(value)
-    elif isinstance(value, str) and value.startswith("base64:"):
-        try:
-            text = base64.b64decode(value[len("base64:"):], validate=True).decode("utf-8")
-        except ValueError as err:  # binascii.Error and UnicodeDecodeError are ValueErrors
-            raise ValueError(f"{flag}: the base64:<payload> does not decode ({err})") from None
-    elif isinstance(value, str) and os.path.isfile(value):
-        folder = os.path.dirname(os.path.abspath(value))
-        with open(value, encoding="utf-8") as f:
-            text = f.read()
-    else:
-        raise ValueError(f"{flag} {value!r} is neither a YAML file nor base64:<payload>")
-    if text is not None:
-        try:
-            config = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise ValueError(f"{flag}: not valid YAML ({' '.join(str(err).split())})") from None
-    if not isinstance(config, dict):  # an empty file, 0, "" or a list is a mistake, not an empty config
-        raise ValueError(f"{flag} must hold a YAML mapping such as 'model: ...', got {_show(config)}")
-    if "prompt_path" in config:
-        if "prompt" in config:
-            raise ValueError(f"{flag}: give prompt or prompt_path, not both")
-        if folder is None:
-            raise ValueError(f"{flag}: prompt_path is not allowed in an inline config; "
-                             f"put the rubric text under prompt")
-        with open(os.path.join(folder, config.pop("prompt_path")), encoding="utf-8") as f:
-            config["prompt"] = f.read()
-    return config
-
-
-def _http_url(url, name):
-    if not isinstance(url, str) or not url.lower().startswith(("http://", "https://")):
-        raise ValueError(f"{name} must be an http:// or https:// URL, got {_show(url)}")
-    return url
-
-
-# ----------------------------------------------------------------------------- reward services: HTTP
-
-class BadReply(ValueError):
-    """A service answered, but not with what the protocol expects."""
-
-
-class _HTTPStatus(OSError):
-    def __init__(self, code, message):
-        super().__init__(message)
-        self.status_code = code
-
-
-_attempt = threading.local()  # the service attempt this thread runs: deadline (time.monotonic), seconds, bytes left
-
-
-@contextlib.contextmanager
-def _limits(seconds, max_bytes):
-    """Bound the socket operations of `http_client` clients in this thread by one deadline and one byte budget."""
-    _attempt.deadline, _attempt.seconds = time.monotonic() + seconds, seconds
-    _attempt.left = _attempt.max_bytes = max_bytes
-    try:
-        yield
-    finally:
-        _attempt.deadline = None
-
-
-def _time_left(timeout):
-    """A socket operation's timeout, cut to what is left of the attempt's deadline (outside an attempt: as is)."""
-    if getattr(_attempt, "deadline", None) is None:
-        return timeout
-    left = _attempt.deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError(f"no complete reply within the {_attempt.seconds:g} s deadline")
-    return left if timeout is None else min(timeout, left)
-
-
-class _Deadline:
-    """httpcore's network backend, and each stream it opens, with every socket wait cut at the running attempt's
-    deadline and reads stopped at its byte budget. A pooled connection keeps its stream; each attempt brings
-    its own limits. Everything else (close, get_extra_info, sleep) passes through."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
-        return _Deadline(self.inner.connect_tcp(host, port, _time_left(timeout), local_address, socket_options))
-
-    def start_tls(self, ssl_context, server_hostname=None, timeout=None):
-        return _Deadline(self.inner.start_tls(ssl_context, server_hostname, _time_left(timeout)))
-
-    def write(self, buffer, timeout=None):
-        self.inner.write(buffer, _time_left(timeout))
-
-    def read(self, max_bytes, timeout=None):
-        data = self.inner.read(max_bytes, _time_left(timeout))
-        if getattr(_attempt, "deadline", None) is not None:
-            _attempt.left -= len(data)
-            if _attempt.left < 0:
-                raise BadReply(f"reply over {_attempt.max_bytes} bytes (--reward-max-bytes); stopped reading it")
-        return data
-
-
-def http_client(headers=None):
-    """An httpx.Client for reward services: pooled connections, environment proxies, uncompressed replies, and,
-    inside a service attempt, the attempt's deadline and byte cap on every socket operation. Build one per
-    service; it is safe to share between threads. `headers` (e.g. an auth header) go with every request."""
-    import httpx
-
-    def refuse_compressed(response):  # the cap counts wire bytes, and a small gzip body can decode to gigabytes
-        encoding = response.headers.get("content-encoding", "identity").strip().lower()
-        if encoding != "identity":
-            raise BadReply(f"the reply is compressed ({encoding}) though the request asked for an uncompressed one")
-
-    client = httpx.Client(headers={"Accept-Encoding": "identity", **(headers or {})}, trust_env=True,
-                          limits=httpx.Limits(max_connections=None), event_hooks={"response": [refuse_compressed]})
-    # httpx has no public hook below its timeouts: wrap the network backend of each transport's pool (httpx is pinned)
-    for transport in [client._transport, *client._mounts.values()]:
-        if transport is not None:
-            transport._pool._network_backend = _Deadline(transport._pool._network_backend)
-    return client
-
-
-_default_client = []  # the client of `post_json` calls that bring none, made on first use
-
-
-def post_json(url, body, *, timeout, headers=None, client=None):
-    """POST `body` as JSON and return the decoded JSON reply; a non-2xx status raises with its code (4xx other
-    than 408/429 are not retried). Inside a service attempt, e.g. in a custom_api `send_request` hook, the
-    attempt's deadline and --reward-max-bytes bound it; `timeout` bounds each socket operation."""
-    if client is None:
-        if not _default_client:
-            _default_client.append(http_client())  # a rare race makes two clients; either works
-        client = _default_client[0]
-    reply = client.post(url, content=json.dumps(body, default=str).encode("utf-8"), timeout=timeout,
-                        headers={"Content-Type": "application/json", **(headers or {})})
-    if not reply.is_success:
-        raise _HTTPStatus(reply.status_code, f"HTTP {reply.status_code} {reply.reason_phrase}: {reply.text[:300]}")
-    try:
-        return json.loads(reply.content)
-    except ValueError:
-        raise BadReply(f"reply is not JSON: {reply.content[:200]!r}") from None
-
-
-def _number(value, what):
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-        raise BadReply(f"{what} is not a number: {_show(value)}")
-    return float(value)
-
-
-# ----------------------------------------------------------------------------- reward services: the request loop
-
-def _status_code(err):
-    """The HTTP status an exception carries (ours and openai's `status_code`, httpx's `response`, urllib's `code`)."""
-    for code in (getattr(err, "status_code", None), getattr(getattr(err, "response", None), "status_code", None),
-                 getattr(err, "code", None)):
-        if isinstance(code, int) and not isinstance(code, bool):
-            return code
-    return None
-
-
-def _retryable(err):
-    code = _status_code(err)
-    return code is None or not (400 <= code < 500 and code not in (408, 429))
-
-
-def _error_text(err, seconds):
-    import httpx
-
-    if isinstance(err, (TimeoutError, httpx.TimeoutException)):  # whichever operation hit the deadline
-        return f"TimeoutError: no complete reply within the {seconds:g} s deadline of an attempt"
-    return f"{type(err).__name__}: {err}"
-
-
-def _service_loop(timeout, timeout_name, max_concurrency, concurrency_name, retries, backoff, on_error, max_bytes):
-    """A service's request-loop settings, checked when the reward is built: the keywords of `_serve`."""
-    if on_error not in ("raise", "skip"):
-        raise ValueError(f"--reward-on-error must be 'raise' or 'skip', got {on_error!r}")
-    return dict(timeout=_real(timeout, timeout_name, positive=True),
-                max_concurrency=_integer(max_concurrency, 1, concurrency_name),
-                retries=_integer(retries, 1, "--reward-retries"), backoff=_real(backoff, "--reward-backoff", minimum=0),
-                on_error=on_error, max_bytes=_integer(max_bytes, 1, "--reward-max-bytes"))
-
-
-def _serve(service, units, prepare, send, *, timeout, max_bytes, retries, backoff, max_concurrency, on_error,
-           redact=lambda s: s):
-    """Score `units` (lists of sample indices) with at most `max_concurrency` requests in flight.
-
-    prepare(u) builds unit u's request once; send(u, request) returns one float per sample of the
-    unit. Each attempt runs under one deadline of `timeout` seconds and a reply cap of `max_bytes`,
-    and is retried `backoff * 2**attempt` seconds later, up to `retries` attempts. With on_error
-    "raise" the first unit that fails for good raises at once, and no unit starts another attempt.
-    Returns (scores [B] float32, failed [B] bool).
-    """
-    total = sum(len(u) for u in units)
-    scores, failed = torch.zeros(total), torch.zeros(total, dtype=torch.bool)
-    stop = threading.Event()
-
-    def run(u):
-        request, error, attempt = prepare(u), None, 0
-        while attempt < retries and not stop.is_set():
-            attempt += 1
-            try:
-                with _limits(timeout, max_bytes):
-                    values = send(u, request)
-                if len(values) != len(units[u]):
-                    raise BadReply(f"{len(values)} scores for {len(units[u])} samples")
-                return values, None, attempt
-            except Exception as err:
-                error = redact(_error_text(err, timeout))
-                if not _retryable(err) or attempt >= retries:
-                    break
-                delay = backoff * 2 ** (attempt - 1)
-                log.warning("%s: sample %s attempt %d/%d failed (%s); retrying in %.2fs",
-                            service, _samples(units[u]), attempt, retries, error, delay)
-                stop.wait(delay)
-        return None, error, attempt
-
-    pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix=service)
-    futures = {pool.submit(run, u): u for u in range(len(units))}
-    try:
-        for future in as_completed(futures):
-            values, error, attempts = future.result()
-            unit = units[futures[future]]
-            if error is None:
-                scores[unit] = torch.tensor(values, dtype=torch.float32)
-                continue
-            message = f"{service}: sample {_samples(unit)} failed after {attempts} attempt(s): {error}"
-            if on_error == "raise":
-                stop.set()  # attempts in flight end at their deadline; no new ones start
-                raise RewardServiceError(message)
-            log.warning("%s; skipped (reward 0, failed=True)", message)
-            failed[unit] = True
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-    return scores, failed
-
-
-def _samples(unit):
-    return str(unit[0]) if len(unit) == 1 else f"{unit[0]}-{unit[-1]}"
-
-
 # ----------------------------------------------------------------------------- reward services: the three kinds
 
 DEFAULT_RUBRIC = """You grade an image generated from a text prompt. Rate how well the image shows \
@@ -725,7 +433,7 @@ class OpenAIJudge:
         return f"{type(self).__name__}(model={self.model!r}, url={self.url!r})"
 
     def redact(self, text):
-        return text.replace(self._key, "***") if self._key else text
+        return services.mask_secrets([self._key])(text)
 
     def build_request(self, image, prompt, metadata):
         if image.ndim != 3:
@@ -874,7 +582,7 @@ def remote(*, rm_url, rm_auth_env, remote_batch_size, remote_max_concurrency, re
         if not token:
             raise ValueError(f"--rm-auth-env {rm_auth_env}: that environment variable is unset or empty; "
                              f"export the Authorization header value in it, e.g. {rm_auth_env}='Bearer <token>'")
-        headers, redact = {"Authorization": token}, (lambda s: s.replace(token, "***"))
+        headers, redact = {"Authorization": token}, services.mask_secrets([token])
     client = http_client(headers)  # the header lives in the client only: not in args, logs or errors
 
     def send(body):
@@ -1145,13 +853,27 @@ def geneval_reward(*, geneval_detector, geneval_detector_path, device, **options
     if name not in GENEVAL_DETECTORS:
         raise ValueError(f"--geneval-detector must be one of {', '.join(GENEVAL_DETECTORS)}, got {name!r}")
     detect = GENEVAL_DETECTORS[name](geneval_detector_path, device)
-    return geneval.reward(detect=detect, device=device, geneval_detector=name, **options)
+    return geneval.reward(detect=detect, vocabulary=GENEVAL_VOCABULARY.get(name), device=device,
+                          geneval_detector=name, **options)
 
 
-# GenEval's detectors: name -> factory(path, device) -> detect(uint8 images [b, H, W, 3]) -> b lists of detections.
+def geneval_rows_check(detector):
+    """The check of data.load_prompts for GenEval rows judged by `detector` (None: mask2former): the judge can read
+    the row, and every class and colour it names is one the detector reports (else that clause would silently
+    fail). Every row of a prompt file is checked when it loads, before any model does."""
+    name = detector or "mask2former"
+    return lambda metadata: geneval.check_metadata(metadata, vocabulary=GENEVAL_VOCABULARY.get(name), detector=name)
+
+
+# GenEval's detectors: name -> factory(path, device) -> detect(uint8 images [b, H, W, 3]) -> b lists of detections;
+# and the classes and colours each reports.
 GENEVAL_DETECTORS = {
     "mask2former": geneval.mask2former_detector,  # photographs (COCO classes); colours from CLIP
     "shapes": lambda path, device: shapes.detect,  # the shapes world: exact, with colours
+}
+GENEVAL_VOCABULARY = {
+    "mask2former": (geneval.OBJECT_NAMES, geneval.COLORS),  # GenEval's 80 COCO classes and 10 colours
+    "shapes": (shapes.SHAPES, tuple(shapes.COLORS)),
 }
 
 

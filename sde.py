@@ -77,7 +77,7 @@ import random
 import torch
 
 KINDS = ("flow", "dance", "cps", "ode")
-WINDOWS = ("all", "fast", "mix")
+WINDOWS = ("all", "fast", "mix", "sparse")
 SOLVERS = ("euler", "dpm2")  # deterministic samplers of ode_sample
 AWM_TIMESTEPS = ("discrete_wo_init", "discrete")  # AWM's time_type choices over the schedule
 SIGMA_ONE = 1e-4  # s within this of 1 counts as s = 1 in the 1 - s of (3)
@@ -198,6 +198,10 @@ def sde_steps(num_steps, *, window="all", iteration=0, timestep_fraction=1.0, wi
           that moves `stride` steps later every `iters_per_window` iterations; its last position
           ends at the last trainable step (a position past it is clamped there). It then stays
           there, or with roll_back starts again at step 0.
+    sparse: FlowDPPO's (UniRL AllSDEScheduler, unirl/utils/scheduler_utils.py L112-124), `window_size` steps
+          drawn without replacement from steps lo .. hi - 1 of window_range, not necessarily adjacent, from a
+          generator seeded with (seed, iteration); UniRL draws one set per rollout step, the same on every rank
+          (seeded with the step alone: the same distribution, other draws).
     The last step (index num_steps - 1, into s = 0) is never included. Other steps are ODE steps.
     """
     trainable = num_steps - 1  # steps 0 .. num_steps - 2
@@ -218,12 +222,14 @@ def sde_steps(num_steps, *, window="all", iteration=0, timestep_fraction=1.0, wi
         raise ValueError(f"--window-size must be in [1, {trainable}] (the trainable steps of --num-steps {num_steps}), "
                          f"got {window_size}")
     last_start = trainable - window_size
-    if window == "fast":
+    if window in ("fast", "sparse"):
         lo, hi = (0, trainable) if window_range is None else window_range
         if not 0 <= lo <= hi - window_size or hi > trainable:
             raise ValueError(f"--window-range LO HI must hold the whole window: 0 <= LO, LO + --window-size "
                              f"{window_size} <= HI <= {trainable} (= num_steps - 1, the last step is never trained), "
                              f"got {lo} {hi}")
+        if window == "sparse":
+            return sorted(random.Random(f"sparse-steps/{seed}/{iteration}").sample(range(lo, hi), window_size))
         start = random.Random(f"fast-window/{seed}/{iteration}").randint(lo, hi - window_size)  # same in every process
     else:  # mix
         if stride < 1:

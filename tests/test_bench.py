@@ -86,6 +86,37 @@ def test_bad_flags_fail_with_one_line(argv, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["--rewards", "--reward-images", "0"], "--reward-images must be >= 1"),
+    (["--rewards", "--reward-size", "-3"], "--reward-size must be >= 1"),
+    (["--peak-tflops", "-5"], "--peak-tflops must be a finite number > 0"),
+    (["--peak-tflops", "0"], "--peak-tflops must be a finite number > 0"),
+    (["--peak-tflops", "nan"], "--peak-tflops must be a finite number > 0"),
+])
+def test_bad_values_are_refused_before_any_work(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(argv)
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_a_json_path_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys):
+    """The figures are written at the end of the run: a path that cannot take them is refused at the start."""
+    (tmp_path / "a_file").write_text("x")
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    read_only.chmod(0o500)
+    cases = [(tmp_path, "is a folder"), (tmp_path / "a_file" / "bench.json", "is not a folder")]
+    if not os.access(read_only, os.W_OK):  # root writes anywhere
+        cases.append((read_only / "bench.json", "cannot be written"))
+    for path, needle in cases:
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(["--json", str(path)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and needle in err and str(path) in err, err
+    args = bench.parse_args(["--json", str(tmp_path / "new" / "folders" / "bench.json")])  # made at the end
+    assert args.json == str(tmp_path / "new" / "folders" / "bench.json")
+
+
 def test_recipe_files_go_to_train():
     args = bench.parse_args(["@recipes/sd3_bench.args", "--model", "sd3-random", "--", "--gradient-checkpointing"])
     assert args.model == "sd3-random"

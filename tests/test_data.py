@@ -74,7 +74,7 @@ def test_empty_metadata_key_takes_the_whole_row(tmp_path):
     prompts, metadata, caught = load_quiet(path, input_key="prompt", metadata_key="")
     assert caught == [] and prompts == ["a photo of a cat", "a photo of two buses"]
     assert metadata == rows
-    assert load_quiet(path, input_key="prompt")[1] == [{}, {}]  # the default key finds no metadata in flat rows
+    assert load_quiet(path, input_key="prompt")[1] == rows  # rows without the default key but with tag and include
 
 
 def test_bad_rows_skipped_with_one_warning(tmp_path):

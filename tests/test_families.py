@@ -131,6 +131,57 @@ def test_flux2_klein_matches_pipeline(distilled, pipes):
         pipe.register_to_config(is_distilled=False)
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen-image", "tiny-flux2-klein", "tiny-flux"])
+def test_bf16_transformer_inputs_and_outputs_are_the_pipelines(name):
+    """Loaded in bf16 (as train.py loads the frozen base of a LoRA run), each adapter hands the transformer what the
+    pipeline's __call__ hands it, bit for bit: the timestep t.to(latents.dtype) / 1000 with t = 1000 s the
+    scheduler's (rounded to bf16 before the division, not s.to(bf16)), hence the same velocity. 10 steps, no CFG
+    (the pipeline runs the two CFG halves as separate forwards, ours as one batch)."""
+    pipe = models.load_pipeline(name, dtype=torch.bfloat16)
+    sigmas = models.sigmas(pipe, 10, 64)
+    rounded_late = (sigmas[:-1] * 1000).to(torch.bfloat16) / 1000
+    assert (sigmas[:-1].to(torch.bfloat16) != rounded_late).any()  # the two orders differ somewhere: it can fail
+    calls = []
+    hook = pipe.transformer.register_forward_hook(
+        lambda module, args, kwargs, out: calls.append((kwargs["hidden_states"], kwargs["timestep"], out[0])),
+        with_kwargs=True)
+    try:
+        x = noise(pipe, name, seed=1)
+        tokens = models.default_tokens(pipe)
+        call = dict(prompt=list(PROMPTS), num_inference_steps=10, height=64, width=64, output_type="latent",
+                    max_sequence_length=tokens)
+        if name == "tiny-qwen-image":
+            pipe(**call, latents=x.clone(), true_cfg_scale=1.0)
+        elif name == "tiny-flux2-klein":
+            pipe(**call, latents=x.permute(0, 2, 1).reshape(2, 16, 8, 8).clone(), guidance_scale=1.0)
+        else:
+            pipe(**call, latents=x.clone(), guidance_scale=3.5)
+        theirs, calls[:] = list(calls), []
+        assert len(theirs) == 10 and theirs[0][0].dtype == torch.bfloat16
+        g = 3.5 if name == "tiny-flux" else 1.0  # FLUX.1's guidance is an embedding, not CFG
+        embeds = models.encode_prompts(pipe, PROMPTS, guidance_scale=1.0, max_sequence_length=tokens)
+        with torch.no_grad():
+            for k, (hidden, _, _) in enumerate(theirs):  # ours at the pipeline's own latents of each step
+                models.velocity(pipe, hidden, sigmas[k].item(), embeds, guidance_scale=g)
+    finally:
+        hook.remove()
+    for k, ((_, t_theirs, v_theirs), (hidden, t_ours, v_ours)) in enumerate(zip(theirs, calls)):
+        assert torch.equal(hidden, theirs[k][0]), k
+        assert t_ours.dtype == t_theirs.dtype and torch.equal(t_ours, t_theirs), (k, t_ours, t_theirs)
+        assert torch.equal(v_ours, v_theirs), k
+
+
+def test_qwen_image_vae_stays_float32_in_a_bf16_load(pipes):
+    """Flow-GRPO keeps Qwen-Image's VAE in float32 whatever the mixed precision (train_qwenimage.py L404) and
+    decodes under its rollout's bf16 autocast (L655): a bf16 load decodes as the float32 load does, there."""
+    pipe = models.load_pipeline("tiny-qwen-image", dtype=torch.bfloat16)
+    assert pipe.vae.dtype == torch.float32 and pipe.transformer.dtype == torch.bfloat16
+    z = noise(pipe, "tiny-qwen-image", seed=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as train.py decodes its rollouts
+        ours, reference = models.decode(pipe, z), models.decode(pipes["tiny-qwen-image"], z)
+    assert torch.equal(ours, reference) and ours.float().std() > 1
+
+
 def test_noise_is_the_pipelines_noise(pipes):
     for name, pipe in pipes.items():
         ours = noise(pipe, name, seed=3)
@@ -341,17 +392,36 @@ def test_published_configs_have_the_published_sizes():
 
 
 def test_sd35_large_runs_through_sd3():
-    """SD3.5-Large is the sd3 family by --model-path: the same adapter, schedule and LoRA targets."""
+    """SD3.5-Large is the sd3 family by --model-path: the same adapter, schedule and LoRA targets. The schedule
+    against diffusers' scheduler of its config after set_timesteps; the adapter against StableDiffusion3Pipeline's
+    __call__ on a tiny transformer of its structure (no second attention in any block, RMS qk-norm)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+
     pipe = models.load_pipeline("sd3-random", device="meta")
     pipe.register_modules(transformer=families.build_published("sd3.5-large", "transformer").eval())
     assert models.family(pipe) == "sd3"
-    torch.testing.assert_close(models.sigmas(pipe, 10, 1024), sde.sd3_sigmas(10, shift=3.0))
-    embeds = models.encode_prompts(pipe, PROMPTS, guidance_scale=3.5)
-    x = models.initial_noise(pipe, 2, 1024)
-    assert models.velocity(pipe, x, 0.5, embeds, guidance_scale=3.5).shape == x.shape == (2, 16, 128, 128)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)  # stabilityai/stable-diffusion-3.5-large's config
+    for num_steps in (10, 28, 40):
+        scheduler.set_timesteps(num_steps)
+        torch.testing.assert_close(models.sigmas(pipe, num_steps, 1024), scheduler.sigmas, atol=0, rtol=0)
     linears = {n for n, m in pipe.transformer.named_modules() if isinstance(m, torch.nn.Linear)}
     for target in models.LORA_TARGETS["sd3"]:  # every block has them (SD3.5-Large has no second attention)
         assert sum(n.endswith("." + target) for n in linears) >= 37
+
+    tiny = models.load_pipeline("tiny")
+    with families.seeded_build(1, "cpu"):
+        large_like = SD3Transformer2DModel.from_config(tiny.transformer.config, dual_attention_layers=()).eval()
+    assert large_like.config.qk_norm == "rms_norm" and not large_like.transformer_blocks[0].use_dual_attention
+    tiny.register_modules(transformer=large_like)
+    x = models.initial_noise(tiny, 2, 64, generator=torch.Generator().manual_seed(0))
+    call = dict(prompt=PROMPTS, negative_prompt="", num_inference_steps=4, guidance_scale=3.5, height=64, width=64,
+                latents=x.clone(), max_sequence_length=0)
+    expected = tiny(**call, output_type="latent").images
+    embeds = models.encode_prompts(tiny, PROMPTS, guidance_scale=3.5)
+    with torch.no_grad():
+        ours = euler(tiny, x, models.sigmas(tiny, 4, 64), embeds, 3.5)
+    assert (ours - x).abs().mean() > 0.1
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", TINY)

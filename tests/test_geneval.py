@@ -270,6 +270,82 @@ def test_shipped_prompt_files():
     assert geneval.make_prompts(800, seed=0, exclude=test) == train
 
 
+SHAPE_ROW = {"tag": "colors", "include": [{"class": "circle", "count": 1, "color": "red"}]}
+BAD_ROWS = {  # metadata -> a word the one-line error must name
+    "no tag": ({"include": [{"class": "circle", "count": 1}]}, "'tag'"),
+    "count true": ({"tag": "counting", "include": [{"class": "circle", "count": True}]}, "'count'"),
+    "count 2.0": ({"tag": "counting", "include": [{"class": "circle", "count": 2.0}]}, "'count'"),
+    "count 0": ({"tag": "counting", "include": [{"class": "circle", "count": 0}]}, "'count'"),
+    "exclude count true": ({"tag": "counting", "include": [{"class": "circle", "count": 2}],
+                            "exclude": [{"class": "circle", "count": True}]}, "'count'"),
+    "relation": ({"tag": "position", "include": [{"class": "circle", "count": 1},
+                                                 {"class": "square", "count": 1, "position": ["beside", 0]}]},
+                 "'position'"),
+    "target true": ({"tag": "position", "include": [{"class": "circle", "count": 1},
+                                                    {"class": "square", "count": 1, "position": ["above", True]}]},
+                    "'position'"),
+    "later target": ({"tag": "position", "include": [{"class": "circle", "count": 1, "position": ["above", 1]},
+                                                     {"class": "square", "count": 1}]}, "'position'"),
+    "dragon": ({"tag": "single_object", "include": [{"class": "dragon", "count": 1}]}, "'dragon'"),
+    "mauve": ({"tag": "colors", "include": [{"class": "circle", "count": 1, "color": "mauve"}]}, "'mauve'"),
+    "orange": ({"tag": "colors", "include": [{"class": "circle", "count": 1, "color": "orange"}]}, "'orange'"),
+    "colour": ({"tag": "colors", "include": [{"class": "circle", "count": 1, "colour": "red"}]}, "'colour'"),
+    "excluded dragon": ({"tag": "counting", "include": [{"class": "circle", "count": 2}],
+                         "exclude": [{"class": "dragon", "count": 3}]}, "'dragon'"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_ROWS))
+def test_prompt_rows_are_checked_against_the_detector_when_they_load(tmp_path, name):
+    """Every row, when the file loads: a row the judge cannot read, or a class or colour the detector never reports
+    (which would score 0, or 1 in an exclude clause, whatever the image shows), is one line naming the file, the
+    line and the fix."""
+    bad, word = BAD_ROWS[name]
+    path = tmp_path / "shapes_prompts.jsonl"
+    rows = [SHAPE_ROW, SHAPE_ROW, bad, SHAPE_ROW]
+    path.write_text("".join(json.dumps({"prompt": f"prompt {i}", "metadata": m}) + "\n" for i, m in enumerate(rows)))
+    with pytest.raises(ValueError) as err:
+        data.load_prompts(path, input_key="prompt", check=rewards.geneval_rows_check("shapes"))
+    message = str(err.value)
+    assert message.startswith(f"{path}, line 3 ('prompt 2'): ") and word in message, message
+    assert "\n" not in message and ("fix" in message or "rows must look like" in message), message
+    path.write_text("".join(json.dumps({"prompt": f"prompt {i}", "metadata": SHAPE_ROW}) + "\n" for i in range(3)))
+    assert data.load_prompts(path, input_key="prompt", check=rewards.geneval_rows_check("shapes"))[1] == [SHAPE_ROW] * 3
+
+
+def test_each_detector_has_its_own_classes_and_colours():
+    import shapes
+
+    assert rewards.GENEVAL_VOCABULARY["shapes"] == (shapes.SHAPES, tuple(shapes.COLORS))
+    assert rewards.GENEVAL_VOCABULARY["mask2former"] == (geneval.OBJECT_NAMES, geneval.COLORS)
+    geneval.check_metadata(RED_CAR, vocabulary=rewards.GENEVAL_VOCABULARY["mask2former"], detector="mask2former")
+    with pytest.raises(ValueError, match="'car'.*the shapes detector knows circle, square, triangle"):
+        geneval.check_metadata(RED_CAR, vocabulary=rewards.GENEVAL_VOCABULARY["shapes"], detector="shapes")
+    with pytest.raises(ValueError, match="'circle'.*--geneval-detector"):
+        geneval.check_metadata(SHAPE_ROW, vocabulary=rewards.GENEVAL_VOCABULARY["mask2former"], detector="mask2former")
+    geneval.check_metadata(SHAPE_ROW)  # without a detector: the form only
+    for name, detector in [("geneval_test.jsonl", "mask2former"), ("geneval_train.jsonl", "mask2former"),
+                           ("shapes_test.jsonl", "shapes"), ("shapes_train.jsonl", "shapes")]:
+        data.load_prompts(os.path.join(PROMPTS, name), input_key="prompt", check=rewards.geneval_rows_check(detector))
+
+
+def test_the_authors_flat_prompt_files_load_as_they_are(tmp_path):
+    """Flow-GRPO's, DiffusionNFT's and AWM's dataset/geneval/{train,test}_metadata.jsonl hold one flat object per
+    line, the clauses beside the prompt: with the recipes' --input-key prompt they load without --metadata-key."""
+    rows = [{"tag": "counting", "include": [{"class": "cup", "count": 3}], "exclude": [{"class": "cup", "count": 4}],
+             "prompt": "a photo of three cups"},
+            {"tag": "color_attr", "include": [{"class": "bench", "count": 1, "color": "green"},
+                                              {"class": "kite", "count": 1, "color": "white"}],
+             "prompt": "a photo of a green bench and a white kite"},
+            {"tag": "position", "include": [{"class": "cat", "count": 1},
+                                            {"class": "bowl", "count": 1, "position": ["below", 0]}],
+             "prompt": "a photo of a bowl below a cat"}]
+    path = tmp_path / "test_metadata.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))  # no newline after the last row, as theirs
+    prompts, metadata = data.load_prompts(path, input_key="prompt", check=rewards.geneval_rows_check("mask2former"))
+    assert prompts == [r["prompt"] for r in rows] and metadata == rows
+
+
 # ----------------------------------------------------------------------------- Mask2Former post-processing
 
 def test_preprocess_sizes_and_padding():
@@ -520,7 +596,7 @@ def stub_colours(calls):
 
 
 OPTIONS = dict(geneval_detector="stub", geneval_detector_path="unused", geneval_clip_path="unused",
-               geneval_clip_model="unused", geneval_score="partial")
+               geneval_clip_model="unused", geneval_score="partial", geneval_jpeg=False)
 
 
 def images_for(indices):
@@ -589,6 +665,39 @@ def test_missing_checkpoint_offline_names_the_flag(tmp_path):
     assert "\n" not in str(err.value)
 
 
+def test_jpeg_option_scores_what_awms_reward_server_saw(monkeypatch):
+    """AWM's geneval_score (flow_grpo/rewards.py L189-196) sends each image as a JPEG at PIL's default quality and its
+    server decodes it (reward-server/app_geneval.py L33): with --geneval-jpeg the detector and the colour
+    classifier see those decoded pixels; without it the raw ones (DiffusionNFT's reward)."""
+    import io
+
+    from PIL import Image
+
+    seen = []
+
+    def recording_detector(path, device):
+        def detect(images):
+            seen.append(np.array(images))
+            return [[det("bench", color="red")] for _ in images]
+        return detect
+
+    monkeypatch.setitem(rewards.GENEVAL_DETECTORS, "stub", recording_detector)
+    images = np.random.default_rng(0).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
+    rows = [{"tag": "colors", "include": [{"class": "bench", "count": 1, "color": "red"}]}] * 3
+    expected = []
+    for image in images:
+        buffer = io.BytesIO()
+        Image.fromarray(image).save(buffer, format="JPEG")  # quality 75, 4:2:0, PIL's defaults
+        expected.append(np.asarray(Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")))
+    expected = np.stack(expected)
+    assert np.abs(expected.astype(int) - images).mean() > 5  # noise does not survive JPEG: the test can tell
+    for jpeg, pixels in [(True, expected), (False, images)]:
+        seen.clear()
+        out = rewards.geneval_reward(device="cpu", geneval_batch_size=2, **dict(OPTIONS, geneval_jpeg=jpeg))(
+            images, ["a photo of a red bench"] * 3, rows)
+        assert np.array_equal(np.concatenate(seen), pixels) and out["reward"].tolist() == [1.0] * 3
+
+
 def test_options_declared_once():
     import argparse
 
@@ -596,7 +705,7 @@ def test_options_declared_once():
     geneval.add_arguments(parser)
     args = parser.parse_args(["--geneval-score", "corrected", "--geneval-batch-size", "4"])
     assert set(geneval.options()) == {"geneval_detector", "geneval_detector_path", "geneval_clip_path",
-                                      "geneval_clip_model", "geneval_score", "geneval_batch_size"}
+                                      "geneval_clip_model", "geneval_score", "geneval_batch_size", "geneval_jpeg"}
     assert args.geneval_score == "corrected" and args.geneval_batch_size == 4
     # the detector is unset by default: geneval.reward reads None as mask2former, train.py's shapes preset fills shapes
     assert geneval.defaults()["geneval_score"] == "partial" and geneval.defaults()["geneval_detector"] is None

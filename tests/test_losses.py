@@ -240,3 +240,30 @@ def test_flowdppo_mask_truth_table():
     # The same rows with a threshold above every KL: nothing is dropped.
     _, info = losses.flowdppo_loss(ratio.log(), old_lp, mean, old_mean, 1.0, adv, threshold=1.0)
     assert info["masked_fraction"] == 0 and info["kl_mask_fraction"] == 0
+
+
+# ----------------------------------------------------------------------------- Flow-GRPO's Wan step weight
+def test_wan_step_weight_by_hand():
+    # std_dev_t = 0 + 0.98 s; one sample at s 0.8 -> 0.7: 0.784 / sqrt(0.1)
+    assert losses.wan_step_weight(0.8, 0.7, sigma_max=0.98, sigma_min=0.0).item() == pytest.approx(0.784 / 0.1 ** 0.5)
+    # two samples: the ratio of the batch means (0.637 / 0.474342), not the mean of the ratios (1.627)
+    w = losses.wan_step_weight(torch.tensor([0.8, 0.5]), torch.tensor([0.7, 0.1]), sigma_max=0.98, sigma_min=0.0)
+    assert w.item() == pytest.approx(0.637 / ((0.1 ** 0.5 + 0.4 ** 0.5) / 2), rel=1e-6)
+    assert losses.wan_step_weight(0.5, 0.4, sigma_max=0.9, sigma_min=0.1).item() == pytest.approx(
+        (0.1 + 0.8 * 0.5) / 0.1 ** 0.5, rel=1e-6)
+    with pytest.raises(ValueError, match="sigma > sigma_next"):
+        losses.wan_step_weight(0.4, 0.5, sigma_max=0.98, sigma_min=0.0)
+
+
+def test_wan_step_weight_on_wans_schedule():
+    """On the sigmas of diffusers' UniPC flow scheduler as Wan 2.1 T2V configures it (flow_shift 3), 20 steps."""
+    from diffusers import UniPCMultistepScheduler
+
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
+                                        num_train_timesteps=1000)
+    scheduler.set_timesteps(20)
+    s = scheduler.sigmas.double()
+    weights = [losses.wan_step_weight(s[k], s[k + 1], sigma_max=s[1].item(), sigma_min=s[-1].item()).item()
+               for k in range(19)]  # int(20 x 0.99) = 19 trained steps
+    assert weights[0] == pytest.approx(7.489, abs=1e-3) and weights[-1] == pytest.approx(0.736, abs=1e-3)
+    assert all(a > b for a, b in zip(weights, weights[1:]))

@@ -10,6 +10,9 @@ Sources (read at these commits):
               flow_grpo/ema.py
   AWM         github.com/scxue/advantage_weighted_matching at be51372: advantage_weighted_matching/config/base_awm.py,
               config/dgx_awm.py, scripts/train_sd3_awm.py, flow_grpo/ema.py
+  UniRL       github.com/Tencent-Hunyuan/UniRL at 1a7b501 (FlowDPPO): examples/diffusion/sd3_flowdppo.yaml,
+              FlowDPPO/config.yaml, unirl/algorithms/flowdppo.py, unirl/utils/scheduler_utils.py, unirl/train/stack.py,
+              unirl/types/rollout_resp.py, unirl/models/sd3/text_embed.py
 
 How the authors' knobs map onto train.py's flags:
   sample.num_image_per_prompt -> --group-size; the 48 (64) in num_batches_per_epoch = 48 / (gpus x batch / images
@@ -36,6 +39,11 @@ How the authors' knobs map onto train.py's flags:
   timestep_fraction -> --train-timesteps / --awm-timesteps / --timestep-fraction; train.beta / ema_beta ->
   --kl-beta / --ema-kl-beta; kl_ema_decay 0.3 'linear' -> --old-decay awm; ema_decay 0.99 stepped once per epoch (one
   optimizer step) -> --ema-decay 0.99 --ema-every 1 --ema-repeat 1; its SA-Solver -> --sampler dpm2 (a departure).
+  UniRL (FlowDPPO): batch_size (prompts_per_rollout) -> --prompts-per-step; samples_per_prompt -> --group-size;
+  forward_batch_size / stack.micro_batch_size -> --sample-batch-size / --train-batch-size; num_updates_per_batch,
+  which splits the batch into that many disjoint mini-batches of one optimizer step each (stack.py L91-108) ->
+  --minibatches; kl_mask_threshold -> --kl-mask-threshold; adv_use_global_std -> --global-std; eta -> --eta;
+  AllSDEScheduler num_sde_steps / timestep_fraction [0, 0.5] -> --window-size 3 --window-range 0 5.
   Text: train_sd3.py encodes with max_sequence_length=128; MixGRPO's preprocess_flux_embedding.py with FluxPipeline's
   default 512. Schedule: SD3.5-M's scheduler shift 3 (the pipeline's own, both authors); MixGRPO samples FLUX with
   a static shift 3 on linspace(1, 0, 26) (sd3_time_shift in train_grpo_flux.py), which --shift 3 gives in place
@@ -120,20 +128,25 @@ TABLE = {
         adv_clip=5.0, kl_beta=0.004, kl_form="exact", global_std=False, same_noise_per_group=False, lora_rank=32,
         lora_alpha=64.0, lr=1e-4, weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="bf16", ema_decay=0.9,
         ema_every=8, ema_repeat=1, eval_every=30, save_every=60, max_sequence_length=512, reward="ocr")),
-    # scripts/train_qwenimage.py (LoraConfig r=64, alpha 128); EMA off (train.ema False).
+    # scripts/train_qwenimage.py (LoraConfig r=64, alpha 128); EMA off (train.ema False). The window: sde_window_range
+    # (0, 5) in the config, but qwenimage_pipeline_with_logprob.py seeds its draw with random.seed(process_index)
+    # (L138) and train_qwenimage.py never passes it (L657-670; default 0, L32): random.seed(0); randint(0, 3) = 3, so
+    # steps 3-4 on every batch, which --window-range 3 5 (a start drawn from 3 .. 3) reproduces.
     "qwen_image_pickscore_grpo.args": ("flow_grpo config/grpo.py pickscore_qwenimage (train_qwenimage.py)", dict(
         model="qwen-image", resolution=512, num_steps=10, eval_steps=50, guidance_scale=4.0, train_cfg=True,
-        sde="flow", eta=1.2, sde_window="fast", window_size=2, window_range=[0, 5], group_size=16,
+        sde="flow", eta=1.2, sde_window="fast", window_size=2, window_range=[3, 5], group_size=16,
         prompts_per_step=32, same_noise_per_group=False, sample_batch_size=4, train_batch_size=4, minibatches=2,
         updates_per_batch=1, loss="grpo", clip_range=1e-4, adv_clip=5.0, kl_beta=0.0, global_std=True, lora_rank=64,
         lora_alpha=128.0, lr=3e-4, weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="bf16", ema_decay=0.0,
         gradient_checkpointing=True, eval_every=30, save_every=30, reward="pickscore")),
     # Not published runs, but built on a published config whose every other setting they keep.
-    "sd3_nft_geneval.args": ("DiffusionNFT config/nft.py sd3_geneval", NFT_GENEVAL),
+    # The GenEval rewards: DiffusionNFT's detects on the raw pixels (flow_grpo/rewards.py geneval_score L113-139), AWM's
+    # on each image after a JPEG round trip at PIL's default quality (its flow_grpo/rewards.py L189-196).
+    "sd3_nft_geneval.args": ("DiffusionNFT config/nft.py sd3_geneval", dict(NFT_GENEVAL, geneval_jpeg=False)),
     "sd3_nft_pickscore.args": ("DiffusionNFT config/nft.py sd3_pickscore", dict(NFT_GENEVAL, reward="pickscore")),
     "sd3_nft_ocr.args": ("DiffusionNFT config/nft.py sd3_ocr",
                          dict(NFT_GENEVAL, reward="ocr", nft_beta=0.1, old_decay="nft-ocr", minibatches=2)),
-    "sd3_awm_geneval.args": ("AWM config/dgx_awm.py geneval_sd3_no_cfg_1node", AWM_GENEVAL),
+    "sd3_awm_geneval.args": ("AWM config/dgx_awm.py geneval_sd3_no_cfg_1node", dict(AWM_GENEVAL, geneval_jpeg=True)),
     "sd3_awm_ocr.args": ("AWM config/dgx_awm.py ocr_sd3_no_cfg_1node",
                          dict(AWM_GENEVAL, reward="ocr", kl_beta=0.003, eval_every=20, save_every=20)),
     "sd3_awm_pickscore.args": ("AWM config/dgx_awm.py pickscore_sd3_no_cfg_1node",
@@ -144,9 +157,21 @@ TABLE = {
     "sd3_ocr_pickscore_mix.args": ("flow_grpo config/grpo.py general_ocr_sd3, OCR 0.8 + PickScore 0.2 reward",
                                    dict(FLOW_GRPO_OCR, reward="ocr=0.8,pickscore=0.2")),
 }
+# UniRL examples/diffusion/sd3_flowdppo.yaml (1a7b501): L19-20 8 GPUs, 48 prompts; L27 adv_use_global_std; L38
+# shift 3; L46-47 FlowSDEStrategy; L64-68 lr 3e-4, weight_decay 0; L76-89 LoRA r32 / alpha 64, the 8 attention
+# projections; L94 forward_batch_size 8; L103 PickScore batch 8; L116-117 kl_mask_threshold 1e-5, add_kl_coefficient;
+# L121-123 micro-batches of 8, max_grad_norm 1, num_updates_per_batch 2; L137-152 10 steps, guidance 1.0, 512 px,
+# eta 0.7, 16 per prompt, init_same_noise false, 3 SDE steps in timestep_fraction [0, 0.5]; L14-16 no EMA; no KL to
+# the base (flowdppo.py has none); unirl/models/sd3/text_embed.py L44 T5 max_sequence_length 256.
+TABLE["sd3_flowdppo_pickscore.args"] = ("UniRL examples/diffusion/sd3_flowdppo.yaml (algorithms/flowdppo.py)", dict(
+    model="sd3", resolution=512, shift=3.0, max_sequence_length=256, num_steps=10, guidance_scale=1.0, sde="flow",
+    eta=0.7, sde_window="fast", window_size=3, window_range=[0, 5], same_noise_per_group=False, group_size=16,
+    prompts_per_step=48, sample_batch_size=8, train_batch_size=8, minibatches=2, updates_per_batch=1,
+    loss="flowdppo", kl_mask_threshold=1e-5, kl_beta=0.0, global_std=True, lora_rank=32, lora_alpha=64.0, lr=3e-4,
+    weight_decay=0.0, max_grad_norm=1.0, mixed_precision="bf16", ema_decay=0.0, reward="pickscore",
+    pickscore_batch_size=8))
 # Recipes with no authors' configuration to check against, and why.
 UNCHECKED = {
-    "sd3_flowdppo_pickscore.args": "FlowDPPO: no authors' code among the sources",
     "sd3_bench.args": "the throughput anchor of bench.py, not a training recipe",
 }
 # What each published run's optimizer sees: (optimizer steps per sampled batch, samples per optimizer step).
@@ -157,8 +182,10 @@ OPTIMIZER = {
     "wan_ocr_grpo.args": (2, 8), "qwen_image_pickscore_grpo.args": (2, 256),
     "sd3_nft_geneval.args": (1, 1152), "sd3_nft_pickscore.args": (1, 1152), "sd3_nft_ocr.args": (2, 576),
     "sd3_awm_geneval.args": (1, 1728), "sd3_awm_ocr.args": (1, 1728), "sd3_awm_pickscore.args": (1, 576),
+    "sd3_flowdppo_pickscore.args": (2, 384),  # 768 samples in 2 disjoint mini-batches
 }
-GPUS = {"wan_ocr_grpo.args": (1,), **{f"sd3_{loss}_{task}.args": (8,) for loss in ("nft", "awm")
+GPUS = {"wan_ocr_grpo.args": (1,), "sd3_flowdppo_pickscore.args": (8,),
+        **{f"sd3_{loss}_{task}.args": (8,) for loss in ("nft", "awm")
                                        for task in ("geneval", "pickscore", "ocr")}}  # where not 8, 16 and 32
 
 

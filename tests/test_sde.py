@@ -240,6 +240,34 @@ def test_sde_steps_fast_is_a_seeded_window_in_range():
     assert ranged == {2, 3, 4}
 
 
+def test_a_window_range_as_wide_as_the_window_fixes_it():
+    """Flow-GRPO's Qwen-Image rollouts always train steps 3-4 (their draw is seeded with random.seed(0)):
+    --window-size 2 --window-range 3 5 gives that window for every batch, seed and rank."""
+    import random
+
+    random.seed(0)
+    assert random.randint(0, 5 - 2) == 3  # qwenimage_pipeline_with_logprob.py L138-141 with process_index 0
+    windows = {tuple(sde.sde_steps(10, window="fast", iteration=it, window_size=2, window_range=(3, 5),
+                                   seed=(seed, rank, b)))
+               for it in range(50) for seed in (0, 1) for rank in (0, 3) for b in (0, 2)}
+    assert windows == {(3, 4)}
+
+
+def test_sde_steps_sparse_is_flowdppos_random_subset():
+    """UniRL's FlowDPPO recipe: 3 distinct steps drawn from steps 0-4 (timestep_fraction [0, 0.5] of 10), not
+    necessarily adjacent, one set per step; every 3-subset of 0..4 comes up, and the draw is reproducible."""
+    import itertools
+
+    draws = [sde.sde_steps(10, window="sparse", iteration=it, window_size=3, window_range=(0, 5), seed=4)
+             for it in range(400)]
+    assert all(d == sorted(set(d)) and len(d) == 3 and 0 <= d[0] and d[-1] <= 4 for d in draws)
+    assert {tuple(d) for d in draws} == set(itertools.combinations(range(5), 3))  # all 10, gaps included
+    assert draws[7] == sde.sde_steps(10, window="sparse", iteration=7, window_size=3, window_range=(0, 5), seed=4)
+    assert sde.sde_steps(10, window="sparse", window_size=9) == list(range(9))  # the whole default range
+    with pytest.raises(ValueError, match="--window-range"):
+        sde.sde_steps(10, window="sparse", window_size=3, window_range=(0, 10))  # past the last trainable step
+
+
 def test_sde_steps_fast_window_range_is_flow_grpos():
     """Flow-GRPO's sde_window_range (lo, hi) holds the whole window: start = randint(lo, hi - size), both ends
     inclusive (sd3_pipeline_with_logprob_fast.py); pickscore_sd3_fast_nocfg's (0, 5) with size 3 trains 0..4 only."""
