@@ -373,6 +373,7 @@ def awm_loss(log_prob, old_log_prob, adv, *, clip_range=1.0, adv_clip=5.0):
 #     log_prob [b]       the step's log-prob under the current weights (sde.sde_step with prev_sample)
 #     old_log_prob [b]   ... recorded by the rollout;   mean, old_mean [b, ...]: the transition means, now and then
 #     std [b]            the transition std;   dt [b]: s' - s < 0;   adv [b]
+#     sigma, sigma_next [b]   the step's noise levels s, s';   schedule [T + 1]: the rollout's sigmas
 #     ref_mean [b, ...]  the frozen base model's transition mean (only with --kl-beta > 0)
 #   forward process (one training sigma of each of b samples; train.py's forward_terms):
 #     v [b, ...]         the current velocity at x_t = (1 - sigma) x0 + sigma noise;   x_t, x0, noise [b, ...]
@@ -404,17 +405,26 @@ def _velocity_reference_kl(value, info, t, *, kl_beta, **_):
     return value, info
 
 
+def _step_weighted(value, t, *, step_loss_weight, **_):
+    """The policy term times --step-loss-weight's weight of the step: none, or Flow-GRPO's Wan 2.1 weight
+    (wan_step_weight of the micro-batch's sigmas, its SDE's noise range the schedule's sigmas[1] .. sigmas[-1])."""
+    if step_loss_weight == "wan":
+        value = value * wan_step_weight(t["sigma"], t["sigma_next"], sigma_max=t["schedule"][1].item(),
+                                        sigma_min=t["schedule"][-1].item())
+    return value
+
+
 def grpo(t, *, clip_range, **hyper):
     """Flow-GRPO: the PPO clip of each step's ratio (grpo_loss), + the KL to the base."""
     value, info = grpo_loss(t["log_prob"], t["old_log_prob"], t["adv"], clip_range=clip_range)
-    return _reference_kl(value, info, t, **hyper)
+    return _reference_kl(_step_weighted(value, t, **hyper), info, t, **hyper)
 
 
 def guard(t, *, clip_range, **hyper):
     """GRPO-Guard: RatioNorm, the clip and the gradient reweight (guard_loss), + the KL to the base."""
     value, info = guard_loss(t["log_prob"], t["old_log_prob"], t["mean"], t["old_mean"], t["std"], t["dt"], t["adv"],
                              clip_range=clip_range)
-    return _reference_kl(value, info, t, **hyper)
+    return _reference_kl(_step_weighted(value, t, **hyper), info, t, **hyper)
 
 
 def flowdppo(t, *, kl_mask_threshold, **hyper):
@@ -422,7 +432,7 @@ def flowdppo(t, *, kl_mask_threshold, **hyper):
     base."""
     value, info = flowdppo_loss(t["log_prob"], t["old_log_prob"], t["mean"], t["old_mean"], t["std"], t["adv"],
                                 threshold=kl_mask_threshold)
-    return _reference_kl(value, info, t, **hyper)
+    return _reference_kl(_step_weighted(value, t, **hyper), info, t, **hyper)
 
 
 def nft(t, *, nft_beta, nft_adaptive, adv_clip, **hyper):
@@ -437,18 +447,19 @@ def _awm_log_prob(t, *, awm_weighting, ghuber_power, **_):
     return awm_log_prob(t["v"], t["x0"], t["noise"], t["sigma"], weighting=awm_weighting, p=ghuber_power)
 
 
-def awm(t, *, clip_range, adv_clip, ema_kl_beta, **hyper):
+def awm(t, *, clip_range, adv_clip, ema_kl_beta, kl_beta, **hyper):
     """AWM at one training sigma: the clipped surrogate of awm_log_prob, on-policy (ratio 1) on the batch's first
     optimizer step and against old_stat on later ones (train.py departure 10), + the EMA-KL to the slowly updated
-    old copy (train_sd3_awm.py L1341-1350) and the velocity KL to the base."""
+    old copy (train_sd3_awm.py L1341-1350) and the velocity KL to the base: both only with --kl-beta > 0, as AWM
+    computes its EMA-KL inside its `if config.train.beta > 0` block (L1330-1351)."""
     log_prob = _awm_log_prob(t, **hyper)
     old_log_prob = log_prob.detach() if t.get("old_stat") is None else t["old_stat"]
     value, info = awm_loss(log_prob, old_log_prob, t["adv"], clip_range=clip_range, adv_clip=adv_clip)
-    if ema_kl_beta > 0:
+    if ema_kl_beta > 0 and kl_beta > 0:
         ema_kl, _ = velocity_kl(t["v"], t["v_old"])
         value = value + ema_kl_beta * ema_kl
         info["ema_kl"] = ema_kl.item()
-    return _velocity_reference_kl(value, info, t, **hyper)
+    return _velocity_reference_kl(value, info, t, kl_beta=kl_beta, **hyper)
 
 
 def _nft_times(batch, generator, *, num_steps, timestep_fraction, **_):
@@ -496,7 +507,7 @@ LOSSES = {
     "nft": Loss(nft, "forward", dict(sampler="dpm2", timestep_fraction=0.99, old_decay="nft", guidance_scale=1.0),
                 dict(kl_beta=1e-4), old_copy=lambda h: True, samples_with_old=True, times=_nft_times),
     "awm": Loss(awm, "forward", dict(sampler="dpm2", timestep_fraction=0.9, old_decay="awm", guidance_scale=1.0,
-                                     clip_range=1.0), dict(kl_beta=1e-3), old_copy=lambda h: h["ema_kl_beta"] > 0,
+                                     clip_range=1.0), dict(kl_beta=1e-3), old_copy=lambda h: h["ema_kl_beta"] > 0 and h["kl_beta"] > 0,
                 times=_awm_times, old_stat=_awm_log_prob),
 }
 
@@ -539,5 +550,10 @@ def add_arguments(parser):
     g.add_argument("--awm-timesteps", default="discrete_wo_init", choices=sde.AWM_TIMESTEPS,
                    help="AWM: strata over schedule indices 1.. (never sigma = 1) or 0..")
     g.add_argument("--ema-kl-beta", type=flags.NONNEG, default=1.0,
-                   help="AWM: weight of the velocity-space KL to the old copy (its EMA-KL anchor; 0: none)")
+                   help="AWM: weight of the velocity-space KL to the old copy (its EMA-KL anchor; 0: none); as in AWM's "
+                        "code, only with --kl-beta > 0")
+    g.add_argument("--step-loss-weight", default="none", choices=["none", "wan"],
+                   help="per-step weight of the reverse-process policy term: none (1), or wan: Flow-GRPO's Wan 2.1 "
+                        "weight std_dev_t / sqrt(-dt) of its Wan SDE (losses.wan_step_weight), 7.49 at the first of "
+                        "20 steps to 0.74 at the last trained one")
     return g

@@ -99,7 +99,9 @@ class Policy:
     def step(self):
         """One optimizer step on the accumulated gradients, clipped to --max-grad-norm. A non-finite gradient (NaN
         loss, log-prob or reward) skips it, weights and Adam state untouched: "overflow" when the fp16 loss scale
-        overflowed (the scaler lowers it; not a bad step), else "skipped". Returns (status, gradient norm)."""
+        overflowed (the scaler lowers it; not a bad step, and counted in the run's optimizer steps as the references
+        count it: train_nft_sd3.py L992-1035, train_sd3_awm.py L1373-1413), else "skipped". Returns (status, gradient
+        norm)."""
         self.scaler.unscale_(self.optimizer)  # fp16: the loss-scaled gradients back to their size (else a no-op)
         grad_norm = torch.nn.utils.clip_grad_norm_([q for _, q in self.trainable], self.args.max_grad_norm)
         if self.args.fsdp:  # the norm over all shards, as a DTensor: a plain tensor, the same on every rank
@@ -109,6 +111,9 @@ class Policy:
             status = "overflow" if self.scaler.get_scale() > 1 else "skipped"
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
+            if status == "overflow":  # counted, as DiffusionNFT and AWM count every step (global_step, their EMA)
+                self.optimizer_steps += 1
+                self._update_ema()
             return status, grad_norm
         self.scaler.step(self.optimizer)
         self.scaler.update()

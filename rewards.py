@@ -865,6 +865,22 @@ def geneval_rows_check(detector):
     return lambda metadata: geneval.check_metadata(metadata, vocabulary=GENEVAL_VOCABULARY.get(name), detector=name)
 
 
+def rows_check(spec, geneval_detector):
+    """The check of data.load_prompts for the rows of a prompt file trained with reward `spec` (a row's metadata
+    rm_type replaces it): a row whose reward has a geneval component must be a GenEval row the judge and
+    --geneval-detector can score (geneval_rows_check). An unknown rm_type is left to be named after the file loads."""
+    geneval_check = geneval_rows_check(geneval_detector)
+
+    def check(metadata):
+        try:
+            names = {name for name, _ in parse_spec(metadata.get("rm_type") or spec)}
+        except (AttributeError, ValueError):
+            return
+        if "geneval" in names:
+            geneval_check(metadata)
+    return check
+
+
 # GenEval's detectors: name -> factory(path, device) -> detect(uint8 images [b, H, W, 3]) -> b lists of detections;
 # and the classes and colours each reports.
 GENEVAL_DETECTORS = {

@@ -196,7 +196,8 @@ def sample(policy, loss, args, prompts, sigmas, step, reward_fn, run):
             if loss.process == "forward":  # a deterministic solver, only the clean sample kept
                 rollout = dict(solver=args.sampler)
             else:  # the stochastic, trained steps; --sde-window fast draws them per rollout batch (Fast)
-                rollout = dict(sde_steps=sde.sde_steps(args.num_steps, **window_kwargs(args, step, (RANK, b))),
+                draw = (RANK, b) if args.sde_window == "fast" else ()  # Fast: a window per rollout batch
+                rollout = dict(sde_steps=sde.sde_steps(args.num_steps, **window_kwargs(args, step, draw)),
                                kind=args.sde, eta=args.eta, generator=gen, flash=args.flash,
                                flash_ratio=args.flash_ratio)
             traj, images = models.generate(policy.pipe, x, sigmas, {k: v[idx] for k, v in embeds.items()},
@@ -347,7 +348,8 @@ def reverse_terms(policy, batch, ids, sub, adv, sigmas, args):
         def complete(v):  # called before the generator moves on: x, sigma, ... are this step's
             out = sde.sde_step(v, x, sigma, sigma_next, prev_sample=x_next, **step)
             t = dict(log_prob=out.log_prob, old_log_prob=batch["log_probs"][ids, j], mean=out.mean,
-                     old_mean=batch["means"][ids, j], std=out.std, dt=sigma_next - sigma, adv=adv)
+                     old_mean=batch["means"][ids, j], std=out.std, dt=sigma_next - sigma, adv=adv, sigma=sigma,
+                     sigma_next=sigma_next, schedule=sigmas)
             if args.kl_beta > 0:  # the frozen base: the same transformer, its adapter off
                 with policy.frozen("reference"):
                     v_ref = policy.velocity(x, sigma, sub, train_guidance)
@@ -451,7 +453,8 @@ def print_totals(args, loss, per_rank):
 
 def load_prompt_sets(args):
     """((texts, metadata) of --prompts, of --eval-prompts or empty), malformed files refused in one line."""
-    keys = dict(input_key=args.input_key, metadata_key=args.metadata_key)
+    keys = dict(input_key=args.input_key, metadata_key=args.metadata_key,
+                check=rewards.rows_check(args.reward, args.geneval_detector))  # GenEval rows, before any model
     prompts = setup_or_exit(data.load_prompts, args.prompts, **keys)
     check_rm_types(args.prompts, *prompts)
     held_out = setup_or_exit(data.load_prompts, args.eval_prompts, **keys) if args.eval_prompts else ([], [])
@@ -472,8 +475,8 @@ def parse_args(argv=None):
     if loss.process == "forward" and args.sde is not None:  # flags that would be silently ignored
         p.error(f"--sde chooses the stochastic step of the reverse-process losses; --loss {args.loss} samples with a "
                 "deterministic --sampler: drop --sde")
-    if args.window_range is not None and args.sde_window != "fast":
-        p.error("--window-range places the Flow-GRPO-Fast window: use it with --sde-window fast, or drop it")
+    if args.window_range is not None and args.sde_window not in ("fast", "sparse"):
+        p.error("--window-range bounds the drawn steps of --sde-window fast or sparse: use one of them, or drop it")
     defaults = dict(preset(args.model), timestep_fraction=1.0)  # the loss's defaults win over the model's
     loss_defaults = dict(loss.defaults, **(loss.hub_defaults if args.model not in PRESETS else {}))
     if args.model in GUIDANCE_EMBEDDED:  # FLUX.1-dev's guidance is a distilled embedding, not CFG: the model's
@@ -559,13 +562,14 @@ def add_sampling_arguments(p):
     p.add_argument("--sde", default=None, choices=["flow", "dance", "cps"],
                    help="stochastic step: Flow-GRPO, DanceGRPO or coefficient-preserving")
     p.add_argument("--eta", type=POSITIVE, default=None, help="noise level of the SDE step")
-    p.add_argument("--sde-window", default="all", choices=["all", "fast", "mix"],
+    p.add_argument("--sde-window", default="all", choices=sde.WINDOWS,
                    help="which steps are stochastic and trained: all, Flow-GRPO-Fast random window, "
-                        "MixGRPO sliding window")
+                        "MixGRPO sliding window, or FlowDPPO's sparse random steps (one set per step)")
     p.add_argument("--window-size", type=POSITIVE_INT, default=2, help="steps in the fast/mix window")
     p.add_argument("--window-range", type=NONNEG_INT, nargs=2, default=None, metavar=("LO", "HI"),
                    help="--sde-window fast: the window lies in steps LO .. HI - 1 (Flow-GRPO's sde_window_range; "
-                        "its start is drawn from LO .. HI - --window-size); default 0 and --num-steps - 1")
+                        "its start is drawn from LO .. HI - --window-size); sparse: its steps are drawn from them; "
+                        "default 0 and --num-steps - 1")
     p.add_argument("--window-stride", type=POSITIVE_INT, default=1, help="steps the mix window slides each time")
     p.add_argument("--iters-per-window", type=POSITIVE_INT, default=25,
                    help="training steps before the mix window slides")
@@ -623,9 +627,10 @@ def check_args(p, args, world_size):
         p.error("--kl-beta > 0 needs a LoRA adapter (the reference is the base model with it disabled): "
                 "set --lora-rank > 0 or --kl-beta 0")
     if loss.process == "forward":
-        if args.sde_window != "all" or args.flash:
-            p.error(f"--sde-window / --flash choose the SDE steps of the reverse-process losses; --loss {args.loss} "
-                    "samples with a deterministic --sampler and trains at re-noised samples: drop them")
+        if args.sde_window != "all" or args.flash or args.step_loss_weight != "none":
+            p.error(f"--sde-window / --flash / --step-loss-weight concern the SDE steps of the reverse-process losses; "
+                    f"--loss {args.loss} samples with a deterministic --sampler and trains at re-noised samples: drop "
+                    "them")
         try:  # the training sigmas must fit the schedule (one-line errors naming the flags)
             n_trained(loss, None, args)
         except ValueError as e:

@@ -127,7 +127,8 @@ TABLE = {
         sample_batch_size=8, train_batch_size=8, minibatches=2, updates_per_batch=1, loss="grpo", clip_range=1e-3,
         adv_clip=5.0, kl_beta=0.004, kl_form="exact", global_std=False, same_noise_per_group=False, lora_rank=32,
         lora_alpha=64.0, lr=1e-4, weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="bf16", ema_decay=0.9,
-        ema_every=8, ema_repeat=1, eval_every=30, save_every=60, max_sequence_length=512, reward="ocr")),
+        ema_every=8, ema_repeat=1, eval_every=30, save_every=60, max_sequence_length=512, reward="ocr",
+        step_loss_weight="wan")),
     # scripts/train_qwenimage.py (LoraConfig r=64, alpha 128); EMA off (train.ema False). The window: sde_window_range
     # (0, 5) in the config, but qwenimage_pipeline_with_logprob.py seeds its draw with random.seed(process_index)
     # (L138) and train_qwenimage.py never passes it (L657-670; default 0, L32): random.seed(0); randint(0, 3) = 3, so
@@ -165,7 +166,7 @@ TABLE = {
 # the base (flowdppo.py has none); unirl/models/sd3/text_embed.py L44 T5 max_sequence_length 256.
 TABLE["sd3_flowdppo_pickscore.args"] = ("UniRL examples/diffusion/sd3_flowdppo.yaml (algorithms/flowdppo.py)", dict(
     model="sd3", resolution=512, shift=3.0, max_sequence_length=256, num_steps=10, guidance_scale=1.0, sde="flow",
-    eta=0.7, sde_window="fast", window_size=3, window_range=[0, 5], same_noise_per_group=False, group_size=16,
+    eta=0.7, sde_window="sparse", window_size=3, window_range=[0, 5], same_noise_per_group=False, group_size=16,
     prompts_per_step=48, sample_batch_size=8, train_batch_size=8, minibatches=2, updates_per_batch=1,
     loss="flowdppo", kl_mask_threshold=1e-5, kl_beta=0.0, global_std=True, lora_rank=32, lora_alpha=64.0, lr=3e-4,
     weight_decay=0.0, max_grad_norm=1.0, mixed_precision="bf16", ema_decay=0.0, reward="pickscore",

@@ -233,3 +233,40 @@ def test_ema_is_what_is_evaluated_and_exported(tmp_path, monkeypatch):
         models.add_lora(ours, 4, 4)
         evaluation.load_weights(ours, ckpt, use_ema=use_ema)
         assert torch.allclose(models.velocity(ours, x, 0.5, embeds), exported, atol=1e-5) == same
+
+
+def test_sparse_steps_are_one_set_per_step_as_unirl(tmp_path, monkeypatch):
+    """FlowDPPO's AllSDEScheduler (UniRL) draws window_size distinct steps of the range once per training step, shared
+    by every rollout batch, not necessarily adjacent (--sde-window sparse)."""
+    import sde
+    monkeypatch.chdir(ROOT)
+    windows, real_rollout = [], sde.rollout
+
+    def recording_rollout(velocity_fn, x, sigmas, *, sde_steps, **kw):
+        windows.append(tuple(sde_steps))
+        return real_rollout(velocity_fn, x, sigmas, sde_steps=sde_steps, **kw)
+    monkeypatch.setattr(sde, "rollout", recording_rollout)
+    flags = [*SMALL, "--num-steps", "8", "--prompts-per-step", "4", "--sample-batch-size", "4",
+             "--train-batch-size", "4", "--sde-window", "sparse", "--window-size", "3", "--window-range", "0", "6",
+             "--steps", "4", "--out", str(tmp_path / "run")]
+    train.main(flags)
+    per_step = [windows[i:i + 4] for i in range(0, 16, 4)]  # 4 rollout batches a step
+    assert all(len(set(w)) == 1 for w in per_step)  # one set per step
+    assert all(len(w[0]) == 3 and max(w[0]) <= 5 for w in per_step)
+    assert len({w[0] for w in per_step}) > 1 and any(w[0][-1] - w[0][0] > 2 for w in per_step)  # drawn, not a window
+    assert all(r["trained_steps"] == 3 for r in metrics(str(tmp_path / "run")))
+
+
+def test_fp16_overflows_count_as_optimizer_steps_as_the_references(tmp_path, monkeypatch):
+    """DiffusionNFT and AWM count every optimizer step, the ones the fp16 scaler skipped included, in the decay of
+    their old copy and their EMA's warm-up (train_nft_sd3.py L992-1035, train_sd3_awm.py L1373-1413)."""
+    import losses
+    monkeypatch.chdir(ROOT)
+    real_scaler = torch.amp.GradScaler
+    monkeypatch.setattr(torch.amp, "GradScaler",  # the first optimizer step overflows, the scale drops to 2^10
+                        lambda *a, **k: real_scaler(*a, init_scale=2.0 ** 100, backoff_factor=2.0 ** -90, **k))
+    train.main([*SMALL, "--loss", "nft", "--prompts-per-step", "2", "--mixed-precision", "fp16", "--minibatches", "2",
+                "--train-batch-size", "2", "--ema-decay", "0.9", "--out", str(tmp_path / "run")])
+    (row,) = metrics(str(tmp_path / "run"))
+    assert row["fp16_overflows"] == 1 and row["updates"] == 1
+    assert row["old_decay"] == losses.OLD_DECAYS["nft"](2)  # two optimizer steps counted, not one

@@ -68,3 +68,42 @@ def test_nothing_outside_losses_chooses_by_loss_name():
     hits = [f"{f}:{i + 1}" for f in files if f != "losses.py" and not f.startswith("tests/")
             for i, line in enumerate(open(os.path.join(ROOT, f))) if re.search(r"args\.loss *(==|!=|in )", line)]
     assert not hits, hits
+
+
+def reverse_term(seed=0, batch=4):
+    gen = torch.Generator().manual_seed(seed)
+    mean, ref = torch.randn(batch, 3, 4, 4, generator=gen), torch.randn(batch, 3, 4, 4, generator=gen)
+    sigma = torch.full((batch,), 0.6)
+    return dict(log_prob=torch.randn(batch, generator=gen) * 1e-3, old_log_prob=torch.zeros(batch), mean=mean,
+                old_mean=mean + 0.01, ref_mean=ref, std=torch.full((batch,), 0.3), dt=torch.full((batch,), -0.1),
+                adv=torch.randn(batch, generator=gen), sigma=sigma, sigma_next=sigma - 0.1,
+                schedule=torch.tensor([1.0, 0.9, 0.6, 0.5, 0.0]))
+
+
+@pytest.mark.parametrize("name", ["grpo", "guard", "flowdppo"])
+def test_the_wan_step_weight_scales_the_policy_term_alone(name):
+    """Flow-GRPO's Wan 2.1 loop weights each step's policy loss and adds the KL after, unweighted."""
+    t = reverse_term()
+    hyper = dict(clip_range=0.2, kl_form="exact", sde="flow", kl_mask_threshold=1e-5, kl_beta=0.5)
+    plain, info = losses.LOSSES[name].fn(t, step_loss_weight="none", **hyper)
+    weighted, _ = losses.LOSSES[name].fn(t, step_loss_weight="wan", **hyper)
+    kl = 0.5 * info["kl"]
+    w = losses.wan_step_weight(t["sigma"], t["sigma_next"], sigma_max=0.9, sigma_min=0.0)
+    assert w.item() == pytest.approx((0.9 * 0.6) / 0.1 ** 0.5)
+    assert (weighted - kl).item() == pytest.approx(w.item() * (plain - kl).item(), rel=1e-5)
+
+
+def test_awms_ema_kl_acts_only_with_a_kl_to_the_base():
+    """AWM computes its EMA-KL inside `if config.train.beta > 0` (train_sd3_awm.py L1330-1351): at --kl-beta 0 there
+    is no EMA-KL term and no old copy to keep."""
+    gen = torch.Generator().manual_seed(0)
+    x0, eps, v, v_old, v_ref = (torch.randn(3, 2, 4, 4, generator=gen) for _ in range(5))
+    t = dict(v=v, x0=x0, noise=eps, sigma=torch.full((3,), 0.5), adv=torch.tensor([1.0, -1.0, 0.0]), v_old=v_old,
+             v_ref=v_ref)
+    hyper = dict(clip_range=1.0, adv_clip=5.0, ema_kl_beta=1.0, awm_weighting="ghuber", ghuber_power=0.25)
+    off, info_off = losses.LOSSES["awm"].fn(t, kl_beta=0.0, **hyper)
+    on, info_on = losses.LOSSES["awm"].fn(t, kl_beta=1e-3, **hyper)
+    assert "ema_kl" not in info_off and "kl" not in info_off
+    assert on.item() == pytest.approx(off.item() + info_on["ema_kl"] + 1e-3 * info_on["kl"], rel=1e-6)
+    assert not losses.LOSSES["awm"].old_copy(dict(ema_kl_beta=1.0, kl_beta=0.0))
+    assert losses.LOSSES["awm"].old_copy(dict(ema_kl_beta=1.0, kl_beta=1e-3))

@@ -439,3 +439,18 @@ def test_the_fp16_loss_scale_is_checkpointed_and_restored(tmp_path):
     assert second.scaler.get_scale() == 65536.0
     second.resume(str(tmp_path / "run" / "checkpoints" / "3"), args)
     assert second.scaler.get_scale() == 1024.0
+
+
+def test_geneval_rows_the_detector_cannot_judge_stop_before_any_model_loads(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"prompt": "a photo of a circle", "metadata": {"tag": "single_object",
+                                                          "include": [{"class": "circle", "count": 1}]}},
+            {"prompt": "a photo of a dragon", "metadata": {"tag": "single_object",
+                                                          "include": [{"class": "dragon", "count": 1}]}}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = run([sys.executable, "train.py", "--prompts", str(prompts), "--out", str(tmp_path / "run"), "--steps", "1"],
+               tmp_path, check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:") and "line 2" in last and "'dragon'" in last
+    assert "model shapes" not in proc.stdout  # refused before the model loaded
