@@ -224,3 +224,16 @@ def rank_samples(prompt_ids, *, group_size, rank, world_size):
     group_ids = [g for g in range(len(prompt_ids)) for _ in range(group_size)]  # [P * G]
     lo, hi = rank * per_rank, (rank + 1) * per_rank
     return sample_prompt_ids[lo:hi], group_ids[lo:hi]
+
+
+def add_arguments(parser):
+    """The prompt-file flags, declared once; None means the preset of --model (train.py)."""
+    g = parser.add_argument_group("data")
+    g.add_argument("--prompts", default=None, help="training prompts: .txt (one per line) or .jsonl")
+    g.add_argument("--eval-prompts", default=None, help="held-out prompts for --eval-every (default: none)")
+    g.add_argument("--input-key", default=None, help="JSONL key of the prompt")
+    g.add_argument("--metadata-key", default="metadata",
+                   help="JSONL key of the per-sample metadata (rm_type, ...); '' takes the whole row (GenEval's files)")
+    g.add_argument("--no-shuffle", action="store_true",
+                   help="keep file order instead of a seeded permutation per epoch")
+    return g

@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 import families
+import flags
 import sde
 import shapes
 
@@ -696,3 +697,17 @@ MODELS = {
     "z-image": families.z_image,
     "tiny-z-image": families.tiny_z_image,
 }
+
+
+def add_arguments(parser):
+    """The model flags, declared once; None means the preset of --model (train.py)."""
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", default="shapes", choices=list(MODELS),
+                   help="model family (shapes: pretrained, learns on a CPU in minutes; tiny: random, the fastest)")
+    g.add_argument("--model-path", default=None,
+                   help="hub id or local folder of the pipeline (default: the family's hub id)")
+    g.add_argument("--resolution", type=flags.resolution_arg, default=None,
+                   help="image side in pixels, or HEIGHTxWIDTH (sd3, wan, z-image)")
+    g.add_argument("--num-frames", type=flags.POSITIVE_INT, default=None,
+                   help="video models (wan): frames per sample, 4 k + 1 (default: the pipeline's 81)")
+    return g

@@ -12,6 +12,7 @@
 
 The algorithm lives in train.py and losses.py; this is what they run it on.
 """
+import argparse
 import contextlib
 import math
 
@@ -166,8 +167,19 @@ def _lerp(copy, trainable, weight):
 
 
 def add_arguments(parser):
-    """The optimizer and EMA flags, declared once; None means the model's preset (train.py)."""
-    g = parser.add_argument_group("optimizer")
+    """The flags of what trains and how, declared once; None means the model's preset (train.py)."""
+    g = parser.add_argument_group("policy and optimizer")
+    g.add_argument("--lora-rank", type=flags.NONNEG_INT, default=None, help="LoRA rank; 0 trains the full transformer")
+    g.add_argument("--lora-alpha", type=flags.NONNEG, default=None,
+                   help="LoRA alpha (scale = alpha / rank; default: the preset's, else the rank)")
+    g.add_argument("--mixed-precision", default=None, choices=["no", "bf16", "fp16"],
+                   help="autocast dtype of model forwards; the SDE step and log-probs are always float32")
+    g.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute transformer activations in the backward pass (less memory, ~30%% more compute)")
+    g.add_argument("--compile", action="store_true", help="torch.compile the transformer")
+    g.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=False,
+                   help="full fine-tune (--lora-rank 0) under torchrun: shard weights, gradients and Adam state over "
+                        "the processes (FSDP2) instead of replicating them (DDP)")
     g.add_argument("--lr", type=flags.POSITIVE, default=None, help="AdamW learning rate")
     g.add_argument("--weight-decay", type=flags.NONNEG, default=1e-4, help="AdamW weight decay")
     g.add_argument("--max-grad-norm", type=flags.POSITIVE, default=1.0, help="gradient clipping norm")

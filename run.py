@@ -60,6 +60,8 @@ def add_arguments(parser):
                    help="steps between saved sample grids (0: never)")
     g.add_argument("--max-bad-steps", type=flags.POSITIVE_INT, default=5,
                    help="stop after this many consecutive skipped (non-finite) steps")
+    g.add_argument("--fps", type=flags.POSITIVE_INT, default=16,
+                   help="video models: frames per second of the saved sample GIFs")
     g.add_argument("--wandb", action="store_true", help="also log to Weights & Biases")
     return g
 

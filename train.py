@@ -75,6 +75,14 @@ Where this departs from the papers, and why
    sigmas (the reference's on-policy mode).
 11. --sampler dpm2 takes the jump to the last nonzero sigma first order, where DiffusionNFT's solver
    extrapolates it second order (sde.ode_sample: an 8x smaller error at 10 steps on Gaussian data).
+12. DiffusionNFT and AWM, smaller differences kept: DiffusionNFT's rollout conditions SD3 on integer timesteps
+   int(1000 s) (diffusers_patch/pipeline_with_logprob.py L213) and trains on float ones; here both are float, so the
+   rollout is the policy that trains. Its solver casts the latent to fp16 after every step (solver.py L23-68); here
+   it stays float32. Both keep the frozen base in float32 (train_nft_sd3.py L417, train_sd3_awm.py L606-608); a LoRA
+   run here loads it in --mixed-precision (half the memory; the matmuls run in that dtype either way). AWM draws its
+   training noise in fp16 (L1215-1220), here float32. Both draw each step's prompts as a fresh random subset
+   (DistributedKRepeatSampler), here every prompt once per epoch (data.step_prompt_ids); both group advantages by the
+   prompt's text, here by its place in the step, so duplicate lines of a prompt file stay separate groups.
 """
 import argparse
 import math
@@ -90,7 +98,7 @@ import models
 import rewards
 import sde
 from distributed import RANK, WORLD, print0
-from flags import FRACTION, NONNEG, NONNEG_INT, POSITIVE, POSITIVE_INT, SEED, bounded
+from flags import FRACTION, NONNEG_INT, POSITIVE, POSITIVE_INT, SEED, bounded
 import policy as policy_mod
 import run as run_mod
 from policy import Policy
@@ -493,39 +501,12 @@ def parse_args(argv=None):
 
 
 def add_arguments(p):
-    """Every flag, grouped as the phases of a step: the model, data and sampling here; the reward, loss, optimizer and
-    run flags where their code is (rewards.py, losses.py, policy.py, run.py); flag types and @recipe files in
+    """Every flag, grouped as the phases of a step: the sampling and batching here, the rest declared where the code
+    that reads it is (models.py, policy.py, data.py, rewards.py, losses.py, run.py); flag types and @recipe files in
     flags.py."""
-    # model
-    p.add_argument("--model", default="shapes", choices=list(models.MODELS),
-                   help="model family (shapes: pretrained, learns on a CPU in minutes; tiny: random, the fastest)")
-    p.add_argument("--model-path", default=None,
-                   help="hub id or local folder of the pipeline (default: the family's hub id)")
-    p.add_argument("--resolution", type=flags.resolution_arg, default=None,
-                   help="image side in pixels, or HEIGHTxWIDTH (sd3, wan, z-image)")
-    p.add_argument("--num-frames", type=POSITIVE_INT, default=None,
-                   help="video models (wan): frames per sample, 4 k + 1 (default: the pipeline's 81)")
-    p.add_argument("--fps", type=POSITIVE_INT, default=16,
-                   help="video models: frames per second of the saved sample GIFs")
-    p.add_argument("--lora-rank", type=NONNEG_INT, default=None, help="LoRA rank; 0 trains the full transformer")
-    p.add_argument("--lora-alpha", type=NONNEG, default=None,
-                   help="LoRA alpha (scale = alpha / rank; default: the preset's, else the rank)")
-    p.add_argument("--mixed-precision", default=None, choices=["no", "bf16", "fp16"],
-                   help="autocast dtype of model forwards; the SDE step and log-probs are always float32")
-    p.add_argument("--gradient-checkpointing", action="store_true",
-                   help="recompute transformer activations in the backward pass (less memory, ~30%% more compute)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the transformer")
-    p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=False,
-                   help="full fine-tune (--lora-rank 0) under torchrun: shard weights, gradients and Adam state over "
-                        "the processes (FSDP2) instead of replicating them (DDP)")
-    # data
-    p.add_argument("--prompts", default=None, help="training prompts: .txt (one per line) or .jsonl")
-    p.add_argument("--eval-prompts", default=None, help="held-out prompts for --eval-every (default: none)")
-    p.add_argument("--input-key", default=None, help="JSONL key of the prompt")
-    p.add_argument("--metadata-key", default="metadata",
-                   help="JSONL key of the per-sample metadata (rm_type, ...); '' takes the whole row (GenEval's files)")
-    p.add_argument("--no-shuffle", action="store_true",
-                   help="keep file order instead of a seeded permutation per epoch")
+    models.add_arguments(p)  # the model family, its weights and sizes
+    policy_mod.add_arguments(p)  # what trains and how: LoRA or full, precision, sharding; AdamW, clipping, the EMA
+    data.add_arguments(p)  # the prompt files
     add_sampling_arguments(p)
     # reward
     p.add_argument("--reward", default=None, help='reward spec: a name or weighted mix, e.g. "ocr=0.8,pickscore=0.2"; '
@@ -534,8 +515,7 @@ def add_arguments(p):
                    help="which reward entry trains (a component name or the weighted total 'reward')")
     rewards.add_arguments(p)  # the reward options, declared and defaulted in rewards.py
     losses.add_arguments(p)  # the loss flags, declared in losses.py: --loss takes choices=LOSSES
-    # optim
-    policy_mod.add_arguments(p)  # AdamW, clipping and the EMA, declared in policy.py
+    # the update's batching
     p.add_argument("--train-batch-size", type=POSITIVE_INT, default=None, help="samples per training forward, per GPU")
     p.add_argument("--minibatches", type=POSITIVE_INT, default=None, help="optimizer steps per pass over the batch")
     p.add_argument("--updates-per-batch", type=POSITIVE_INT, default=1, help="passes over each sampled batch")
