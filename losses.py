@@ -34,6 +34,8 @@ x_s = (1 - s) x0 + s eps, and compare the velocity there with the flow-matching 
     beta            DiffusionNFT's guidance strength beta (not a KL weight)
 """
 
+import math
+
 import torch
 
 
@@ -112,6 +114,53 @@ def group_advantages(rewards, group_ids, *, global_std=False, eps=1e-4, clip=5.0
     else:
         std = (torch.zeros_like(n).index_add_(0, group, centred**2) / n).sqrt()[group]
     return (centred / (std + eps)).clamp(-clip, clip)
+
+
+def combined_advantages(components, weights, group_ids, *, global_std=False, eps=1e-4, clip=5.0):
+    """Several rewards combined by their advantages, as MixGRPO does (arXiv:2507.21802; its code,
+    Tencent-Hunyuan/MixGRPO fastvideo/train_grpo_flux.py, `multi_reward_mix == "advantage_aggr"`, lines 429-456):
+
+        A_k = group_advantages(r_k) without its clip            each reward normalised in its group on its own
+        A   = clip(sum_k w_k A_k, -clip, clip)                  not re-normalised; the clip acts on the sum
+
+    (MixGRPO clips the summed advantage in the loss, `adv_clip_max`, line 567.) Each A_k follows `group_advantages`:
+    the same std rule (per group, or one batch-wide std of that reward with global_std), the same eps, and exactly
+    0 for a group whose rewards are all equal. MixGRPO itself divides by the sample std + 1e-8. Unlike a weighted
+    sum of raw scores, A does not change when one reward is rescaled or shifted (a w_k r_k + b: up to eps), so a
+    reward with a wide range does not drown the others.
+
+    components: {name: [N] tensor}; a NaN marks a sample that reward does not score (a per-sample rm_type): it gets
+    A_k = 0 there, and its group is normalised over the samples it scores. weights: {name: float} for the same
+    names. Returns (A [N], info): info[f"{name}_mean"], [f"{name}_std"] are the reward's mean and population std
+    over the samples it scores, and info[f"{name}_share"] its share of the final advantage,
+
+        share_k = mean_i |w_k A_k,i| / sum_j mean_i |w_j A_j,i|      (the shares sum to 1; all 0 if every A_k is 0)
+
+    measured before the clip.
+    """
+    if not components or set(components) != set(weights):
+        raise ValueError(f"components {sorted(components)} and weights {sorted(weights)} must name the same rewards")
+    total, info, size = 0.0, {}, {}
+    for name, rewards in components.items():
+        rewards = torch.as_tensor(rewards).float()
+        ids = torch.as_tensor(group_ids, device=rewards.device).long()
+        if rewards.ndim != 1 or rewards.shape != ids.shape:
+            raise ValueError(f"reward {name!r} must be [N] like group_ids, got {tuple(rewards.shape)} and "
+                             f"{tuple(ids.shape)}")
+        scored = ~torch.isnan(rewards)
+        if not scored.any():
+            raise ValueError(f"reward {name!r} scores no sample (all NaN)")
+        adv = torch.zeros_like(rewards)
+        adv[scored] = group_advantages(rewards[scored], ids[scored], global_std=global_std, eps=eps, clip=math.inf)
+        weighted = float(weights[name]) * adv
+        total = total + weighted
+        size[name] = weighted.abs().mean().item()
+        info[f"{name}_mean"] = rewards[scored].mean().item()
+        info[f"{name}_std"] = rewards[scored].std(unbiased=False).item()
+    scale = sum(size.values())
+    for name in components:
+        info[f"{name}_share"] = size[name] / scale if scale > 0 else 0.0
+    return total.clamp(-clip, clip), info
 
 
 def grpo_loss(log_prob, old_log_prob, adv, *, clip_range, adv_clip=None):
