@@ -11,7 +11,7 @@
 | `pickscore`              | exp(logit_scale) cos(text, image) / 26 (PickScore)       | about 0.8 - 0.9          |
 | `hps`                    | cos(image, text) of HPSv2 / HPSv2.1                      | about 0.25 - 0.35        |
 | `imagereward`            | ImageReward's standardised BLIP + MLP score              | about -2 - 2             |
-| `hpsv3`                  | mu of HPSv3's reward head on Qwen2-VL-7B                 | about -5 - 15            |
+| `hpsv3`                  | mu of HPSv3's reward head on Qwen2-VL-7B                 | unbounded; > 10 is good  |
 | `clipscore`              | cos(text, image) of CLIP ViT-L/14 (DiffusionNFT)         | about 0.2 - 0.35         |
 | `aesthetic`              | LAION aesthetic MLP on the CLIP ViT-L/14 image embedding | about 4 - 7              |
 | `unifiedreward`          | UnifiedReward's "Final Score" from your vLLM/SGLang      | [1, 5]                   |
@@ -668,7 +668,7 @@ def hpsv3(*, hpsv3_checkpoint_path, hpsv3_base_path, hpsv3_batch_size, hpsv3_num
     """HPSv3 (Ma et al., arXiv:2508.03789): Qwen2-VL-7B-Instruct with a reward head, as HPSv3RewardInferencer.reward
     computes it (hpsv3/inference.py and hpsv3/model/qwen2vl_trainer.py of the authors' package):
 
-        score = mu,   (mu, sigma) = rm_head(h[<|Reward|>])      about -5 .. 15 (the demo calls > 10 excellent)
+        score = mu,   (mu, sigma) = rm_head(h[<|Reward|>])      unbounded; the authors' demo calls > 10 excellent
 
     h is the last hidden state (after the final norm) of Qwen2-VL reading the chat-templated message [image,
     `hpsv3_text(prompt)`], taken at the <|Reward|> token (added to the tokenizer, id len(tokenizer)); rm_head is
