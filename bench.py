@@ -70,6 +70,9 @@ import time
 
 import torch
 
+import models
+import rewards
+
 REQUIRED_KEYS = ("rollout_samples_per_s", "train_samples_per_s", "end_to_end_samples_per_s", "overhead_ratio",
                  "peak_mem_mib", "reward_images_per_s")
 # --windows: the same recipe with each way of choosing the stochastic steps (MixGRPO arXiv:2507.21802, Flow-GRPO-Fast).
@@ -580,9 +583,6 @@ def reward_flops():
     from transformers import (BlipTextConfig, BlipTextModel, BlipVisionConfig, BlipVisionModel, CLIPConfig,
                               CLIPModel, Qwen2VLConfig, Qwen2VLModel)
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
-
-    import models
-    import rewards
 
     def count(fn):
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
