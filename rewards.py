@@ -464,14 +464,15 @@ def _imagereward_vit_key(key):
 
 
 def imagereward_state(state):
-    """The authors' ImageReward.pt -> (BlipVisionModel state, BlipTextModel state, head state).
+    """The authors' ImageReward.pt -> (BlipVisionModel state, BlipTextModel state, head state, ignored keys).
 
-    `blip.visual_encoder.*` (their ViT) is renamed to transformers' BLIP vision names; `blip.text_encoder.*` (their
-    BERT with cross-attention, BLIP/med.py) has transformers' BlipTextModel names already; `mlp.layers.*` is the
-    head. The contrastive projections (`blip.vision_proj`, `blip.text_proj`) and the `position_ids` buffer play no
-    part in the score and are dropped; any other key raises KeyError.
+    `blip.visual_encoder.*` (their ViT) is renamed to transformers' BLIP vision names (a ViT key with no counterpart
+    raises KeyError); `blip.text_encoder.*` (their BERT with cross-attention, BLIP/med.py) has transformers'
+    BlipTextModel names already; `mlp.layers.*` is the head. The contrastive projections (`blip.vision_proj`,
+    `blip.text_proj`) and the `position_ids` buffer play no part in the score and are dropped silently; any other key
+    is returned as ignored (the authors load the file with strict=False, which ignores such keys too).
     """
-    vision, text, head = {}, {}, {}
+    vision, text, head, ignored = {}, {}, {}, []
     for key, value in state.items():
         if key.startswith("blip.visual_encoder."):
             try:
@@ -483,8 +484,8 @@ def imagereward_state(state):
         elif key.startswith("mlp.layers."):
             head[key.removeprefix("mlp.layers.")] = value
         elif not key.startswith(("blip.vision_proj.", "blip.text_proj.", "blip.text_encoder.")):
-            raise KeyError(key)
-    return vision, text, head
+            ignored.append(key)
+    return vision, text, head, ignored
 
 
 def _imagereward_files(path):
@@ -534,9 +535,12 @@ def imagereward(*, imagereward_model_path, imagereward_tokenizer_path, imagerewa
         raise _hub_error("imagereward", imagereward_tokenizer_path, "--imagereward-tokenizer-path", err) from err
     tokenizer.add_special_tokens({"bos_token": "[DEC]", "additional_special_tokens": ["[ENC]"]})  # BLIP init_tokenizer
     try:
-        vision_state, text_state, head_state = imagereward_state(state)
+        vision_state, text_state, head_state, ignored = imagereward_state(state)
     except KeyError as err:
         raise RuntimeError(f"imagereward: {weights} holds {err}, not a key of ImageReward.pt; check {flag}") from None
+    if ignored:
+        log.warning("imagereward: ignoring %d entries of %s that the score does not use, e.g. %s", len(ignored),
+                    weights, ignored[:3])
 
     blocks = {int(k.split(".")[2]) for k in vision_state if k.startswith("encoder.layers.")}
     width = vision_state["embeddings.class_embedding"].shape[-1]

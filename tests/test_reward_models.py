@@ -139,10 +139,11 @@ def test_imagereward_matches_a_plain_torch_computation_on_the_authors_keys(stand
     assert float(batched.std()) > 1e-3  # the stand-in tells images and prompts apart
 
 
-def test_imagereward_keys_map_onto_transformers_blip(stand_ins, tmp_path):
+def test_imagereward_keys_map_onto_transformers_blip(stand_ins, tmp_path, caplog):
     folder = stand_ins["imagereward"]["imagereward_model_path"]
     state = torch.load(f"{folder}/ImageReward.pt")
-    vision, text, head = rewards.imagereward_state(state)
+    vision, text, head, ignored = rewards.imagereward_state(state)
+    assert ignored == []
     dropped = {k for k in state if k.startswith(("blip.vision_proj.", "blip.text_proj.")) or k.endswith("position_ids")}
     assert len(dropped) == 5 and len(vision) + len(text) + len(head) == len(state) - len(dropped)
     for theirs, ours in [("cls_token", "embeddings.class_embedding"), ("pos_embed", "embeddings.position_embedding"),
@@ -156,10 +157,17 @@ def test_imagereward_keys_map_onto_transformers_blip(stand_ins, tmp_path):
     assert sorted(head) == sorted(f"{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias"))
     with pytest.raises(KeyError, match="blip.visual_encoder.blocks.0.ls1.gamma"):  # an unknown ViT key
         rewards.imagereward_state({**state, "blip.visual_encoder.blocks.0.ls1.gamma": torch.zeros(1)})
-    torch.save({**state, "itm_head.weight": torch.zeros(2, 32)}, tmp_path / "ImageReward.pt")
-    (tmp_path / "med_config.json").write_text(open(f"{folder}/med_config.json").read())
-    with pytest.raises(RuntimeError, match="itm_head.weight.*--imagereward-model-path"):
+    with pytest.raises(RuntimeError, match="blip.visual_encoder.blocks.0.ls1.gamma.*--imagereward-model-path"):
+        torch.save({**state, "blip.visual_encoder.blocks.0.ls1.gamma": torch.zeros(1)}, tmp_path / "ImageReward.pt")
+        (tmp_path / "med_config.json").write_text(open(f"{folder}/med_config.json").read())
         make("imagereward", imagereward_model_path=str(tmp_path), imagereward_tokenizer_path=folder)
+    # A module the score does not use (as a training-time head) is ignored with a warning, as the authors' strict=False
+    torch.save({**state, "itm_head.weight": torch.zeros(2, 32)}, tmp_path / "ImageReward.pt")
+    images = random_images(2)
+    extra = make("imagereward", imagereward_model_path=str(tmp_path), imagereward_tokenizer_path=folder)
+    assert "ignoring 1 entries" in caplog.text and "itm_head.weight" in caplog.text
+    torch.testing.assert_close(extra(images, PROMPTS[:2], None),
+                               make("imagereward", **stand_ins["imagereward"])(images, PROMPTS[:2], None))
     smaller = {k: v for k, v in state.items() if "blocks.1." not in k or "norm1" not in k}  # a missing tensor
     torch.save(smaller, tmp_path / "ImageReward.pt")
     with pytest.raises(RuntimeError, match="its ViT.*layer_norm1.*--imagereward-model-path"):
