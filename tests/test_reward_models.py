@@ -79,7 +79,8 @@ def _vit(state, pixels, heads):
         q, k, v = (_heads(t, heads) for t in (q, k, v))
         att = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).softmax(-1) @ v
         x = x + _linear(state, b + "attn.proj", att.transpose(1, 2).flatten(2))
-        x = x + _linear(state, b + "mlp.fc2", F.gelu(_linear(state, b + "mlp.fc1", _layer_norm(state, b + "norm2", x, 1e-6))))
+        h = _layer_norm(state, b + "norm2", x, 1e-6)
+        x = x + _linear(state, b + "mlp.fc2", F.gelu(_linear(state, b + "mlp.fc1", h)))
     return _layer_norm(state, p + "norm", x, 1e-6)
 
 
@@ -102,8 +103,8 @@ def _bert_cls(state, config, ids, mask, image):
         b = f"{t}encoder.layer.{i}."
         x = attention(b + "attention.", x, x, mask.float())
         x = attention(b + "crossattention.", x, image, torch.ones(image.shape[:2]))
-        x = _layer_norm(state, b + "output.LayerNorm",
-                        _linear(state, b + "output.dense", F.gelu(_linear(state, b + "intermediate.dense", x))) + x, eps)
+        h = _linear(state, b + "output.dense", F.gelu(_linear(state, b + "intermediate.dense", x)))
+        x = _layer_norm(state, b + "output.LayerNorm", h + x, eps)
     return x[:, 0]
 
 
@@ -151,7 +152,8 @@ def test_imagereward_keys_map_onto_transformers_blip(stand_ins, tmp_path, caplog
                          ("blocks.1.attn.qkv.bias", "encoder.layers.1.self_attn.qkv.bias"),
                          ("blocks.0.attn.proj.weight", "encoder.layers.0.self_attn.projection.weight"),
                          ("blocks.1.norm2.weight", "encoder.layers.1.layer_norm2.weight"),
-                         ("blocks.0.mlp.fc2.bias", "encoder.layers.0.mlp.fc2.bias"), ("norm.bias", "post_layernorm.bias")]:
+                         ("blocks.0.mlp.fc2.bias", "encoder.layers.0.mlp.fc2.bias"),
+                         ("norm.bias", "post_layernorm.bias")]:
         assert vision[ours] is state["blip.visual_encoder." + theirs]
     assert text["encoder.layer.1.crossattention.self.key.weight"].shape == (32, 64)  # keys read the 64-wide image
     assert sorted(head) == sorted(f"{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias"))
@@ -183,7 +185,8 @@ HPSV3_TEXT_SHA256 = "f6ee57479d4e9eee76b49c00dc962e1e696a5a2b3cc32cebd9b1fa76fe2
 def test_hpsv3_text_is_the_authors():
     assert hashlib.sha256((rewards.HPSV3_INSTRUCTION + rewards.HPSV3_QUERY).encode()).hexdigest() == HPSV3_TEXT_SHA256
     text = rewards.hpsv3_text("a red cat")
-    assert "Textual prompt - a red cat\n\n\n\nPlease provide the overall ratings of this image: <|Reward|>\n\nEND\n" in text
+    assert text.endswith("Textual prompt - a red cat\n\n\n\nPlease provide the overall ratings of this image: "
+                         "<|Reward|>\n\nEND\n")
 
 
 def _hpsv3_by_hand(options, images, prompts, *, positions="1d"):
@@ -201,7 +204,8 @@ def _hpsv3_by_hand(options, images, prompts, *, positions="1d"):
     processor.tokenizer.add_tokens(["<|Reward|>"], special_tokens=True)
     scores, visual_tokens = [], []
     for image, prompt in zip(images, prompts):  # one at a time: no padding
-        message = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": rewards.hpsv3_text(prompt)}]}]
+        content = [{"type": "image"}, {"type": "text", "text": rewards.hpsv3_text(prompt)}]
+        message = [{"role": "user", "content": content}]
         text = processor.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
         batch = processor(text=text, images=[Image.fromarray(image).resize((448, 448), Image.BICUBIC)],
                           return_tensors="pt")
@@ -427,7 +431,8 @@ def test_unifiedreward_options_are_checked_when_built(monkeypatch):
         make("unifiedreward", unifiedreward_api_key_env="UR_TEST_KEY")
     with pytest.raises(ValueError, match="images only"):
         with unified_server() as server:
-            make("unifiedreward", unifiedreward_url=server.url, reward_retries=1)(random_images(1, frames=2), ["x"], None)
+            scorer = make("unifiedreward", unifiedreward_url=server.url, reward_retries=1)
+            scorer(random_images(1, frames=2), ["x"], None)
 
 
 # ----------------------------------------------------------------------------- one training step with each scorer
