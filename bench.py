@@ -679,8 +679,8 @@ def reward_throughput(args):
         name, path = models.tiny_hps(os.path.join(tmp, "hps"), image_size=224, patch_size=14)
         bench("hps (tiny random open_clip stand-in)",
               rewards.hps(**dict(options, hps_checkpoint_path=path, hps_model_name=name)))
-        # the real input sizes: 224 px in patches of 16 (ImageReward), 448 px in patches of 14 (HPSv3)
         bench("clipscore (tiny random CLIP stand-in)", rewards.clipscore(**dict(options, clipscore_model_path=folder)))
+        # the real models' image tokens: 224 px in patches of 16 (ImageReward); HPSv3 resizes to 448 px itself
         ir = models.tiny_imagereward(os.path.join(tmp, "imagereward"), image_size=224, patch_size=16)
         bench("imagereward (tiny random BLIP stand-in)", rewards.imagereward(
             **dict(options, imagereward_model_path=ir, imagereward_tokenizer_path=ir)))
