@@ -158,6 +158,8 @@ def test_reward_throughput_times_every_offline_scorer(tmp_path):
                           "hpsv3 (tiny random Qwen2-VL stand-in)", "aesthetic (tiny random CLIP stand-in)",
                           "unifiedreward (client, instant local server)"}
     assert all(math.isfinite(r) and r > 0 for r in rates.values())
+    assert set(result["reward_images_per_cpu_s"]) == set(rates)
+    assert all(math.isfinite(r) and r > 0 for r in result["reward_images_per_cpu_s"].values())
     # FLOPs of the real models against closed forms: 2 x tokens x weights of every matmul, plus attention's two
     # token-by-token products (2 x 2 x tokens^2 x width per layer).
     flops, tokens = result["reward_flops_per_image"], result["hpsv3_tokens"]
