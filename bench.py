@@ -7,7 +7,8 @@ Launch
     python bench.py --model sd3-random @recipes/sd3_bench.args --json sd3.json       # GPU, random SD3.5-M, no hub
     python bench.py --windows --model tiny                            # speed-up of fast / mix / mix+flash over all
     python bench.py --losses --model tiny                             # GRPO next to DiffusionNFT and AWM
-    python bench.py --rewards                                         # images/s of each offline reward scorer
+    python bench.py --rewards                                         # images/s of each reward scorer on stand-ins,
+                                                                      # FLOPs per image of the real models
     scripts/gpu_bench.sh                                              # the GPU figures of the README
 
 What is measured
@@ -558,8 +559,100 @@ def run_losses(args):
                 equal_load_speedup_vs_grpo=equal_load)
 
 
+def _unifiedreward_stub():
+    """A local OpenAI-compatible server that answers every request at once with a UnifiedReward-style reply: timing
+    the `unifiedreward` client alone (PNG encoding, HTTP, parsing), not a model."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    reply = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant",
+                                                             "content": "object (type): 1\nFinal Score: 3"}}]}).encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def reward_flops():
+    """FLOPs per image of the real models behind the new scorers, from their published configs: each architecture
+    is built on the meta device (no weights, no download) and run under torch.utils.flop_counter.FlopCounterMode.
+    Qwen2-VL's vision tower needs real grid values, so it runs on the CPU at full width with 1 and 2 blocks and is
+    extrapolated linearly to its 32. Matmuls and attention only (norms and activations are not counted)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import (BlipTextConfig, BlipTextModel, BlipVisionConfig, BlipVisionModel, CLIPConfig,
+                              CLIPModel, Qwen2VLConfig, Qwen2VLModel)
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+    def count(fn):
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            fn()
+        return counter.get_total_flops()
+
+    meta = dict(device="meta")
+    # openai/clip-vit-large-patch14 config.json; 77 text tokens, the most CLIP reads
+    clip_config = CLIPConfig(projection_dim=768, text_config=dict(hidden_size=768, intermediate_size=3072,
+                                                                  num_hidden_layers=12, num_attention_heads=12),
+                             vision_config=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                                                num_attention_heads=16, patch_size=14, image_size=224))
+    with torch.device("meta"):
+        clip = CLIPModel(clip_config).eval()
+    clip_image = count(lambda: clip.get_image_features(pixel_values=torch.zeros(1, 3, 224, 224, **meta)))
+    clip_text = count(lambda: clip.get_text_features(input_ids=torch.zeros(1, 77, dtype=torch.long, **meta)))
+    # ImageReward: BLIP's ViT-L/16 at 224 (BLIP/blip.py, create_vit "large") and BERT-base with cross-attention
+    # (its med_config.json), the prompt padded to 35 tokens; no attention masks (the meta device has no values)
+    with torch.device("meta"):
+        vit = BlipVisionModel(BlipVisionConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                                               num_attention_heads=16, image_size=224, patch_size=16)).eval()
+        bert = BlipTextModel(BlipTextConfig(vocab_size=30524, hidden_size=768, intermediate_size=3072,
+                                            num_hidden_layers=12, num_attention_heads=12, encoder_hidden_size=1024,
+                                            is_decoder=True), add_pooling_layer=False).eval()
+    imagereward = count(lambda: bert(input_ids=torch.zeros(1, 35, dtype=torch.long, **meta), encoder_hidden_states=vit(
+        pixel_values=torch.zeros(1, 3, 224, 224, **meta)).last_hidden_state))
+    # HPSv3: Qwen/Qwen2-VL-7B-Instruct config.json; a square image gives 1024 patches of 14 px, 256 tokens after the
+    # 2 x 2 merge. Text tokens: the chat template's 8 special tokens and its words, with CLIP's BPE standing in for
+    # Qwen2's (not available offline; on English prose Qwen2's larger vocabulary makes no more tokens).
+    vision = dict(embed_dim=1280, hidden_size=3584, num_heads=16, mlp_ratio=4, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2)
+    per_depth = []
+    for depth in (1, 2):
+        tower = Qwen2VisionTransformerPretrainedModel._from_config(
+            Qwen2VLConfig(vision_config=dict(vision, depth=depth)).vision_config).eval()
+        per_depth.append(count(lambda: tower(torch.zeros(1024, 3 * 2 * 14 * 14), grid_thw=torch.tensor([[1, 32, 32]]))))
+    hpsv3_vision = per_depth[0] + 31 * (per_depth[1] - per_depth[0])
+    words = ("system\nYou are a helpful assistant.\nuser\n" + rewards.hpsv3_text(
+        "a photo of an astronaut riding a horse on the moon, highly detailed") + "\nassistant\n")
+    tokenizer = models.clip_tokenizer()
+    tokenizer.model_max_length = 10**6  # counting, not encoding for CLIP: no length warning
+    tokens = 256 + 8 + len(tokenizer(words, add_special_tokens=False)["input_ids"])
+    config = Qwen2VLConfig(text_config=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                            num_attention_heads=28, num_key_value_heads=4, vocab_size=151658,
+                                            rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
+                           vision_config=dict(vision, depth=1))
+    with torch.device("meta"):
+        language = Qwen2VLModel(config).language_model.eval()
+    hpsv3_text = count(lambda: language(inputs_embeds=torch.zeros(1, tokens, 3584, **meta),
+                                        position_ids=torch.arange(tokens, **meta)[None]))
+    head = 2 * (3584 * 1024 + 1024 * 16 + 16 * 2)  # rm_head, float32
+    return {"imagereward": imagereward, "hpsv3": hpsv3_vision + hpsv3_text + head, "clipscore": clip_image + clip_text,
+            "aesthetic": clip_image + 2 * (768 * 1024 + 1024 * 128 + 128 * 64 + 64 * 16 + 16)}, tokens
+
+
 def reward_throughput(args):
-    """images/s of each offline scorer on this machine (PickScore and HPS as tiny random stand-ins)."""
+    """images/s of each offline scorer on this machine (the model scorers as tiny random stand-ins, the unifiedreward
+    client against a local server that answers at once), and the FLOPs per image of the real models."""
     import numpy as np
     from PIL import Image, ImageDraw, ImageFont
 
@@ -573,15 +666,17 @@ def reward_throughput(args):
         prompts.append(f'a sign that says "Sample {i}"')
     images, metadata = np.stack(images), [{}] * n
     print(f"{os.cpu_count()} CPU threads, torch {torch.__version__}, {n} images of {size}x{size} per call")
-    result = {}
+    result, per_cpu = {}, {}
 
     def bench(label, score, repeats=2):
         score(images[:2], prompts[:2], metadata[:2])  # warm-up (loads the model)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for _ in range(repeats):
             score(images, prompts, metadata)
         result[label] = repeats * n / (time.perf_counter() - start)
-        print(f"{label:44s} {result[label]:8.1f} images/s")
+        # CPU seconds of this process, all its threads: on a shared machine this rate holds where wall time does not
+        per_cpu[label] = repeats * n / max(time.process_time() - cpu, 1e-9)
+        print(f"{label:44s} {result[label]:8.1f} images/s {per_cpu[label]:8.1f} images per CPU-second")
 
     options = dict({k: getattr(args, k) for k in rewards.option_defaults()}, device="cpu")
     bench("jpeg_compressibility", rewards.jpeg_compressibility(**options))
@@ -595,7 +690,31 @@ def reward_throughput(args):
         name, path = models.tiny_hps(os.path.join(tmp, "hps"), image_size=224, patch_size=14)
         bench("hps (tiny random open_clip stand-in)",
               rewards.hps(**dict(options, hps_checkpoint_path=path, hps_model_name=name)))
-    return {"reward_images_per_s": result}
+        bench("clipscore (tiny random CLIP stand-in)", rewards.clipscore(**dict(options, clipscore_model_path=folder)))
+        # the real models' image tokens: 224 px in patches of 16 (ImageReward); HPSv3 resizes to 448 px itself
+        ir = models.tiny_imagereward(os.path.join(tmp, "imagereward"), image_size=224, patch_size=16)
+        bench("imagereward (tiny random BLIP stand-in)", rewards.imagereward(
+            **dict(options, imagereward_model_path=ir, imagereward_tokenizer_path=ir)))
+        base, checkpoint = models.tiny_hpsv3(os.path.join(tmp, "hpsv3"))
+        bench("hpsv3 (tiny random Qwen2-VL stand-in)",
+              rewards.hpsv3(**dict(options, hpsv3_base_path=base, hpsv3_checkpoint_path=checkpoint)), repeats=1)
+        clip, mlp = models.tiny_aesthetic(os.path.join(tmp, "aesthetic"), image_size=224, patch_size=14)
+        bench("aesthetic (tiny random CLIP stand-in)",
+              rewards.aesthetic(**dict(options, aesthetic_clip_path=clip, aesthetic_mlp_path=mlp)))
+    server = _unifiedreward_stub()
+    try:
+        bench("unifiedreward (client, instant local server)",
+              rewards.unifiedreward(**dict(options, unifiedreward_url=f"http://127.0.0.1:{server.server_port}/v1")))
+    finally:
+        server.shutdown()
+        server.server_close()
+    flops, tokens = reward_flops()
+    print(f"FLOPs per image of the real models (HPSv3: {tokens} tokens into Qwen2-VL-7B's language model):")
+    for name, value in flops.items():
+        print(f"{name:44s} {value / 1e9:8.1f} GFLOP")
+    print("unifiedreward                                served model: 2 x parameters per token read and written")
+    return {"reward_images_per_s": result, "reward_images_per_cpu_s": per_cpu, "reward_flops_per_image": flops,
+            "hpsv3_tokens": tokens}
 
 
 def main(argv=None):

@@ -14,7 +14,8 @@ A checkpoint is written under checkpoints/.tmp-<step>, flushed, and renamed: its
 at all. manifest.json (the size and SHA-256 of every file, state.json with the step and the run's flags among
 them) is written last; a checkpoint is trusted only when every file matches its manifest and state.json names
 the folder's step, so a truncated, emptied, garbled or edited file is found before it is loaded, and resuming
-falls back to the newest checkpoint that verifies. Everything is safetensors or loadable with torch.load(weights_only=True).
+falls back to the newest checkpoint that verifies. Everything is safetensors or loadable with
+torch.load(weights_only=True).
 
     prepare(args) -> (checkpoint to resume or None, stale files)   before any model loads: locks --out, refuses what
                                                    would lose or mix runs
@@ -122,7 +123,8 @@ def _jsonable(value):
 
 
 def prepare(args):
-    """Before any model loads: check --out, lock it, refuse to mix two runs in one folder, find the checkpoint to resume.
+    """Before any model loads: check --out, lock it, refuse to mix two runs in one folder, find the checkpoint to
+    resume.
 
     The folder is locked for this process's life (lock): a second run into it is refused in one line, and the lock
     of a run that died goes with it. A folder that already holds a run is only reused with --resume (continue it) or

@@ -35,6 +35,7 @@ x_s = (1 - s) x0 + s eps, and compare the velocity there with the flow-matching 
 """
 
 import argparse
+import math
 from typing import Callable, NamedTuple
 
 import torch
@@ -118,6 +119,51 @@ def group_advantages(rewards, group_ids, *, global_std=False, eps=1e-4, clip=5.0
     else:
         std = (torch.zeros_like(n).index_add_(0, group, centred**2) / n).sqrt()[group]
     return (centred / (std + eps)).clamp(-clip, clip)
+
+
+def combined_advantages(components, weights, group_ids, *, global_std=False, eps=1e-4, clip=5.0):
+    """Several rewards combined by their advantages, as MixGRPO does (arXiv:2507.21802; its code,
+    Tencent-Hunyuan/MixGRPO fastvideo/train_grpo_flux.py, `multi_reward_mix == "advantage_aggr"`, lines 429-456):
+
+        A_k = group_advantages(r_k) without its clip            each reward normalised in its group on its own
+        A   = clip(sum_k w_k A_k, -clip, clip)                  not re-normalised; the clip acts on the sum
+
+    (MixGRPO clips the summed advantage in the loss, `adv_clip_max`, line 567.) Each A_k follows `group_advantages`:
+    the same std rule (per group, or one batch-wide std of that reward with global_std), the same eps, and exactly
+    0 for a group whose rewards are all equal. MixGRPO itself divides by the sample std + 1e-8. Unlike a weighted
+    sum of raw scores, A does not change when one reward is rescaled or shifted (a w_k r_k + b: up to eps), so a
+    reward with a wide range does not drown the others.
+
+    components: {name: [N] tensor}; a NaN marks a sample that reward does not score (a per-sample rm_type): it gets
+    A_k = 0 there, and its group is normalised over the samples it scores. weights: {name: float} for the same
+    names. Returns (A [N], info): info[f"{name}_mean"], [f"{name}_std"] are the reward's mean and population std
+    over the samples it scores, and info[f"{name}_share"] its share of the final advantage,
+
+        share_k = mean_i |w_k A_k,i| / sum_j mean_i |w_j A_j,i|      (the shares sum to 1; all 0 if every A_k is 0)
+
+    measured before the clip.
+    """
+    if not components or set(components) != set(weights):
+        raise ValueError(f"components {sorted(components)} and weights {sorted(weights)} must name the same rewards")
+    total, info, size = 0.0, {}, {}
+    for name, rewards in components.items():
+        rewards = torch.as_tensor(rewards).float()
+        ids = torch.as_tensor(group_ids, device=rewards.device).long()
+        if rewards.ndim != 1 or rewards.shape != ids.shape:
+            raise ValueError(f"reward {name!r} must be [N] like group_ids, got {tuple(rewards.shape)} and "
+                             f"{tuple(ids.shape)}")
+        scored = ~torch.isnan(rewards)
+        adv = torch.zeros_like(rewards)  # a reward that scores no sample of the batch adds nothing to it
+        adv[scored] = group_advantages(rewards[scored], ids[scored], global_std=global_std, eps=eps, clip=math.inf)
+        weighted = float(weights[name]) * adv
+        total = total + weighted
+        size[name] = weighted.abs().mean().item()
+        info[f"{name}_mean"] = rewards[scored].mean().item() if scored.any() else math.nan
+        info[f"{name}_std"] = rewards[scored].std(unbiased=False).item() if scored.any() else math.nan
+    scale = sum(size.values())
+    for name in components:
+        info[f"{name}_share"] = size[name] / scale if scale > 0 else 0.0
+    return total.clamp(-clip, clip), info
 
 
 def grpo_loss(log_prob, old_log_prob, adv, *, clip_range, adv_clip=None):
@@ -507,7 +553,8 @@ LOSSES = {
     "nft": Loss(nft, "forward", dict(sampler="dpm2", timestep_fraction=0.99, old_decay="nft", guidance_scale=1.0),
                 dict(kl_beta=1e-4), old_copy=lambda h: True, samples_with_old=True, times=_nft_times),
     "awm": Loss(awm, "forward", dict(sampler="dpm2", timestep_fraction=0.9, old_decay="awm", guidance_scale=1.0,
-                                     clip_range=1.0), dict(kl_beta=1e-3), old_copy=lambda h: h["ema_kl_beta"] > 0 and h["kl_beta"] > 0,
+                                     clip_range=1.0), dict(kl_beta=1e-3),
+                old_copy=lambda h: h["ema_kl_beta"] > 0 and h["kl_beta"] > 0,
                 times=_awm_times, old_stat=_awm_log_prob),
 }
 
@@ -523,6 +570,10 @@ def add_arguments(parser):
                    help="PPO clip range of the ratio (log-probs are means over latent dims, hence ~1e-4 on hub models; "
                         "--loss awm: 1)")
     g.add_argument("--adv-clip", type=flags.POSITIVE, default=5.0, help="advantages clipped to +-this")
+    g.add_argument("--reward-combine", default="score", choices=["score", "advantage"],
+                   help="several rewards (--reward a=w,b=w): score = the group advantage of their weighted sum; "
+                        "advantage = the weighted sum of each one's group advantage (MixGRPO, combined_advantages), "
+                        "so that no reward's range drowns the others")
     g.add_argument("--kl-beta", type=flags.NONNEG, default=None,
                    help="weight of the KL to the frozen base model (0: no reference forward; --loss nft / awm: "
                         "mean squared velocity difference, 1e-4 / 1e-3 on hub models)")
@@ -550,8 +601,8 @@ def add_arguments(parser):
     g.add_argument("--awm-timesteps", default="discrete_wo_init", choices=sde.AWM_TIMESTEPS,
                    help="AWM: strata over schedule indices 1.. (never sigma = 1) or 0..")
     g.add_argument("--ema-kl-beta", type=flags.NONNEG, default=1.0,
-                   help="AWM: weight of the velocity-space KL to the old copy (its EMA-KL anchor; 0: none); as in AWM's "
-                        "code, only with --kl-beta > 0")
+                   help="AWM: weight of the velocity-space KL to the old copy (its EMA-KL anchor; 0: none); as in "
+                        "AWM's code, only with --kl-beta > 0")
     g.add_argument("--step-loss-weight", default="none", choices=["none", "wan"],
                    help="per-step weight of the reverse-process policy term: none (1), or wan: Flow-GRPO's Wan 2.1 "
                         "weight std_dev_t / sqrt(-dt) of its Wan SDE (losses.wan_step_weight), 7.49 at the first of "

@@ -255,9 +255,16 @@ def advantages(got, loss, args, step, per_rank):
     all_rewards = distributed.all_gather_cat(got.scores[args.reward_key].to(device))  # [samples]
     groups = torch.arange(args.prompts_per_step, device=device).repeat_interleave(args.group_size)  # [samples]
     keep = ~got.dropped[groups]  # [samples]; at least one group (a step without any is skipped)
-    all_adv = torch.zeros_like(all_rewards)
-    all_adv[keep] = losses.group_advantages(all_rewards[keep], groups[keep], global_std=args.global_std,
-                                            clip=args.adv_clip)
+    all_adv, info = torch.zeros_like(all_rewards), {}
+    if args.reward_combine == "advantage":  # each reward normalised in its group, their advantages summed (MixGRPO)
+        spec = dict(rewards.parse_spec(args.reward))
+        parts = {name: distributed.all_gather_cat(got.scores[name].to(device))[keep] for name in spec}  # [kept]
+        all_adv[keep], combined = losses.combined_advantages(parts, spec, groups[keep], global_std=args.global_std,
+                                                             clip=args.adv_clip)
+        info.update({f"reward/{k}": v for k, v in combined.items() if not k.endswith("_mean")})  # std, share
+    else:
+        all_adv[keep] = losses.group_advantages(all_rewards[keep], groups[keep], global_std=args.global_std,
+                                                clip=args.adv_clip)
     mine = slice(RANK * per_rank, (RANK + 1) * per_rank)
     # Samples with advantage 0 (saturated groups, dropped groups) carry no policy gradient and leave the update
     # (departure 4); each rank keeps its micro-batch count and trains its kept samples in smaller micro-batches.
@@ -265,7 +272,7 @@ def advantages(got, loss, args, step, per_rank):
     live = keep[mine].float() if loss.process == "forward" else all_adv[mine]  # [per_rank]
     ids = trained_samples(live, per_rank // args.train_batch_size, data.seeded(args.seed, step, RANK, 2))
     counts = distributed.all_gather_cat(torch.tensor([len(ids)], device=device))  # [WORLD]
-    info = dict(reward_mean=all_rewards[keep].mean().item(),
+    info.update(reward_mean=all_rewards[keep].mean().item(),
                 reward_std=all_rewards[keep].std().item() if keep.sum() > 1 else 0.0,
                 dropped_groups=int(got.dropped.sum()), zero_adv_fraction=(all_adv == 0).float().mean().item())
     for name, value in got.scores.items():  # every component, and the total where it is not the trained key
@@ -461,8 +468,8 @@ def print_totals(args, loss, per_rank):
 
 def load_prompt_sets(args):
     """((texts, metadata) of --prompts, of --eval-prompts or empty), malformed files refused in one line."""
-    keys = dict(input_key=args.input_key, metadata_key=args.metadata_key,
-                check=rewards.rows_check(args.reward, args.geneval_detector))  # GenEval rows, before any model
+    keys = dict(input_key=args.input_key, metadata_key=args.metadata_key,  # GenEval rows checked before any model
+                check=rewards.rows_check(args.reward, args.geneval_detector, args.reward_combine == "advantage"))
     prompts = setup_or_exit(data.load_prompts, args.prompts, **keys)
     check_rm_types(args.prompts, *prompts)
     held_out = setup_or_exit(data.load_prompts, args.eval_prompts, **keys) if args.eval_prompts else ([], [])
@@ -626,6 +633,8 @@ def check_args(p, args, world_size):
         p.error(str(e))
     if args.reward_key != "reward" and args.reward_key not in components and "custom" not in components:
         p.error(f"--reward-key {args.reward_key!r} is not a component of --reward {args.reward!r}")
+    if args.reward_combine == "advantage" and args.reward_key != "reward":
+        p.error("--reward-combine advantage trains on every component of --reward: drop --reward-key")
     if args.lora_rank > 0 and args.lora_alpha <= 0:
         p.error("--lora-alpha must be > 0 with a LoRA adapter (its scale is alpha / rank)")
     multiple = models.RESOLUTION_MULTIPLE.get(args.model)

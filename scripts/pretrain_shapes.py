@@ -72,7 +72,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2, help="torch threads (the weights depend on it in the last bits)")
     p.add_argument("--out", default=shapes.WEIGHTS, help="safetensors file written at the end")
     p.add_argument("--log-every", type=int, default=100, help="steps between log lines")
-    p.add_argument("--save-every", type=int, default=0, help="steps between extra EMA snapshots <out>-<step>.safetensors (0: none)")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="steps between extra EMA snapshots <out>-<step>.safetensors (0: none)")
     args = p.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1:
         raise SystemExit("error: --steps and --batch-size must be positive")

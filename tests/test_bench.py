@@ -181,7 +181,27 @@ def test_reward_throughput_times_every_offline_scorer(tmp_path):
     proc = subprocess.run([sys.executable, "bench.py", "--rewards", "--reward-images", "2", "--reward-size", "64",
                            "--ocr-workers", "1", "--json", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rates = json.loads(path.read_text())["reward_images_per_s"]
+    result = json.loads(path.read_text())
+    rates = result["reward_images_per_s"]
     assert set(rates) == {"jpeg_compressibility", "jpeg_incompressibility", "ocr (rapidocr, 1 worker(s))",
-                          "pickscore (tiny random CLIP stand-in)", "hps (tiny random open_clip stand-in)"}
+                          "pickscore (tiny random CLIP stand-in)", "hps (tiny random open_clip stand-in)",
+                          "clipscore (tiny random CLIP stand-in)", "imagereward (tiny random BLIP stand-in)",
+                          "hpsv3 (tiny random Qwen2-VL stand-in)", "aesthetic (tiny random CLIP stand-in)",
+                          "unifiedreward (client, instant local server)"}
     assert all(math.isfinite(r) and r > 0 for r in rates.values())
+    assert set(result["reward_images_per_cpu_s"]) == set(rates)
+    assert all(math.isfinite(r) and r > 0 for r in result["reward_images_per_cpu_s"].values())
+    # FLOPs of the real models against closed forms: 2 x tokens x weights of every matmul, plus attention's two
+    # token-by-token products (2 x 2 x tokens^2 x width per layer).
+    flops, tokens = result["reward_flops_per_image"], result["hpsv3_tokens"]
+    vit_l14 = 24 * (2 * 257 * 12 * 1024**2 + 4 * 257**2 * 1024) + 2 * 256 * 3 * 14**2 * 1024 + 2 * 1024 * 768
+    mlp = 2 * (768 * 1024 + 1024 * 128 + 128 * 64 + 64 * 16 + 16)
+    assert flops["aesthetic"] == pytest.approx(vit_l14 + mlp, rel=1e-3)
+    assert flops["clipscore"] > flops["aesthetic"]
+    vit_l16 = 24 * (2 * 197 * 12 * 1024**2 + 4 * 197**2 * 1024) + 2 * 196 * 3 * 16**2 * 1024
+    bert = 12 * (2 * 35 * (6 * 768**2 + 2 * 768 * 3072) + 2 * 197 * 2 * 1024 * 768  # self q k v o, cross q o, FFN;
+                 + 4 * 35**2 * 768 + 4 * 35 * 197 * 768)  # cross k v over the 197 image tokens; both attentions
+    assert flops["imagereward"] == pytest.approx(vit_l16 + bert, rel=1e-3)
+    per_layer = 2 * 3584**2 + 2 * 3584 * 512 + 3 * 3584 * 18944  # q, o; k, v (4 of 28 heads); gate, up, down
+    language = 28 * (2 * tokens * per_layer + 4 * tokens**2 * 3584)
+    assert 700 < tokens < 900 and 1.1e12 < flops["hpsv3"] - language < 1.5e12  # the rest: the vision tower

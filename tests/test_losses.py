@@ -1,5 +1,7 @@
 """losses.py against hand-written references, torch.distributions and Monte Carlo."""
 
+import math
+
 import pytest
 import torch
 
@@ -43,6 +45,73 @@ def test_group_advantages_bad_input():
 
 
 # ----------------------------------------------------------------------------- GRPO
+def _by_hand(values, group_ids, eps=1e-4):
+    """Per-group (r - mean) / (population std + eps) in plain Python; 0 for a group of equal values."""
+    out = []
+    for i, r in enumerate(values):
+        group = [v for v, g in zip(values, group_ids) if g == group_ids[i]]
+        mean = sum(group) / len(group)
+        std = (sum((v - mean) ** 2 for v in group) / len(group)) ** 0.5
+        out.append(0.0 if max(group) == min(group) else (r - mean) / (std + eps))
+    return out
+
+
+def test_combined_advantages_by_hand_with_rewards_of_very_different_ranges():
+    # Two prompts x 3 samples: an HPS-like reward near 0.3 and a reward in the hundreds; the second group's small
+    # reward is saturated (all equal), so only the large one moves it.
+    small = [0.21, 0.28, 0.35, 0.30, 0.30, 0.30]
+    large = [100.0, 400.0, 250.0, -300.0, 0.0, 900.0]
+    ids = [0, 0, 0, 1, 1, 1]
+    weights = {"small": 1.0, "large": 0.5}
+    adv, info = losses.combined_advantages({"small": torch.tensor(small), "large": torch.tensor(large)}, weights, ids)
+    a_small, a_large = _by_hand(small, ids), _by_hand(large, ids)
+    expected = [1.0 * s + 0.5 * g for s, g in zip(a_small, a_large)]
+    torch.testing.assert_close(adv, torch.tensor(expected))
+    mean_abs = {"small": sum(abs(a) for a in a_small) / 6, "large": 0.5 * sum(abs(a) for a in a_large) / 6}
+    for name, values in (("small", small), ("large", large)):
+        mean = sum(values) / 6
+        assert info[f"{name}_mean"] == pytest.approx(mean)
+        assert info[f"{name}_std"] == pytest.approx((sum((v - mean) ** 2 for v in values) / 6) ** 0.5, rel=1e-5)
+        assert info[f"{name}_share"] == pytest.approx(mean_abs[name] / sum(mean_abs.values()), rel=1e-5)
+    assert 0.3 < info["small_share"] < 0.7  # both rewards steer the update
+    # A weighted sum of raw scores is the large reward's advantage: the small one is drowned.
+    raw = losses.group_advantages(torch.tensor(small) + 0.5 * torch.tensor(large), ids)
+    torch.testing.assert_close(raw, losses.group_advantages(torch.tensor(large), ids), atol=2e-3, rtol=0)
+    # The combined advantage does not depend on either reward's scale or offset (eps aside: tiny here).
+    rescaled = {"small": 1000 * torch.tensor(small) + 7, "large": torch.tensor(large) / 1000 - 3}
+    base = losses.combined_advantages({"small": torch.tensor(small), "large": torch.tensor(large)}, weights, ids,
+                                      eps=1e-9)[0]
+    torch.testing.assert_close(losses.combined_advantages(rescaled, weights, ids, eps=1e-9)[0], base,
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_combined_advantages_clip_the_sum_and_skip_unscored_samples():
+    a, b = torch.tensor([0.0, 1.0]), torch.tensor([0.0, 2.0])
+    unit = 3 * 0.5 / (0.5 + 1e-4) + 3 * 1 / (1 + 1e-4)  # centred +-0.5 and +-1 over stds 0.5 and 1, weights 3
+    adv, info = losses.combined_advantages({"a": a, "b": b}, {"a": 3.0, "b": 3.0}, [0, 0], clip=100.0)
+    torch.testing.assert_close(adv, torch.tensor([-unit, unit]))  # summed, not re-normalised: about +-6
+    adv, _ = losses.combined_advantages({"a": a, "b": b}, {"a": 3.0, "b": 3.0}, [0, 0])  # clip 5 acts on the sum
+    torch.testing.assert_close(adv, torch.tensor([-5.0, 5.0]))
+    assert info["a_share"] == pytest.approx(0.5, rel=1e-4) and info["b_share"] == pytest.approx(0.5, rel=1e-4)
+    # NaN: the reward does not score that sample (a per-sample rm_type); it is normalised over the others.
+    part = torch.tensor([1.0, float("nan"), 3.0, float("nan")])
+    adv, info = losses.combined_advantages({"p": part, "q": torch.tensor([5.0, 5.0, 5.0, 5.0])},
+                                           {"p": 1.0, "q": 1.0}, [0, 0, 0, 0])
+    one = 1 / (1 + 1e-4)  # [1, 3]: centred +-1, std 1
+    torch.testing.assert_close(adv, torch.tensor([-one, 0.0, one, 0.0]))
+    assert info["p_mean"] == 2.0 and info["q_share"] == 0.0 and info["p_share"] == 1.0
+    saturated, info = losses.combined_advantages({"q": torch.ones(4)}, {"q": 2.0}, [0, 0, 1, 1])
+    assert saturated.eq(0).all() and info["q_share"] == 0.0  # equal rewards: exactly 0, shares 0, never NaN
+    # a reward that scores no sample of this batch (every row's rm_type leaves it out) adds nothing, its mean NaN
+    none, info = losses.combined_advantages({"a": a, "b": torch.full((2,), float("nan"))}, {"a": 3.0, "b": 1.0}, [0, 0])
+    assert torch.equal(none, losses.combined_advantages({"a": a}, {"a": 3.0}, [0, 0])[0])
+    assert math.isnan(info["b_mean"]) and info["b_share"] == 0.0
+    for bad, match in ((({"a": a}, {"b": 1.0}), "same rewards"),
+                       (({"a": torch.tensor([0.0, float("inf")])}, {"a": 1.0}), "non-finite")):
+        with pytest.raises(ValueError, match=match):
+            losses.combined_advantages(*bad, [0, 0])
+
+
 def test_grpo_at_ratio_one_is_minus_mean_advantage():
     adv = torch.tensor([1.5, -0.5, 2.0, -3.0])
     lp = torch.randn(4)

@@ -84,7 +84,9 @@ MIXGRPO = dict(
     prompts_per_step=32, same_noise_per_group=True, global_std=False, train_batch_size=1, minibatches=4,
     updates_per_batch=1, loss="grpo", clip_range=1e-4, adv_clip=5.0, kl_beta=0.0, lora_rank=0, fsdp=True,
     gradient_checkpointing=True, lr=1e-5, weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="bf16", steps=300,
-    save_every=50)
+    save_every=50, reward="hps=1,imagereward=1,pickscore=1", reward_combine="advantage", hps_version="v2.1")
+# (reward: its reward_model "multi_reward" with hps_weight, image_reward_weight, pick_score_weight 1.0 and
+# multi_reward_mix "advantage_aggr", finetune_flux_grpo_MixGRPO.sh L45-64.)
 # DiffusionNFT config/nft.py sd3_geneval over _get_config and config/base.py (scripts/train_nft_sd3.py).
 NFT_GENEVAL = dict(
     model="sd3", resolution=512, shift=3.0, max_sequence_length=128, num_steps=10, eval_steps=40, guidance_scale=1.0,

@@ -23,13 +23,16 @@ TWIN = {"sd3": ["--model", "tiny"], "flux": ["--model", "tiny"], "wan": ["--mode
 
 @pytest.fixture(scope="module")
 def tiny_reward_models(tmp_path_factory):
-    """Stand-ins for the hub reward models: tiny random PickScore and HPS built from configs, and for GenEval's
+    """Stand-ins for the hub reward models: tiny random PickScore, HPS and ImageReward built from configs, and for GenEval's
     detector and colour classifier a tiny random Mask2Former (80 labels) and open_clip model."""
     folder = str(tmp_path_factory.mktemp("reward_models"))
     pick = models.tiny_pickscore(os.path.join(folder, "pickscore"))
     hps_name, hps_path = models.tiny_hps(os.path.join(folder, "hps"))
+    image_reward = os.path.join(folder, "imagereward")
+    models.tiny_imagereward(image_reward)
     return ["--pickscore-model-path", pick, "--pickscore-processor-path", pick,
             "--hps-checkpoint-path", hps_path, "--hps-model-name", hps_name,
+            "--imagereward-model-path", image_reward, "--imagereward-tokenizer-path", image_reward,
             *tiny_geneval_models(os.path.join(folder, "geneval"))]
 
 

@@ -107,3 +107,37 @@ def test_awms_ema_kl_acts_only_with_a_kl_to_the_base():
     assert on.item() == pytest.approx(off.item() + info_on["ema_kl"] + 1e-3 * info_on["kl"], rel=1e-6)
     assert not losses.LOSSES["awm"].old_copy(dict(ema_kl_beta=1.0, kl_beta=0.0))
     assert losses.LOSSES["awm"].old_copy(dict(ema_kl_beta=1.0, kl_beta=1e-3))
+
+
+BRIGHT = "import torch\ndef score(images, prompts, metadata, args):\n" \
+         "    return images.reshape(len(images), -1).float().mean(1) * float(args)\n"
+
+
+def test_reward_combine_advantage_trains_on_every_reward_and_logs_their_shares(tmp_path, monkeypatch, one_thread):
+    """--reward-combine advantage (MixGRPO): each reward's group advantage, weighted and summed, so a reward scaled
+    by 1000 does not drown another; each one's std and share of the advantage logged per step."""
+    (tmp_path / "bright.py").write_text(BRIGHT)
+    common = SMALL + ["--reward", "jpeg_incompressibility=1,custom=1", "--custom-rm-path",
+                      f"{tmp_path / 'bright.py'}:score", "--steps", "1"]
+    for scale in ("1", "1000"):
+        train.main(common + ["--custom-rm-args", scale, "--reward-combine", "advantage", "--out",
+                             str(tmp_path / f"adv{scale}")])
+    train.main(common + ["--custom-rm-args", "1000", "--out", str(tmp_path / "score1000")])
+    adv1, adv1000, score1000 = ([json.loads(line) for line in open(tmp_path / run / "metrics.jsonl")][0]
+                                for run in ("adv1", "adv1000", "score1000"))
+    shares = [adv1["reward/jpeg_incompressibility_share"], adv1["reward/custom_share"]]
+    assert sum(shares) == pytest.approx(1.0) and min(shares) > 0.1 and adv1["reward/custom_std"] > 0
+    # The custom reward x1000 changes the advantage-combined step only through the +1e-4 of its std: the same shares
+    # and gradient; summed as scores (the default), the scaled reward drowns the other and the gradient moves.
+    assert adv1000["reward/custom_share"] == pytest.approx(adv1["reward/custom_share"], rel=1e-3)
+    assert adv1000["grad_norm"] == pytest.approx(adv1["grad_norm"], rel=1e-3)
+    assert abs(score1000["grad_norm"] / adv1["grad_norm"] - 1) > 0.01 and "reward/custom_share" not in score1000
+
+
+def test_reward_combine_advantage_refuses_rows_with_other_weights(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"input": "a cat", "metadata": {"rm_type": "jpeg_compressibility=3"}}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        train.main(SMALL + ["--reward", "jpeg_compressibility=1,jpeg_incompressibility=1", "--reward-combine",
+                            "advantage", "--prompts", str(prompts), "--out", str(tmp_path / "run")])
+    assert "line 1" in str(e.value) and "--reward-combine advantage" in str(e.value)

@@ -187,9 +187,6 @@ def test_hps_formula_and_batching(tiny_hps):
 
 def test_hps_errors(tiny_hps, tmp_path):
     name, path = tiny_hps
-    scorer = make("hps", hps_checkpoint_path=path, hps_model_name=name)
-    with pytest.raises(ValueError, match="images only"):
-        scorer(random_images(1, frames=2), ["x"], None)
     with pytest.raises(RuntimeError, match="--hps-checkpoint-path"):
         make("hps", hps_checkpoint_path=str(tmp_path / "missing.pt"), hps_model_name=name)
     with pytest.raises(ValueError, match="v2.1"):
