@@ -2,7 +2,8 @@
 
     python eval.py --model tiny --prompts prompts/tiny.txt --reward jpeg_compressibility \
         --checkpoints runs/default/checkpoints/60 --out runs/default/eval
-    python eval.py --plot runs/default                      # reward and loss curves -> runs/default/curves.png
+    python eval.py --plot runs/default                      # held-out and training curves -> runs/default/curves.png
+    python eval.py --plot runs/a runs/b --out runs/cmp      # several runs on one plot, labelled -> runs/cmp/curves.png
     python eval.py --model sd3 --prompts prompts/geneval_test.jsonl --input-key prompt --max-prompts 553 \
         --reward geneval --resolution 512 --guidance-scale 4.5 --checkpoints ...   # GenEval per tag and overall
 
@@ -57,12 +58,28 @@ def score(reward_fn, images, prompts, metadata):
     GenEval: the geneval_<tag> means are the per-tag accuracies; geneval_overall is their mean
     (the official number) and geneval_mean_over_images the mean of geneval_correct.
     """
-    result = reward_fn(images, prompts, metadata)
+    return means_of(reward_fn(images, prompts, metadata))
+
+
+def means_of(result):
+    """`score` of a reward output (dict of [N] tensors): each entry's mean, and beside it its standard error
+    (<key>_se, the sample std / sqrt(n) over the values that are not NaN) for error bars."""
     means = {k: torch.nanmean(v.float()).item() for k, v in result.items() if k != "failed"}
+    means.update({f"{k}_se": standard_error(v) for k, v in result.items() if k != "failed"})
     if "geneval_correct" in result:
         overall = geneval.summary_of_scores(result)
         means.update(geneval_overall=overall["overall"], geneval_mean_over_images=overall["mean_over_images"])
+        tags = [means[f"geneval_{t}_se"] for t in geneval.TAGS if t in overall]  # overall = the mean of these tags
+        means.update(geneval_overall_se=math.sqrt(sum(se * se for se in tags)) / len(tags) if tags else float("nan"),
+                     geneval_mean_over_images_se=means["geneval_correct_se"])
     return means
+
+
+def standard_error(values):
+    """Standard error of the mean of a [N] tensor's values that are not NaN; NaN below two values."""
+    x = values.float().flatten()
+    x = x[~x.isnan()]
+    return (x.std() / math.sqrt(len(x))).item() if len(x) > 1 else float("nan")
 
 
 def load_weights(pipe, path, *, use_ema=False):
@@ -145,7 +162,7 @@ def summary_line(scores):
     """One readable line of `score`'s means: for GenEval the official overall accuracy with the per-tag ones,
     then the trained reward; otherwise every entry."""
     if "geneval_overall" not in scores:
-        return " | ".join(f"{k} {v:+.4f}" for k, v in scores.items())
+        return " | ".join(f"{k} {v:+.4f}" for k, v in scores.items() if not k.endswith("_se"))
     tags = ", ".join(f"{tag} {scores[f'geneval_{tag}']:.2f}" for tag in geneval.TAGS
                      if math.isfinite(scores.get(f"geneval_{tag}", float("nan"))))
     return f"accuracy {scores['geneval_overall']:.3f} ({tags}) | reward {scores['reward']:+.4f}"
@@ -157,35 +174,166 @@ def append_scores(path, step, scores):
         f.write(checkpoints.json_line({"step": step, **scores}))
 
 
-def plot_run(run_dir, out=None):
-    """Reward and loss curves of a run's metrics.jsonl -> PNG."""
+# ----------------------------------------------------------------------------- curves of runs (--plot)
+MOVING = (("grad_norm", "gradient norm"), ("kl", "KL to the base (kl)"), ("approx_kl", "approx. KL to the old policy"),
+          ("clipfrac", "clip fraction"), ("masked_fraction", "FlowDPPO masked fraction"), ("ratio_mean", "ratio mean"),
+          ("loss", "loss"), ("zero_adv_fraction", "share of zero-advantage samples"))  # metrics.jsonl, as they move
+
+
+def is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def step_rows(path, numeric):
+    """{step: row} of a run's jsonl file (the last row of a step wins, as a resumed run redoes it), and how many
+    lines were skipped: torn lines, and rows whose step or whose values at keys where numeric(key) holds are not
+    numbers (or null)."""
+    rows, bad = checkpoints.read_jsonl(path)
+    kept = {}
+    for row in rows:
+        if (not isinstance(row, dict) or not is_number(row.get("step"))
+                or any(numeric(k) and not (v is None or is_number(v)) for k, v in row.items())):
+            bad += 1
+            continue
+        kept[row["step"]] = row
+    return dict(sorted(kept.items())), bad
+
+
+def run_label(run_dir, run_dirs):
+    """The folder's name (with its parent's where two runs share a name) and, from args.json, loss and seed."""
+    parts = os.path.normpath(run_dir).split(os.sep)
+    names = [os.path.basename(os.path.normpath(d)) for d in run_dirs]
+    label = os.sep.join(parts[-2:]) if names.count(parts[-1]) > 1 else parts[-1]
+    try:
+        with open(os.path.join(run_dir, "args.json")) as f:
+            flags = json.load(f)["args"]
+        return f"{label} ({flags['loss']}, seed {flags['seed']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return label
+
+
+def read_run(run_dir, run_dirs):
+    """A run folder's label, eval.jsonl and metrics.jsonl rows (completed steps), one warning line per damaged file."""
+    if not os.path.isdir(run_dir):
+        raise SystemExit(f"error: {run_dir} is not a folder: --plot takes run folders written by train.py --out")
+    files = {}
+    for name, numeric in (("eval.jsonl", lambda k: True),
+                          ("metrics.jsonl", lambda k: k in ("reward_mean", *dict(MOVING)) or k.startswith("reward/"))):
+        path = os.path.join(run_dir, name)
+        files[name], bad = step_rows(path, numeric)
+        if bad:
+            print(f"warning: {path}: skipped {bad} line(s) that are torn or hold something other than numbers")
+    metrics = [r for r in files["metrics.jsonl"].values() if not r.get("skipped")]
+    return {"label": run_label(run_dir, run_dirs), "eval": list(files["eval.jsonl"].values()), "metrics": metrics}
+
+
+def series(rows, key):
+    """(steps, values, standard errors) of key in rows, absent and null as NaN; None when no row has a number."""
+    if not any(is_number(r.get(key)) for r in rows):
+        return None
+    def value(r, k):
+        return r[k] if is_number(r.get(k)) else math.nan
+    return [r["step"] for r in rows], [value(r, key) for r in rows], [value(r, f"{key}_se") for r in rows]
+
+
+def running_mean(values, window):
+    """Trailing mean over up to `window` values (fewer at the start), NaN values left out."""
+    out = []
+    for i in range(len(values)):
+        recent = [v for v in values[max(0, i + 1 - window):i + 1] if not math.isnan(v)]
+        out.append(sum(recent) / len(recent) if recent else math.nan)
+    return out
+
+
+def is_constant(values, tol=1e-6):
+    """True when every finite value lies within tol x max(1, |largest|) of the others (a loss of 1e-8 or a ratio of
+    1 on every step, constant by construction): nothing to see in a panel."""
+    finite = [v for v in values if math.isfinite(v)]
+    return not finite or max(finite) - min(finite) <= tol * max(1.0, max(abs(v) for v in finite))
+
+
+def curve_panels(runs):
+    """[(title, kind, {label: (steps, values, errors)})] of the runs' curves, in order: the held-out metrics of
+    eval.jsonl (GenEval: overall accuracy, each tag, the reward), kind "held_out", with standard errors; the training
+    reward (and GenEval accuracy) of metrics.jsonl, kind "smoothed"; then each figure of MOVING that moves in some
+    run, kind "raw"."""
+    held_out = [r for run in runs for r in run["eval"]]
+    if any("geneval_overall" in r for r in held_out):
+        keys = ([("geneval_overall", "held-out accuracy (GenEval overall)")]
+                + [(f"geneval_{t}", f"held-out accuracy: {t}") for t in geneval.TAGS]
+                + [("reward", "held-out reward")])
+    else:  # the reward entries, but not a component that is the reward itself
+        others = dict.fromkeys(k for r in held_out for k in r if k not in ("step", "reward") and not k.endswith("_se"))
+        keys = [("reward", "held-out reward")] + [(k, f"held-out {k}") for k in others
+                                                  if any(r.get(k) != r.get("reward") for r in held_out)]
+    panels = []
+    for kind, rows, keys in (("held_out", "eval", keys),
+                             ("smoothed", "metrics", [("reward_mean", "training reward"),
+                                                      ("reward/geneval_correct_mean", "training accuracy (GenEval)")]),
+                             ("raw", "metrics", MOVING)):
+        for key, title in keys:
+            curves = {run["label"]: s for run in runs if (s := series(run[rows], key)) is not None}
+            if not curves:
+                continue
+            if kind == "raw" and is_constant([v for _, values, _ in curves.values() for v in values]):
+                continue
+            panels.append((title, kind, curves))
+    return panels
+
+
+def plot_runs(run_dirs, out=None):
+    """The curves of one or more run folders (curve_panels; one colour per run, labelled) -> one PNG: by default
+    curves.png in the run folder (of the first run when several)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        raise SystemExit(f"error: {path} not found: --plot takes a run folder written by train.py --out")
-    rows, torn = checkpoints.read_jsonl(path)
-    if torn:
-        print(f"warning: {path}: skipped {torn} line(s) that are not JSON (a run killed mid-write)")
-    rows = [r for r in rows if isinstance(r, dict) and not r.get("skipped") and "reward_mean" in r]
-    if not rows:
-        raise SystemExit(f"error: {path} has no completed step to plot yet")
-    steps = [r["step"] for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    def series(key):  # null (a NaN when written) and absent both plot as gaps
-        return [float("nan") if r.get(key) is None else r[key] for r in rows]
-    axes[0].plot(steps, series("reward_mean"), label="reward_mean")
-    for key in sorted({k for r in rows for k in r if k.startswith("reward/")}):
-        axes[0].plot(steps, series(key), label=key, alpha=0.7)
-    axes[0].set_xlabel("step")
-    axes[0].legend(fontsize=7)
-    axes[1].plot(steps, series("loss"), label="loss")
-    axes[1].set_xlabel("step")
-    axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    out = out or os.path.join(run_dir, "curves.png")
+    from matplotlib.ticker import MaxNLocator
+    runs = [read_run(d, run_dirs) for d in run_dirs]
+    panels = curve_panels(runs)
+    if not panels:
+        raise SystemExit(f"error: {', '.join(run_dirs)}: no completed step or evaluation to plot yet "
+                         "(train.py writes metrics.jsonl after each step and eval.jsonl with --eval-every)")
+    colours = {run["label"]: f"C{i}" for i, run in enumerate(runs)}
+    longest = max(len(run["metrics"]) for run in runs)
+    window = max(1, round(longest / 10))
+    cols = min(4, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.1 * rows + 0.5), squeeze=False)
+    for ax, (title, kind, curves) in zip(axes.flat, panels):
+        for label, (steps, values, errors) in curves.items():
+            colour = colours[label]
+            if kind == "held_out":
+                known = any(math.isfinite(e) for e in errors)  # eval.jsonl of older runs has no standard errors
+                ax.errorbar(steps, values, yerr=[e if math.isfinite(e) else 0 for e in errors] if known else None,
+                            color=colour, marker="o", ms=3, capsize=3, lw=1.5)
+            elif kind == "smoothed":
+                ax.plot(steps, values, color=colour, alpha=0.25, lw=0.8, marker=".", ms=3)
+                ax.plot(steps, running_mean(values, window), color=colour, lw=1.8)
+            else:
+                ax.plot(steps, values, color=colour, lw=1.2, marker=".", ms=3)
+        scores = [v for _, values, _ in curves.values() for v in values if math.isfinite(v)]
+        if kind == "held_out" and all(0 <= v <= 1 for v in scores):  # accuracies: a change of 0.003 fills no panel
+            lo, hi = ax.get_ylim()
+            if hi - lo < 0.1:
+                ax.set_ylim((lo + hi) / 2 - 0.05, (lo + hi) / 2 + 0.05)
+        with_bars = kind == "held_out" and any(math.isfinite(e) for _, _, es in curves.values() for e in es)
+        ax.set_title(title + ("\n(bars: one standard error)" if with_bars and title == panels[0][0] else "")
+                     + (f"\n(running mean of {window} steps; faint: each step)" if kind == "smoothed"
+                        and window > 1 else ""), fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    handles = [plt.Line2D([], [], color=colours[run["label"]], lw=2) for run in runs]
+    fig.legend(handles, [run["label"] for run in runs], loc="upper center", ncol=min(3, len(runs)), fontsize=9,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight() * (1 + (len(runs) - 1) // 3)))
+    out = out or os.path.join(run_dirs[0], "curves.png")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=100)
+    plt.close(fig)
     print(f"wrote {out}")
     return out
 
@@ -193,7 +341,8 @@ def plot_run(run_dir, out=None):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--plot", metavar="RUN_DIR", help="only plot the curves of a run folder")
+    p.add_argument("--plot", nargs="+", metavar="RUN_DIR",
+                   help="only plot the curves of one or more run folders (labelled, one colour each)")
     p.add_argument("--model", default="tiny", choices=list(models.MODELS))
     p.add_argument("--model-path", default=None, help="hub id or local folder of the base pipeline")
     p.add_argument("--checkpoints", nargs="*", default=[],
@@ -213,11 +362,13 @@ def main(argv=None):
     p.add_argument("--guidance-scale", type=float, default=1.0, help="CFG scale")
     p.add_argument("--batch-size", type=int, default=8, help="images per forward")
     p.add_argument("--seed", type=int, default=0, help="noise seed (per prompt)")
-    p.add_argument("--out", default="runs/eval", help="folder for summary.json and grid.png")
+    p.add_argument("--out", default=None, help="folder for summary.json and grid.png (default: runs/eval); with "
+                   "--plot, for curves.png (default: the first run's folder)")
     rewards.add_arguments(p)
     args = p.parse_args(argv)
     if args.plot:
-        return plot_run(args.plot)
+        return plot_runs(args.plot, out=os.path.join(args.out, "curves.png") if args.out else None)
+    args.out = args.out or "runs/eval"
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -266,7 +417,7 @@ def main(argv=None):
         tables.append(score(reward_fn, columns[-1], prompts, metadata))
 
     os.makedirs(args.out, exist_ok=True)
-    keys = sorted({k for t in tables for k in t})
+    keys = sorted({k for t in tables for k in t if not k.endswith("_se")})
     print(f"{'checkpoint':<40}" + "".join(f"{k:>24}" for k in keys))
     for name, table in zip(names, tables):
         print(f"{name[-40:]:<40}" + "".join(f"{table.get(k, float('nan')):>24.5f}" for k in keys))
