@@ -11,12 +11,19 @@ Every prompt gets the same initial noise in every column (seeded by --seed and t
 the columns of the grid and of the table differ only by the weights. The base model is always the
 first column. A checkpoint with EMA weights is scored by its EMA, as train.py's --eval-every and as Flow-GRPO
 evaluates; `--no-ema` scores its live weights instead.
+
+What it writes into --out: summary.json; grid.png, the samples before and after side by side (rows: prompts,
+columns: base and checkpoints, each captioned with its verdict and score; 24 prompts spread over the GenEval tags,
+those whose verdict changed first, or every prompt with --grid-all, in pages grid-2.png, ... of at most 2000 px;
+videos show their first, middle and last frame, and grid.gif plays them); bars.png, the accuracy per tag of each
+column. The table it prints has one row per column.
 """
 import argparse
 import contextlib
 import json
 import math
 import os
+import re
 
 import torch
 
@@ -99,23 +106,6 @@ def load_weights(pipe, path, *, use_ema=False):
             params[k].copy_(t)
 
 
-def save_grid(path, columns, names, prompts, tables):
-    """Rows = prompts, columns = checkpoints; a header with each column's name. Videos show their first frame."""
-    from PIL import Image, ImageDraw
-    columns = [c[:, 0] if c.ndim == 5 else c for c in columns]  # [N, F, H, W, 3] -> [N, H, W, 3]
-    n, h, w = columns[0].shape[:3]
-    head, side = 16, 160
-    grid = Image.new("RGB", (side + w * len(columns), head + h * n), "white")
-    draw = ImageDraw.Draw(grid)
-    for c, (imgs, name) in enumerate(zip(columns, names)):
-        draw.text((side + c * w + 2, 2), f"{name[-18:]}", fill="black")
-        for r in range(n):
-            grid.paste(Image.fromarray(imgs[r].numpy()), (side + c * w, head + r * h))
-    for r, prompt in enumerate(prompts):
-        draw.text((2, head + r * h + 2), prompt[:24], fill="black")
-    grid.save(path)
-
-
 def captioned_row(images, captions, *, min_side=128):
     """uint8 [m, H, W, 3] -> one PIL image: the samples side by side, each with its caption (lines: prompt,
     score, verdict) wrapped under it. Images smaller than min_side are enlarged (nearest neighbour, whole
@@ -172,6 +162,205 @@ def append_scores(path, step, scores):
     """One line of eval.jsonl: the step and the mean of every reward entry."""
     with open(path, "a") as f:
         f.write(checkpoints.json_line({"step": step, **scores}))
+
+
+# ----------------------------------------------------------------------------- before / after
+TAG_NAMES = {"single_object": "single", "two_object": "two_obj", "counting": "counting", "colors": "colors",
+             "position": "position", "color_attr": "attr"}  # table headers
+
+
+def short_names(paths):
+    """Column names of checkpoint folders: 'step 40' for <run>/checkpoints/40 when every one comes from the same
+    run, '<run> step 40' when they come from several, the folder's name otherwise."""
+    parts = [os.path.normpath(p).split(os.sep) for p in paths]
+    steps = [p[-1] if len(p) >= 3 and p[-2] == "checkpoints" else None for p in parts]
+    runs = {p[-3] for p, s in zip(parts, steps) if s is not None}
+    return [f"step {s}" if s is not None and len(runs) == 1 else f"{p[-3]} step {s}" if s is not None else p[-1]
+            for p, s in zip(parts, steps)]
+
+
+def verdicts(result):
+    """(caption, ok) of each image of a reward output: 'correct 0.83' (ok True) or 'wrong 0.50' (False) under
+    GenEval, the official verdict and the trained score; 'reward +0.123' (None) otherwise."""
+    scores = result["reward"].float().tolist()
+    if "geneval_correct" not in result:
+        return [(f"reward {s:+.3f}", None) for s in scores]
+    correct = (result["geneval_correct"].float() > 0.5).tolist()
+    return [(f"{'correct' if ok else 'wrong'} {s:.2f}", ok) for s, ok in zip(scores, correct)]
+
+
+def select_rows(results, tags, rows):
+    """Prompts (indices) for the before/after grid: `rows` of them spread evenly over the tags (GenEval's; one group
+    without), in each tag first those whose verdict changed in some checkpoint against the base (results[0]), then
+    those whose score changed most; within those, file order."""
+    n = len(tags)
+    scores = torch.stack([r["reward"].float() for r in results])  # [columns, N]
+    change = (scores[1:] - scores[0]).abs().amax(0) if len(results) > 1 else torch.zeros(n)  # [N]
+    changed = torch.zeros(n, dtype=torch.bool)
+    if "geneval_correct" in results[0]:
+        correct = torch.stack([r["geneval_correct"].float() > 0.5 for r in results])  # [columns, N]
+        changed = (correct[1:] != correct[0]).any(0) if len(results) > 1 else changed
+    groups = {}
+    for i, tag in enumerate(tags):
+        groups.setdefault(tag, []).append(i)
+    quota = -(-rows // len(groups))  # ceil: rows spread evenly over the tags
+    chosen = []
+    for ids in groups.values():
+        chosen += sorted(ids, key=lambda i: (not changed[i], -change[i].item(), i))[:quota]
+    return chosen[:rows]
+
+
+def stills(video):
+    """uint8 [N, F, H, W, 3] -> [N, 3, H, W, 3]: the first, middle and last frame of each video."""
+    f = video.shape[1]
+    return video[:, [0, f // 2, f - 1]]
+
+
+def compare_pages(columns, names, prompts, notes, captions, *, key="", max_height=2000, max_width=1600, min_side=128):
+    """The before/after grid as pages (PIL images) of at most max_height x max_width pixels (at least one row each):
+    rows = prompts (with a note under each, e.g. its tag), columns = `names` (base first; a name may have more
+    lines, e.g. its accuracy), each cell the images of `columns[c][r]` (uint8 [k, H, W, 3]: one image, or k frames
+    side by side) over its caption strip; captions[c][r] = (text, ok), ok True / False tints the strip green / red.
+    `key` (what the captions say) heads the prompts. Where the columns are few, a page holds several blocks of rows
+    side by side (read down, then across). Images smaller than min_side are enlarged (nearest neighbour, whole
+    multiples) so that a 32 px sample can be seen."""
+    import textwrap
+    from PIL import Image, ImageDraw, ImageFont
+    k, h, w = columns[0].shape[1:4]
+    scale = max(1, -(-min_side // min(h, w)))  # ceil
+    tile_h, tile_w, gap = h * scale, w * scale, 4
+    cell_w = k * tile_w + (k - 1) * gap
+    font = ImageFont.load_default(size=14)
+    line_h, side, margin = 17, 220, 16
+    chars, cell_chars = int(side / (0.55 * font.size)), max(8, int(cell_w / (0.55 * font.size)))
+    heads = ["\n".join(textwrap.fill(line, cell_chars) for line in name.split("\n")) for name in names]
+    key = textwrap.fill(key, chars)
+    head = 8 + line_h * max(text.count("\n") + 1 for text in heads + [key + "\npage"])
+    cap_h = line_h + 6
+    row_h = tile_h + cap_h + gap
+    block_w = side + len(columns) * (cell_w + gap)
+    per_block = max(1, (max_height - head) // row_h)
+    per_page = per_block * max(1, (max_width + margin) // (block_w + margin))
+    tints = {True: ((222, 245, 222), (0, 110, 0)), False: ((250, 224, 224), (170, 0, 0)),
+             None: ((236, 236, 236), (0, 0, 0))}  # (strip, text)
+    pages, count = [], -(-len(prompts) // per_page)
+    for start in range(0, len(prompts), per_page):
+        rows = list(range(start, min(start + per_page, len(prompts))))
+        blocks = -(-len(rows) // per_block)
+        tall = -(-len(rows) // blocks)  # rows per block, spread evenly
+        page = Image.new("RGB", (blocks * block_w + (blocks - 1) * margin, head + tall * row_h), "white")
+        draw = ImageDraw.Draw(page)
+        draw.multiline_text((4, 4), key + (f"\npage {start // per_page + 1} of {count}" if count > 1 else ""),
+                            fill="gray", font=font, spacing=3)
+        for b in range(blocks):
+            x0 = b * (block_w + margin)
+            for c, text in enumerate(heads):
+                draw.multiline_text((x0 + side + c * (cell_w + gap) + 3, 4), text, fill="black", font=font, spacing=3)
+            for y, r in enumerate(rows[b * tall:(b + 1) * tall]):
+                top = head + y * row_h
+                lines = textwrap.wrap(prompts[r], chars) or [""]
+                room = max(1, tile_h // line_h - 1)  # lines of the prompt that fit beside the images, with the note
+                if len(lines) > room:
+                    lines = lines[:room - 1] + [lines[room - 1][:chars - 3] + "..."]
+                draw.multiline_text((x0 + 4, top + 2), "\n".join(lines), fill="black", font=font, spacing=3)
+                draw.text((x0 + 4, top + 2 + len(lines) * line_h), notes[r], fill="gray", font=font)
+                for c, cells in enumerate(columns):
+                    left = x0 + side + c * (cell_w + gap)
+                    for j, img in enumerate(cells[r]):
+                        tile = Image.fromarray(img).resize((tile_w, tile_h), Image.NEAREST)
+                        page.paste(tile, (left + j * (tile_w + gap), top))
+                    text, ok = captions[c][r]
+                    strip, ink = tints[ok]
+                    draw.rectangle((left, top + tile_h, left + cell_w - 1, top + tile_h + cap_h - 1), fill=strip)
+                    draw.text((left + 4, top + tile_h + 3), text, fill=ink, font=font)
+        pages.append(page)
+    return pages
+
+
+def page_paths(folder, stem, n, ext):
+    """<stem>.<ext>, <stem>-2.<ext>, ...: the first page keeps the plain name."""
+    return [os.path.join(folder, f"{stem}.{ext}" if i == 0 else f"{stem}-{i + 1}.{ext}") for i in range(n)]
+
+
+def save_compare_grid(folder, columns, names, prompts, notes, captions, *, key="", max_height=2000, fps=16):
+    """Write the before/after grid (see compare_pages) into folder: grid.png, grid-2.png, ... for images [N, H, W, 3];
+    for videos [N, F, H, W, 3] the same pages with the first, middle and last frame of each video, and each page
+    as an animated GIF (grid.gif, ...) at fps frames per second. Returns the paths written."""
+    columns = [c.numpy() if isinstance(c, torch.Tensor) else c for c in columns]
+    video = columns[0].ndim == 5
+    still = [stills(c) if video else c[:, None] for c in columns]  # [N, k, H, W, 3]
+    pages = compare_pages(still, names, prompts, notes, captions, max_height=max_height,
+                          key=key + ("; the frames: first, middle, last" if video else ""))
+    for name in os.listdir(folder):  # the pages of an earlier, longer grid in the same folder would read as ours
+        if re.fullmatch(r"grid(-\d+)?\.(png|gif)", name):
+            os.remove(os.path.join(folder, name))
+    paths = page_paths(folder, "grid", len(pages), "png")
+    for page, path in zip(pages, paths):
+        page.save(path)
+    if video:
+        frames = [compare_pages([c[:, f, None] for c in columns], names, prompts, notes, captions, key=key,
+                                max_height=max_height) for f in range(columns[0].shape[1])]  # [F][pages]
+        for p, path in enumerate(page_paths(folder, "grid", len(frames[0]), "gif")):  # one frame a cell: fewer pages
+            frames[0][p].save(path, save_all=True, append_images=[f[p] for f in frames[1:]],
+                              duration=round(1000 / fps), loop=0)
+            paths.append(path)
+    return paths
+
+
+def table_keys(tables):
+    """[(short name, key)] of the summary's table and bars: GenEval's overall accuracy, the accuracy of each tag
+    that has prompts and the mean reward; otherwise the reward and each other entry (not one equal to it)."""
+    if "geneval_overall" not in tables[0]:
+        return [("reward", "reward")] + [(k, k) for k in tables[0] if k != "reward" and not k.endswith("_se")
+                                         and any(t.get(k) != t.get("reward") for t in tables)]
+    tags = [t for t in geneval.TAGS if any(math.isfinite(table.get(f"geneval_{t}", math.nan)) for table in tables)]
+    return [("accuracy", "geneval_overall")] + [(TAG_NAMES[t], f"geneval_{t}") for t in tags] + [("reward", "reward")]
+
+
+def save_bars(path, names, tables, title=None):
+    """Grouped bars, one group per tag (or reward entry), one bar per column (base first), with standard errors."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    groups = table_keys(tables)
+    width = 0.8 / len(tables)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(groups) * len(tables) + 2), 3.8))
+    for c, (name, table) in enumerate(zip(names, tables)):
+        xs = [g + (c - (len(tables) - 1) / 2) * width for g in range(len(groups))]
+        values = [table.get(key, math.nan) for _, key in groups]
+        errors = [table.get(f"{key}_se", math.nan) for _, key in groups]
+        ax.bar(xs, values, width, yerr=[0 if math.isnan(e) else e for e in errors], capsize=2, label=name,
+               color=f"C{c}")
+    ax.set_xticks(range(len(groups)), [label for label, _ in groups])
+    if "geneval_overall" in tables[0]:  # overall | the tags | the mean trained score
+        for x in (0.5, len(groups) - 1.5):
+            ax.axvline(x, color="gray", lw=0.8, ls=":")
+        ax.set_ylabel("GenEval accuracy (reward: mean score)")
+    ax.set_title((title + "\n" if title else "") + "bars: one standard error", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def summary_table(names, tables):
+    """Lines of an aligned table, one row per column (base first): GenEval's overall accuracy with its standard
+    error, the tag accuracies and the mean reward; every reward entry otherwise."""
+    keys = table_keys(tables)
+
+    def cell(table, key):
+        value, se = table.get(key, math.nan), table.get(f"{key}_se", math.nan)
+        text = f"{value:.3f}" if key.startswith("geneval_") else f"{value:+.4f}"
+        return text + (f" +- {se:.3f}" if key == "geneval_overall" and math.isfinite(se) else "")
+
+    rows = [[name] + [cell(t, key) for _, key in keys] for name, t in zip(names, tables)]
+    header = ["checkpoint"] + [label for label, _ in keys]
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(r, widths))).rstrip()
+             for r in [header] + rows]
+    return lines
 
 
 # ----------------------------------------------------------------------------- curves of runs (--plot)
@@ -362,10 +551,16 @@ def main(argv=None):
     p.add_argument("--guidance-scale", type=float, default=1.0, help="CFG scale")
     p.add_argument("--batch-size", type=int, default=8, help="images per forward")
     p.add_argument("--seed", type=int, default=0, help="noise seed (per prompt)")
-    p.add_argument("--out", default=None, help="folder for summary.json and grid.png (default: runs/eval); with "
-                   "--plot, for curves.png (default: the first run's folder)")
+    p.add_argument("--out", default=None, help="folder for summary.json, grid.png (pages grid-2.png, ...) and "
+                   "bars.png (default: runs/eval); with --plot, for curves.png (default: the first run's folder)")
+    p.add_argument("--grid-rows", type=int, default=24, help="prompts in the before/after grid, spread evenly over "
+                   "the GenEval tags, those whose verdict changed first")
+    p.add_argument("--grid-all", action="store_true", help="every prompt in the grid, in pages of at most 2000 px")
+    p.add_argument("--fps", type=int, default=16, help="video models: frames per second of the grid's GIFs")
     rewards.add_arguments(p)
     args = p.parse_args(argv)
+    if args.grid_rows < 1 or args.fps < 1:
+        p.error(f"--grid-rows {args.grid_rows} and --fps {args.fps} must be >= 1")
     if args.plot:
         return plot_runs(args.plot, out=os.path.join(args.out, "curves.png") if args.out else None)
     args.out = args.out or "runs/eval"
@@ -403,10 +598,10 @@ def main(argv=None):
     kw = dict(resolution=args.resolution, num_steps=args.eval_steps, guidance_scale=args.guidance_scale,
               seed=args.seed, batch_size=args.batch_size, device=device, shift=args.shift,
               num_frames=args.num_frames, max_sequence_length=args.max_sequence_length)
-    names, columns, tables, weights = ["base"], [], [], {}
+    names, columns, results, weights = ["base"], [], [], {}
     with models.reference(pipe) if rank else contextlib.nullcontext():
         columns.append(sample_images(pipe, prompts, **kw))
-    tables.append(score(reward_fn, columns[0], prompts, metadata))
+    results.append(reward_fn(columns[0], prompts, metadata))
     for ckpt in args.checkpoints:
         if base is not None:
             pipe.transformer.load_state_dict(base)
@@ -414,19 +609,32 @@ def main(argv=None):
         names.append(ckpt.rstrip("/"))
         weights[names[-1]] = "ema" if args.ema and os.path.isfile(os.path.join(ckpt, "ema.safetensors")) else "live"
         columns.append(sample_images(pipe, prompts, **kw))
-        tables.append(score(reward_fn, columns[-1], prompts, metadata))
+        results.append(reward_fn(columns[-1], prompts, metadata))
 
     os.makedirs(args.out, exist_ok=True)
-    keys = sorted({k for t in tables for k in t if not k.endswith("_se")})
-    print(f"{'checkpoint':<40}" + "".join(f"{k:>24}" for k in keys))
-    for name, table in zip(names, tables):
-        print(f"{name[-40:]:<40}" + "".join(f"{table.get(k, float('nan')):>24.5f}" for k in keys))
+    tables = [means_of(r) for r in results]
+    labels = ["base"] + [f"{s} ({weights[n]})" for s, n in zip(short_names(names[1:]), names[1:])]
+    print("\n".join(summary_table(labels, tables)))
     summary = {"prompts": args.prompts, "num_prompts": len(prompts), "eval_steps": args.eval_steps,
                "results": {name: table for name, table in zip(names, tables)}, "weights": weights}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    save_grid(os.path.join(args.out, "grid.png"), columns, names, prompts, tables)
-    print(f"wrote {args.out}/summary.json and {args.out}/grid.png")
+    # Before / after: the same prompts and noise in every column; a readable selection unless --grid-all.
+    tags = [m.get("tag", "") if isinstance(m, dict) else "" for m in metadata]
+    rows = list(range(len(prompts))) if args.grid_all else select_rows(results, tags, args.grid_rows)
+    captions = [verdicts(r) for r in results]
+    if "geneval_overall" in tables[0]:
+        heads = [f"{label}\naccuracy {t['geneval_overall']:.3f}" for label, t in zip(labels, tables)]
+        key = f"under each sample: GenEval's verdict and the reward; accuracy: all {len(prompts)} prompts"
+    else:
+        heads = [f"{label}\nreward {t['reward']:+.4f}" for label, t in zip(labels, tables)]
+        key = f"under each sample: its reward; under each name: the mean over all {len(prompts)} prompts"
+    paths = save_compare_grid(args.out, [c[rows] for c in columns], heads, [prompts[i] for i in rows],
+                              [f"{tags[i]} #{i}".strip() for i in rows], [[c[i] for i in rows] for c in captions],
+                              key=key, fps=args.fps)
+    paths.append(save_bars(os.path.join(args.out, "bars.png"), labels, tables,
+                           title=f"{args.prompts}: {len(prompts)} prompts, the same noise in every column"))
+    print(f"wrote {os.path.join(args.out, 'summary.json')}, " + ", ".join(paths))
     return summary
 
 
