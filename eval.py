@@ -129,10 +129,32 @@ def captioned_row(images, captions, *, min_side=128):
     return grid
 
 
-def save_sample_grid(path, images, captions, n=8, fps=16):
+def select_samples(prompts, scores, n=8):
+    """Indices of up to n of a step's samples (prompts[i], scores[i] its reward) that show what the step learns from:
+    several distinct prompts, each by its worst and its best sample (the contrast a group-relative advantage sees),
+    prompts with a spread of rewards (a failure beside a success) before saturated ones, of which the failing come
+    first; then more samples of the same prompts while n allows. In the order of the prompts' first sample, each
+    prompt's worst first."""
+    groups = {}
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(prompt, []).append(i)
+    ranked = {p: sorted(ids, key=lambda i: float(scores[i])) for p, ids in groups.items()}  # worst first
+    spread = [p for p, ids in ranked.items() if float(scores[ids[0]]) != float(scores[ids[-1]])]
+    saturated = sorted((p for p in ranked if p not in spread), key=lambda p: float(scores[ranked[p][0]]))
+    order = [p for p in ranked if p in (spread + saturated)[:max(1, n // 2)]]
+    prefs = {p: ranked[p][:1] + ranked[p][1:][-1:] + ranked[p][1:-1] for p in order}  # worst, best, the others
+    chosen = [prefs[p][r] for r in range(max(map(len, prefs.values()), default=0)) for p in order if r < len(prefs[p])]
+    chosen = set(chosen[:n])  # round after round: every prompt's worst, then every prompt's best, ...
+    return [i for p in order for i in ranked[p] if i in chosen]
+
+
+def save_sample_grid(path, images, captions, n=8, fps=16, ids=None):
     """Up to n training samples with their captions (train.py's samples/): images as one PNG row;
     videos [N, F, H, W, 3] as one animated GIF per caption's first line, the prompt (<path stem>_<k>.gif,
-    that prompt's samples side by side, at fps frames per second). Returns the paths written."""
+    that prompt's samples side by side, at fps frames per second). `ids` picks the samples (e.g.
+    select_samples'); by default the first n. Returns the paths written."""
+    if ids is not None:
+        images, captions = images[list(ids)], [captions[i] for i in ids]
     images = images[:n].numpy()
     captions = captions[:len(images)]
     if images.ndim == 4:

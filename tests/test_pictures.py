@@ -1,5 +1,5 @@
-"""eval.py's pictures: the curves of runs (--plot), the before/after grid, the bars and the summary table. Fake run
-files and images, and tiny or shipped models, keep them to seconds."""
+"""eval.py's pictures: the curves of runs (--plot), the before/after grid, the bars and the summary table, and the
+selection of training samples. Fake run files and images, and tiny or shipped models, keep them to seconds."""
 import json
 import math
 import os
@@ -206,6 +206,23 @@ def test_short_names():
     assert evaluation.short_names(["runs/a/checkpoints/20", "runs/a/checkpoints/40/"]) == ["step 20", "step 40"]
     assert evaluation.short_names(["runs/a/checkpoints/40", "runs/b/checkpoints/40"]) == ["a step 40", "b step 40"]
     assert evaluation.short_names(["exported"]) == ["exported"]
+
+
+# ----------------------------------------------------------------------------- training samples
+def test_select_samples_shows_several_prompts_with_their_failures(tmp_path):
+    prompts = [p for p in "abcde" for _ in range(4)]  # five groups of four, as a rollout lays them out
+    scores = [1.0, 1.0, 1.0, 1.0,  0.2, 0.9, 0.5, 0.1,  0.0, 0.0, 0.0, 0.0,  0.3, 0.8, 0.8, 0.6,  1.0, 0.0, 1.0, 1.0]
+    ids = evaluation.select_samples(prompts, scores, 8)
+    # The mixed groups b, d, e, then the failing group c rather than the saturated a; each by its worst and best.
+    assert ids == [7, 5, 8, 11, 12, 14, 17, 19]
+    assert evaluation.select_samples(prompts[4:8], scores[4:8], 3) == [3, 0, 1]  # one prompt: worst, best, next
+    images = torch.zeros(20, 8, 8, 3, dtype=torch.uint8)
+    for i in range(20):
+        images[i] = 10 * i
+    captions = [f"{p}\nreward {s:.3f}" for p, s in zip(prompts, scores)]
+    path = evaluation.save_sample_grid(str(tmp_path / "s.png"), images, captions, ids=ids)[0]
+    row = np.asarray(Image.open(path))
+    assert row.shape[1] == 8 * 128 and [row[5, 128 * j + 5, 0] for j in range(8)] == [10 * i for i in ids]
 
 
 # ----------------------------------------------------------------------------- eval.py end to end
