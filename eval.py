@@ -581,8 +581,9 @@ def main(argv=None):
     p.add_argument("--fps", type=int, default=16, help="video models: frames per second of the grid's GIFs")
     rewards.add_arguments(p)
     args = p.parse_args(argv)
-    if args.grid_rows < 1 or args.fps < 1:
-        p.error(f"--grid-rows {args.grid_rows} and --fps {args.fps} must be >= 1")
+    for flag, value in (("--grid-rows", args.grid_rows), ("--fps", args.fps)):
+        if value < 1:
+            p.error(f"{flag} {value}: must be 1 or more")
     if args.plot:
         return plot_runs(args.plot, out=os.path.join(args.out, "curves.png") if args.out else None)
     args.out = args.out or "runs/eval"
