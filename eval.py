@@ -135,12 +135,13 @@ def select_samples(prompts, scores, n=8):
     prompts with a spread of rewards (a failure beside a success) before saturated ones, of which the failing come
     first; then more samples of the same prompts while n allows. In the order of the prompts' first sample, each
     prompt's worst first."""
+    values = [-math.inf if math.isnan(float(s)) else float(s) for s in scores]  # a sample without reward: the worst
     groups = {}
     for i, prompt in enumerate(prompts):
         groups.setdefault(prompt, []).append(i)
-    ranked = {p: sorted(ids, key=lambda i: float(scores[i])) for p, ids in groups.items()}  # worst first
-    spread = [p for p, ids in ranked.items() if float(scores[ids[0]]) != float(scores[ids[-1]])]
-    saturated = sorted((p for p in ranked if p not in spread), key=lambda p: float(scores[ranked[p][0]]))
+    ranked = {p: sorted(ids, key=lambda i: values[i]) for p, ids in groups.items()}  # worst first
+    spread = [p for p, ids in ranked.items() if values[ids[0]] != values[ids[-1]]]
+    saturated = sorted((p for p in ranked if p not in spread), key=lambda p: values[ranked[p][0]])
     order = [p for p in ranked if p in (spread + saturated)[:max(1, n // 2)]]
     prefs = {p: ranked[p][:1] + ranked[p][1:][-1:] + ranked[p][1:-1] for p in order}  # worst, best, the others
     chosen = [prefs[p][r] for r in range(max(map(len, prefs.values()), default=0)) for p in order if r < len(prefs[p])]

@@ -216,6 +216,7 @@ def test_select_samples_shows_several_prompts_with_their_failures(tmp_path):
     # The mixed groups b, d, e, then the failing group c rather than the saturated a; each by its worst and best.
     assert ids == [7, 5, 8, 11, 12, 14, 17, 19]
     assert evaluation.select_samples(prompts[4:8], scores[4:8], 3) == [3, 0, 1]  # one prompt: worst, best, next
+    assert evaluation.select_samples(["a"] * 3, torch.tensor([0.5, math.nan, 0.7]), 2) == [1, 2]  # no reward: worst
     images = torch.zeros(20, 8, 8, 3, dtype=torch.uint8)
     for i in range(20):
         images[i] = 10 * i
