@@ -2,7 +2,8 @@
 
     python eval.py --model tiny --prompts prompts/tiny.txt --reward jpeg_compressibility \
         --checkpoints runs/default/checkpoints/60 --out runs/default/eval
-    python eval.py --plot runs/default                      # reward and loss curves -> runs/default/curves.png
+    python eval.py --plot runs/default                      # held-out and training curves -> runs/default/curves.png
+    python eval.py --plot runs/a runs/b --out runs/cmp      # several runs on one plot, labelled -> runs/cmp/curves.png
     python eval.py --model sd3 --prompts prompts/geneval_test.jsonl --input-key prompt --max-prompts 553 \
         --reward geneval --resolution 512 --guidance-scale 4.5 --checkpoints ...   # GenEval per tag and overall
 
@@ -10,12 +11,19 @@ Every prompt gets the same initial noise in every column (seeded by --seed and t
 the columns of the grid and of the table differ only by the weights. The base model is always the
 first column. A checkpoint with EMA weights is scored by its EMA, as train.py's --eval-every and as Flow-GRPO
 evaluates; `--no-ema` scores its live weights instead.
+
+What it writes into --out: summary.json; grid.png, the samples before and after side by side (rows: prompts,
+columns: base and checkpoints, each captioned with its verdict and score; 24 prompts spread over the GenEval tags,
+those whose verdict changed first, or every prompt with --grid-all, in pages grid-2.png, ... of at most 2000 px;
+videos show their first, middle and last frame, and grid.gif plays them); bars.png, the accuracy per tag of each
+column. The table it prints has one row per column.
 """
 import argparse
 import contextlib
 import json
 import math
 import os
+import re
 
 import torch
 
@@ -53,35 +61,34 @@ def score(reward_fn, images, prompts, metadata):
     GenEval: the geneval_<tag> means are the per-tag accuracies; geneval_overall is their mean
     (the official number) and geneval_mean_over_images the mean of geneval_correct.
     """
-    result = reward_fn(images, prompts, metadata)
+    return means_of(reward_fn(images, prompts, metadata))
+
+
+def means_of(result):
+    """`score` of a reward output (dict of [N] tensors): each entry's mean, and beside it its standard error
+    (<key>_se, the sample std / sqrt(n) over the values that are not NaN) for error bars."""
     means = {k: torch.nanmean(v.float()).item() for k, v in result.items() if k != "failed"}
+    means.update({f"{k}_se": standard_error(v) for k, v in result.items() if k != "failed"})
     if "geneval_correct" in result:
         overall = geneval.summary_of_scores(result)
         means.update(geneval_overall=overall["overall"], geneval_mean_over_images=overall["mean_over_images"])
+        tags = [means[f"geneval_{t}_se"] for t in geneval.TAGS if t in overall]  # overall = the mean of these tags
+        means.update(geneval_overall_se=math.sqrt(sum(se * se for se in tags)) / len(tags) if tags else float("nan"),
+                     geneval_mean_over_images_se=means["geneval_correct_se"])
     return means
+
+
+def standard_error(values):
+    """Standard error of the mean of a [N] tensor's values that are not NaN; NaN below two values."""
+    x = values.float().flatten()
+    x = x[~x.isnan()]
+    return (x.std() / math.sqrt(len(x))).item() if len(x) > 1 else float("nan")
 
 
 def load_weights(pipe, path, *, use_ema=False):
     """Copy a train.py checkpoint's trained weights (use_ema: their EMA, where it has one) into a pipeline prepared
     with the same LoRA rank (models.add_lora; a full fine-tune's checkpoint holds every weight). -> the file read."""
     return checkpoints.load_weights(path, dict(pipe.transformer.named_parameters()), use_ema=use_ema, complete=False)
-
-
-def save_grid(path, columns, names, prompts, tables):
-    """Rows = prompts, columns = checkpoints; a header with each column's name. Videos show their first frame."""
-    from PIL import Image, ImageDraw
-    columns = [c[:, 0] if c.ndim == 5 else c for c in columns]  # [N, F, H, W, 3] -> [N, H, W, 3]
-    n, h, w = columns[0].shape[:3]
-    head, side = 16, 160
-    grid = Image.new("RGB", (side + w * len(columns), head + h * n), "white")
-    draw = ImageDraw.Draw(grid)
-    for c, (imgs, name) in enumerate(zip(columns, names)):
-        draw.text((side + c * w + 2, 2), f"{name[-18:]}", fill="black")
-        for r in range(n):
-            grid.paste(Image.fromarray(imgs[r].numpy()), (side + c * w, head + r * h))
-    for r, prompt in enumerate(prompts):
-        draw.text((2, head + r * h + 2), prompt[:24], fill="black")
-    grid.save(path)
 
 
 def captioned_row(images, captions, *, min_side=128):
@@ -107,10 +114,33 @@ def captioned_row(images, captions, *, min_side=128):
     return grid
 
 
-def save_sample_grid(path, images, captions, n=8, fps=16):
+def select_samples(prompts, scores, n=8):
+    """Indices of up to n of a step's samples (prompts[i], scores[i] its reward) that show what the step learns from:
+    several distinct prompts, each by its worst and its best sample (the contrast a group-relative advantage sees),
+    prompts with a spread of rewards (a failure beside a success) before saturated ones, of which the failing come
+    first; then more samples of the same prompts while n allows. In the order of the prompts' first sample, each
+    prompt's worst first."""
+    values = [-math.inf if math.isnan(float(s)) else float(s) for s in scores]  # a sample without reward: the worst
+    groups = {}
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(prompt, []).append(i)
+    ranked = {p: sorted(ids, key=lambda i: values[i]) for p, ids in groups.items()}  # worst first
+    spread = [p for p, ids in ranked.items() if values[ids[0]] != values[ids[-1]]]
+    saturated = sorted((p for p in ranked if p not in spread), key=lambda p: values[ranked[p][0]])
+    order = [p for p in ranked if p in (spread + saturated)[:max(1, n // 2)]]
+    prefs = {p: ranked[p][:1] + ranked[p][1:][-1:] + ranked[p][1:-1] for p in order}  # worst, best, the others
+    chosen = [prefs[p][r] for r in range(max(map(len, prefs.values()), default=0)) for p in order if r < len(prefs[p])]
+    chosen = set(chosen[:n])  # round after round: every prompt's worst, then every prompt's best, ...
+    return [i for p in order for i in ranked[p] if i in chosen]
+
+
+def save_sample_grid(path, images, captions, n=8, fps=16, ids=None):
     """Up to n training samples with their captions (train.py's samples/): images as one PNG row;
     videos [N, F, H, W, 3] as one animated GIF per caption's first line, the prompt (<path stem>_<k>.gif,
-    that prompt's samples side by side, at fps frames per second). Returns the paths written."""
+    that prompt's samples side by side, at fps frames per second). `ids` picks the samples (e.g.
+    select_samples'); by default the first n. Returns the paths written."""
+    if ids is not None:
+        images, captions = images[list(ids)], [captions[i] for i in ids]
     images = images[:n].numpy()
     captions = captions[:len(images)]
     if images.ndim == 4:
@@ -130,7 +160,7 @@ def summary_line(scores):
     """One readable line of `score`'s means: for GenEval the official overall accuracy with the per-tag ones,
     then the trained reward; otherwise every entry."""
     if "geneval_overall" not in scores:
-        return " | ".join(f"{k} {v:+.4f}" for k, v in scores.items())
+        return " | ".join(f"{k} {v:+.4f}" for k, v in scores.items() if not k.endswith("_se"))
     tags = ", ".join(f"{tag} {scores[f'geneval_{tag}']:.2f}" for tag in geneval.TAGS
                      if math.isfinite(scores.get(f"geneval_{tag}", float("nan"))))
     return f"accuracy {scores['geneval_overall']:.3f} ({tags}) | reward {scores['reward']:+.4f}"
@@ -142,35 +172,365 @@ def append_scores(path, step, scores):
         f.write(checkpoints.json_line({"step": step, **scores}))
 
 
-def plot_run(run_dir, out=None):
-    """Reward and loss curves of a run's metrics.jsonl -> PNG."""
+# ----------------------------------------------------------------------------- before / after
+TAG_NAMES = {"single_object": "single", "two_object": "two_obj", "counting": "counting", "colors": "colors",
+             "position": "position", "color_attr": "attr"}  # table headers
+
+
+def short_names(paths):
+    """Column names of checkpoint folders: 'step 40' for <run>/checkpoints/40 when every one comes from the same
+    run, '<run> step 40' when they come from several, the folder's name otherwise."""
+    parts = [os.path.normpath(p).split(os.sep) for p in paths]
+    steps = [p[-1] if len(p) >= 3 and p[-2] == "checkpoints" else None for p in parts]
+    runs = {p[-3] for p, s in zip(parts, steps) if s is not None}
+    return [f"step {s}" if s is not None and len(runs) == 1 else f"{p[-3]} step {s}" if s is not None else p[-1]
+            for p, s in zip(parts, steps)]
+
+
+def verdicts(result):
+    """(caption, ok) of each image of a reward output: 'correct 0.83' (ok True) or 'wrong 0.50' (False) under
+    GenEval, the official verdict and the trained score; 'reward +0.123' (None) otherwise."""
+    scores = result["reward"].float().tolist()
+    if "geneval_correct" not in result:
+        return [(f"reward {s:+.3f}", None) for s in scores]
+    correct = (result["geneval_correct"].float() > 0.5).tolist()
+    return [(f"{'correct' if ok else 'wrong'} {s:.2f}", ok) for s, ok in zip(scores, correct)]
+
+
+def select_rows(results, tags, rows):
+    """Prompts (indices) for the before/after grid: `rows` of them spread evenly over the tags (GenEval's; one group
+    without), in each tag first those whose verdict changed in some checkpoint against the base (results[0]), then
+    those whose score changed most; within those, file order."""
+    n = len(tags)
+    scores = torch.stack([r["reward"].float() for r in results])  # [columns, N]
+    change = (scores[1:] - scores[0]).abs().amax(0) if len(results) > 1 else torch.zeros(n)  # [N]
+    changed = torch.zeros(n, dtype=torch.bool)
+    if "geneval_correct" in results[0]:
+        correct = torch.stack([r["geneval_correct"].float() > 0.5 for r in results])  # [columns, N]
+        changed = (correct[1:] != correct[0]).any(0) if len(results) > 1 else changed
+    groups = {}
+    for i, tag in enumerate(tags):
+        groups.setdefault(tag, []).append(i)
+    quota = -(-rows // len(groups))  # ceil: rows spread evenly over the tags
+    chosen = []
+    for ids in groups.values():
+        chosen += sorted(ids, key=lambda i: (not changed[i], -change[i].item(), i))[:quota]
+    return chosen[:rows]
+
+
+def stills(video):
+    """uint8 [N, F, H, W, 3] -> [N, 3, H, W, 3]: the first, middle and last frame of each video."""
+    f = video.shape[1]
+    return video[:, [0, f // 2, f - 1]]
+
+
+def compare_pages(columns, names, prompts, notes, captions, *, key="", max_height=2000, max_width=1600, min_side=128):
+    """The before/after grid as pages (PIL images) of at most max_height x max_width pixels (at least one row each):
+    rows = prompts (with a note under each, e.g. its tag), columns = `names` (base first; a name may have more
+    lines, e.g. its accuracy), each cell the images of `columns[c][r]` (uint8 [k, H, W, 3]: one image, or k frames
+    side by side) over its caption strip; captions[c][r] = (text, ok), ok True / False tints the strip green / red.
+    `key` (what the captions say) heads the prompts. Where the columns are few, a page holds several blocks of rows
+    side by side (read down, then across). Images smaller than min_side are enlarged (nearest neighbour, whole
+    multiples) so that a 32 px sample can be seen."""
+    import textwrap
+    from PIL import Image, ImageDraw, ImageFont
+    k, h, w = columns[0].shape[1:4]
+    scale = max(1, -(-min_side // min(h, w)))  # ceil
+    tile_h, tile_w, gap = h * scale, w * scale, 4
+    cell_w = k * tile_w + (k - 1) * gap
+    font = ImageFont.load_default(size=14)
+    line_h, side, margin = 17, 220, 16
+    chars, cell_chars = int(side / (0.55 * font.size)), max(8, int(cell_w / (0.55 * font.size)))
+    heads = ["\n".join(textwrap.fill(line, cell_chars) for line in name.split("\n")) for name in names]
+    key = textwrap.fill(key, chars)
+    head = 8 + line_h * max(text.count("\n") + 1 for text in heads + [key + "\npage"])
+    cap_h = line_h + 6
+    row_h = tile_h + cap_h + gap
+    block_w = side + len(columns) * (cell_w + gap)
+    per_block = max(1, (max_height - head) // row_h)
+    per_page = per_block * max(1, (max_width + margin) // (block_w + margin))
+    tints = {True: ((222, 245, 222), (0, 110, 0)), False: ((250, 224, 224), (170, 0, 0)),
+             None: ((236, 236, 236), (0, 0, 0))}  # (strip, text)
+    pages, count = [], -(-len(prompts) // per_page)
+    for start in range(0, len(prompts), per_page):
+        rows = list(range(start, min(start + per_page, len(prompts))))
+        blocks = -(-len(rows) // per_block)
+        tall = -(-len(rows) // blocks)  # rows per block, spread evenly
+        page = Image.new("RGB", (blocks * block_w + (blocks - 1) * margin, head + tall * row_h), "white")
+        draw = ImageDraw.Draw(page)
+        draw.multiline_text((4, 4), key + (f"\npage {start // per_page + 1} of {count}" if count > 1 else ""),
+                            fill="gray", font=font, spacing=3)
+        for b in range(blocks):
+            x0 = b * (block_w + margin)
+            for c, text in enumerate(heads):
+                draw.multiline_text((x0 + side + c * (cell_w + gap) + 3, 4), text, fill="black", font=font, spacing=3)
+            for y, r in enumerate(rows[b * tall:(b + 1) * tall]):
+                top = head + y * row_h
+                lines = textwrap.wrap(prompts[r], chars) or [""]
+                room = max(1, tile_h // line_h - 1)  # lines of the prompt that fit beside the images, with the note
+                if len(lines) > room:
+                    lines = lines[:room - 1] + [lines[room - 1][:chars - 3] + "..."]
+                draw.multiline_text((x0 + 4, top + 2), "\n".join(lines), fill="black", font=font, spacing=3)
+                draw.text((x0 + 4, top + 2 + len(lines) * line_h), notes[r], fill="gray", font=font)
+                for c, cells in enumerate(columns):
+                    left = x0 + side + c * (cell_w + gap)
+                    for j, img in enumerate(cells[r]):
+                        tile = Image.fromarray(img).resize((tile_w, tile_h), Image.NEAREST)
+                        page.paste(tile, (left + j * (tile_w + gap), top))
+                    text, ok = captions[c][r]
+                    strip, ink = tints[ok]
+                    draw.rectangle((left, top + tile_h, left + cell_w - 1, top + tile_h + cap_h - 1), fill=strip)
+                    draw.text((left + 4, top + tile_h + 3), text, fill=ink, font=font)
+        pages.append(page)
+    return pages
+
+
+def page_paths(folder, stem, n, ext):
+    """<stem>.<ext>, <stem>-2.<ext>, ...: the first page keeps the plain name."""
+    return [os.path.join(folder, f"{stem}.{ext}" if i == 0 else f"{stem}-{i + 1}.{ext}") for i in range(n)]
+
+
+def save_compare_grid(folder, columns, names, prompts, notes, captions, *, key="", max_height=2000, fps=16):
+    """Write the before/after grid (see compare_pages) into folder: grid.png, grid-2.png, ... for images [N, H, W, 3];
+    for videos [N, F, H, W, 3] the same pages with the first, middle and last frame of each video, and each page
+    as an animated GIF (grid.gif, ...) at fps frames per second. Returns the paths written."""
+    columns = [c.numpy() if isinstance(c, torch.Tensor) else c for c in columns]
+    video = columns[0].ndim == 5
+    still = [stills(c) if video else c[:, None] for c in columns]  # [N, k, H, W, 3]
+    pages = compare_pages(still, names, prompts, notes, captions, max_height=max_height,
+                          key=key + ("; the frames: first, middle, last" if video else ""))
+    for name in os.listdir(folder):  # the pages of an earlier, longer grid in the same folder would read as ours
+        if re.fullmatch(r"grid(-\d+)?\.(png|gif)", name):
+            os.remove(os.path.join(folder, name))
+    paths = page_paths(folder, "grid", len(pages), "png")
+    for page, path in zip(pages, paths):
+        page.save(path)
+    if video:
+        frames = [compare_pages([c[:, f, None] for c in columns], names, prompts, notes, captions, key=key,
+                                max_height=max_height) for f in range(columns[0].shape[1])]  # [F][pages]
+        for p, path in enumerate(page_paths(folder, "grid", len(frames[0]), "gif")):  # one frame a cell: fewer pages
+            frames[0][p].save(path, save_all=True, append_images=[f[p] for f in frames[1:]],
+                              duration=round(1000 / fps), loop=0)
+            paths.append(path)
+    return paths
+
+
+def table_keys(tables):
+    """[(short name, key)] of the summary's table and bars: GenEval's overall accuracy, the accuracy of each tag
+    that has prompts and the mean reward; otherwise the reward and each other entry (not one equal to it)."""
+    if "geneval_overall" not in tables[0]:
+        return [("reward", "reward")] + [(k, k) for k in tables[0] if k != "reward" and not k.endswith("_se")
+                                         and any(t.get(k) != t.get("reward") for t in tables)]
+    tags = [t for t in geneval.TAGS if any(math.isfinite(table.get(f"geneval_{t}", math.nan)) for table in tables)]
+    return [("accuracy", "geneval_overall")] + [(TAG_NAMES[t], f"geneval_{t}") for t in tags] + [("reward", "reward")]
+
+
+def save_bars(path, names, tables, title=None):
+    """Grouped bars, one group per tag (or reward entry), one bar per column (base first), with standard errors."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        raise SystemExit(f"error: {path} not found: --plot takes a run folder written by train.py --out")
-    rows, torn = checkpoints.read_jsonl(path)
-    if torn:
-        print(f"warning: {path}: skipped {torn} line(s) that are not JSON (a run killed mid-write)")
-    rows = [r for r in rows if isinstance(r, dict) and not r.get("skipped") and "reward_mean" in r]
-    if not rows:
-        raise SystemExit(f"error: {path} has no completed step to plot yet")
-    steps = [r["step"] for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    def series(key):  # null (a NaN when written) and absent both plot as gaps
-        return [float("nan") if r.get(key) is None else r[key] for r in rows]
-    axes[0].plot(steps, series("reward_mean"), label="reward_mean")
-    for key in sorted({k for r in rows for k in r if k.startswith("reward/")}):
-        axes[0].plot(steps, series(key), label=key, alpha=0.7)
-    axes[0].set_xlabel("step")
-    axes[0].legend(fontsize=7)
-    axes[1].plot(steps, series("loss"), label="loss")
-    axes[1].set_xlabel("step")
-    axes[1].legend(fontsize=7)
+    groups = table_keys(tables)
+    width = 0.8 / len(tables)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(groups) * len(tables) + 2), 3.8))
+    for c, (name, table) in enumerate(zip(names, tables)):
+        xs = [g + (c - (len(tables) - 1) / 2) * width for g in range(len(groups))]
+        values = [table.get(key, math.nan) for _, key in groups]
+        errors = [table.get(f"{key}_se", math.nan) for _, key in groups]
+        ax.bar(xs, values, width, yerr=[0 if math.isnan(e) else e for e in errors], capsize=2, label=name,
+               color=f"C{c}")
+    ax.set_xticks(range(len(groups)), [label for label, _ in groups])
+    if "geneval_overall" in tables[0]:  # overall | the tags | the mean trained score
+        for x in (0.5, len(groups) - 1.5):
+            ax.axvline(x, color="gray", lw=0.8, ls=":")
+        ax.set_ylabel("GenEval accuracy (reward: mean score)")
+    ax.set_title((title + "\n" if title else "") + "bars: one standard error", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    out = out or os.path.join(run_dir, "curves.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def summary_table(names, tables):
+    """Lines of an aligned table, one row per column (base first): GenEval's overall accuracy with its standard
+    error, the tag accuracies and the mean reward; every reward entry otherwise."""
+    keys = table_keys(tables)
+
+    def cell(table, key):
+        value, se = table.get(key, math.nan), table.get(f"{key}_se", math.nan)
+        text = f"{value:.3f}" if key.startswith("geneval_") else f"{value:+.4f}"
+        return text + (f" +- {se:.3f}" if key == "geneval_overall" and math.isfinite(se) else "")
+
+    rows = [[name] + [cell(t, key) for _, key in keys] for name, t in zip(names, tables)]
+    header = ["checkpoint"] + [label for label, _ in keys]
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(r, widths))).rstrip()
+             for r in [header] + rows]
+    return lines
+
+
+# ----------------------------------------------------------------------------- curves of runs (--plot)
+MOVING = (("grad_norm", "gradient norm"), ("kl", "KL to the base (kl)"), ("approx_kl", "approx. KL to the old policy"),
+          ("clipfrac", "clip fraction"), ("masked_fraction", "FlowDPPO masked fraction"), ("ratio_mean", "ratio mean"),
+          ("loss", "loss"), ("zero_adv_fraction", "share of zero-advantage samples"))  # metrics.jsonl, as they move
+
+
+def is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def step_rows(path, numeric):
+    """{step: row} of a run's jsonl file (the last row of a step wins, as a resumed run redoes it), and how many
+    lines were skipped: torn lines, and rows whose step or whose values at keys where numeric(key) holds are not
+    numbers (or null)."""
+    rows, bad = checkpoints.read_jsonl(path)
+    kept = {}
+    for row in rows:
+        if (not isinstance(row, dict) or not is_number(row.get("step"))
+                or any(numeric(k) and not (v is None or is_number(v)) for k, v in row.items())):
+            bad += 1
+            continue
+        kept[row["step"]] = row
+    return dict(sorted(kept.items())), bad
+
+
+def run_label(run_dir, run_dirs):
+    """The folder's name (with its parent's where two runs share a name) and, from args.json, loss and seed."""
+    parts = os.path.normpath(run_dir).split(os.sep)
+    names = [os.path.basename(os.path.normpath(d)) for d in run_dirs]
+    label = os.sep.join(parts[-2:]) if names.count(parts[-1]) > 1 else parts[-1]
+    try:
+        with open(os.path.join(run_dir, "args.json")) as f:
+            flags = json.load(f)["args"]
+        return f"{label} ({flags['loss']}, seed {flags['seed']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return label
+
+
+def read_run(run_dir, run_dirs):
+    """A run folder's label, eval.jsonl and metrics.jsonl rows (completed steps), one warning line per damaged file."""
+    if not os.path.isdir(run_dir):
+        raise SystemExit(f"error: {run_dir} is not a folder: --plot takes run folders written by train.py --out")
+    files = {}
+    for name, numeric in (("eval.jsonl", lambda k: True),
+                          ("metrics.jsonl", lambda k: k in ("reward_mean", *dict(MOVING)) or k.startswith("reward/"))):
+        path = os.path.join(run_dir, name)
+        files[name], bad = step_rows(path, numeric)
+        if bad:
+            print(f"warning: {path}: skipped {bad} line(s) that are torn or hold something other than numbers")
+    metrics = [r for r in files["metrics.jsonl"].values() if not r.get("skipped")]
+    return {"label": run_label(run_dir, run_dirs), "eval": list(files["eval.jsonl"].values()), "metrics": metrics}
+
+
+def series(rows, key):
+    """(steps, values, standard errors) of key in rows, absent and null as NaN; None when no row has a number."""
+    if not any(is_number(r.get(key)) for r in rows):
+        return None
+    def value(r, k):
+        return r[k] if is_number(r.get(k)) else math.nan
+    return [r["step"] for r in rows], [value(r, key) for r in rows], [value(r, f"{key}_se") for r in rows]
+
+
+def running_mean(values, window):
+    """Trailing mean over up to `window` values (fewer at the start), NaN values left out."""
+    out = []
+    for i in range(len(values)):
+        recent = [v for v in values[max(0, i + 1 - window):i + 1] if not math.isnan(v)]
+        out.append(sum(recent) / len(recent) if recent else math.nan)
+    return out
+
+
+def is_constant(values, tol=1e-6):
+    """True when every finite value lies within tol x max(1, |largest|) of the others (a loss of 1e-8 or a ratio of
+    1 on every step, constant by construction): nothing to see in a panel."""
+    finite = [v for v in values if math.isfinite(v)]
+    return not finite or max(finite) - min(finite) <= tol * max(1.0, max(abs(v) for v in finite))
+
+
+def curve_panels(runs):
+    """[(title, kind, {label: (steps, values, errors)})] of the runs' curves, in order: the held-out metrics of
+    eval.jsonl (GenEval: overall accuracy, each tag, the reward), kind "held_out", with standard errors; the training
+    reward (and GenEval accuracy) of metrics.jsonl, kind "smoothed"; then each figure of MOVING that moves in some
+    run, kind "raw"."""
+    held_out = [r for run in runs for r in run["eval"]]
+    if any("geneval_overall" in r for r in held_out):
+        keys = ([("geneval_overall", "held-out accuracy (GenEval overall)")]
+                + [(f"geneval_{t}", f"held-out accuracy: {t}") for t in geneval.TAGS]
+                + [("reward", "held-out reward")])
+    else:  # the reward entries, but not a component that is the reward itself
+        others = dict.fromkeys(k for r in held_out for k in r if k not in ("step", "reward") and not k.endswith("_se"))
+        keys = [("reward", "held-out reward")] + [(k, f"held-out {k}") for k in others
+                                                  if any(r.get(k) != r.get("reward") for r in held_out)]
+    panels = []
+    for kind, rows, keys in (("held_out", "eval", keys),
+                             ("smoothed", "metrics", [("reward_mean", "training reward"),
+                                                      ("reward/geneval_correct_mean", "training accuracy (GenEval)")]),
+                             ("raw", "metrics", MOVING)):
+        for key, title in keys:
+            curves = {run["label"]: s for run in runs if (s := series(run[rows], key)) is not None}
+            if not curves:
+                continue
+            if kind == "raw" and is_constant([v for _, values, _ in curves.values() for v in values]):
+                continue
+            panels.append((title, kind, curves))
+    return panels
+
+
+def plot_runs(run_dirs, out=None):
+    """The curves of one or more run folders (curve_panels; one colour per run, labelled) -> one PNG: by default
+    curves.png in the run folder (of the first run when several)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+    runs = [read_run(d, run_dirs) for d in run_dirs]
+    panels = curve_panels(runs)
+    if not panels:
+        raise SystemExit(f"error: {', '.join(run_dirs)}: no completed step or evaluation to plot yet "
+                         "(train.py writes metrics.jsonl after each step and eval.jsonl with --eval-every)")
+    colours = {run["label"]: f"C{i}" for i, run in enumerate(runs)}
+    longest = max(len(run["metrics"]) for run in runs)
+    window = max(1, round(longest / 10))
+    cols = min(4, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.1 * rows + 0.5), squeeze=False)
+    for ax, (title, kind, curves) in zip(axes.flat, panels):
+        for label, (steps, values, errors) in curves.items():
+            colour = colours[label]
+            if kind == "held_out":
+                known = any(math.isfinite(e) for e in errors)  # eval.jsonl of older runs has no standard errors
+                ax.errorbar(steps, values, yerr=[e if math.isfinite(e) else 0 for e in errors] if known else None,
+                            color=colour, marker="o", ms=3, capsize=3, lw=1.5)
+            elif kind == "smoothed":
+                ax.plot(steps, values, color=colour, alpha=0.25, lw=0.8, marker=".", ms=3)
+                ax.plot(steps, running_mean(values, window), color=colour, lw=1.8)
+            else:
+                ax.plot(steps, values, color=colour, lw=1.2, marker=".", ms=3)
+        scores = [v for _, values, _ in curves.values() for v in values if math.isfinite(v)]
+        if kind == "held_out" and all(0 <= v <= 1 for v in scores):  # accuracies: a change of 0.003 fills no panel
+            lo, hi = ax.get_ylim()
+            if hi - lo < 0.1:
+                ax.set_ylim((lo + hi) / 2 - 0.05, (lo + hi) / 2 + 0.05)
+        with_bars = kind == "held_out" and any(math.isfinite(e) for _, _, es in curves.values() for e in es)
+        ax.set_title(title + ("\n(bars: one standard error)" if with_bars and title == panels[0][0] else "")
+                     + (f"\n(running mean of {window} steps; faint: each step)" if kind == "smoothed"
+                        and window > 1 else ""), fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    handles = [plt.Line2D([], [], color=colours[run["label"]], lw=2) for run in runs]
+    fig.legend(handles, [run["label"] for run in runs], loc="upper center", ncol=min(3, len(runs)), fontsize=9,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight() * (1 + (len(runs) - 1) // 3)))
+    out = out or os.path.join(run_dirs[0], "curves.png")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=100)
+    plt.close(fig)
     print(f"wrote {out}")
     return out
 
@@ -178,7 +538,8 @@ def plot_run(run_dir, out=None):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--plot", metavar="RUN_DIR", help="only plot the curves of a run folder")
+    p.add_argument("--plot", nargs="+", metavar="RUN_DIR",
+                   help="only plot the curves of one or more run folders (labelled, one colour each)")
     p.add_argument("--model", default="tiny", choices=list(models.MODELS))
     p.add_argument("--model-path", default=None, help="hub id or local folder of the base pipeline")
     p.add_argument("--checkpoints", nargs="*", default=[],
@@ -198,11 +559,20 @@ def main(argv=None):
     p.add_argument("--guidance-scale", type=float, default=1.0, help="CFG scale")
     p.add_argument("--batch-size", type=int, default=8, help="images per forward")
     p.add_argument("--seed", type=int, default=0, help="noise seed (per prompt)")
-    p.add_argument("--out", default="runs/eval", help="folder for summary.json and grid.png")
+    p.add_argument("--out", default=None, help="folder for summary.json, grid.png (pages grid-2.png, ...) and "
+                   "bars.png (default: runs/eval); with --plot, for curves.png (default: the first run's folder)")
+    p.add_argument("--grid-rows", type=int, default=24, help="prompts in the before/after grid, spread evenly over "
+                   "the GenEval tags, those whose verdict changed first")
+    p.add_argument("--grid-all", action="store_true", help="every prompt in the grid, in pages of at most 2000 px")
+    p.add_argument("--fps", type=int, default=16, help="video models: frames per second of the grid's GIFs")
     rewards.add_arguments(p)
     args = p.parse_args(argv)
+    for flag, value in (("--grid-rows", args.grid_rows), ("--fps", args.fps)):
+        if value < 1:
+            p.error(f"{flag} {value}: must be 1 or more")
     if args.plot:
-        return plot_run(args.plot)
+        return plot_runs(args.plot, out=os.path.join(args.out, "curves.png") if args.out else None)
+    args.out = args.out or "runs/eval"
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -238,10 +608,10 @@ def main(argv=None):
     kw = dict(resolution=args.resolution, num_steps=args.eval_steps, guidance_scale=args.guidance_scale,
               seed=args.seed, batch_size=args.batch_size, device=device, shift=args.shift,
               num_frames=args.num_frames, max_sequence_length=args.max_sequence_length)
-    names, columns, tables, weights = ["base"], [], [], {}
+    names, columns, results, weights = ["base"], [], [], {}
     with models.reference(pipe) if rank else contextlib.nullcontext():
         columns.append(sample_images(pipe, prompts, **kw))
-    tables.append(score(reward_fn, columns[0], prompts, metadata))
+    results.append(reward_fn(columns[0], prompts, metadata))
     for ckpt in args.checkpoints:
         if base is not None:
             pipe.transformer.load_state_dict(base)
@@ -249,19 +619,32 @@ def main(argv=None):
         names.append(ckpt.rstrip("/"))
         weights[names[-1]] = "ema" if file == "ema.safetensors" else "live"
         columns.append(sample_images(pipe, prompts, **kw))
-        tables.append(score(reward_fn, columns[-1], prompts, metadata))
+        results.append(reward_fn(columns[-1], prompts, metadata))
 
     os.makedirs(args.out, exist_ok=True)
-    keys = sorted({k for t in tables for k in t})
-    print(f"{'checkpoint':<40}" + "".join(f"{k:>24}" for k in keys))
-    for name, table in zip(names, tables):
-        print(f"{name[-40:]:<40}" + "".join(f"{table.get(k, float('nan')):>24.5f}" for k in keys))
+    tables = [means_of(r) for r in results]
+    labels = ["base"] + [f"{s} ({weights[n]})" for s, n in zip(short_names(names[1:]), names[1:])]
+    print("\n".join(summary_table(labels, tables)))
     summary = {"prompts": args.prompts, "num_prompts": len(prompts), "eval_steps": args.eval_steps,
                "results": {name: table for name, table in zip(names, tables)}, "weights": weights}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    save_grid(os.path.join(args.out, "grid.png"), columns, names, prompts, tables)
-    print(f"wrote {args.out}/summary.json and {args.out}/grid.png")
+    # Before / after: the same prompts and noise in every column; a readable selection unless --grid-all.
+    tags = [m.get("tag", "") if isinstance(m, dict) else "" for m in metadata]
+    rows = list(range(len(prompts))) if args.grid_all else select_rows(results, tags, args.grid_rows)
+    captions = [verdicts(r) for r in results]
+    if "geneval_overall" in tables[0]:
+        heads = [f"{label}\naccuracy {t['geneval_overall']:.3f}" for label, t in zip(labels, tables)]
+        key = f"under each sample: GenEval's verdict and the reward; accuracy: all {len(prompts)} prompts"
+    else:
+        heads = [f"{label}\nreward {t['reward']:+.4f}" for label, t in zip(labels, tables)]
+        key = f"under each sample: its reward; under each name: the mean over all {len(prompts)} prompts"
+    paths = save_compare_grid(args.out, [c[rows] for c in columns], heads, [prompts[i] for i in rows],
+                              [f"{tags[i]} #{i}".strip() for i in rows], [[c[i] for i in rows] for c in captions],
+                              key=key, fps=args.fps)
+    paths.append(save_bars(os.path.join(args.out, "bars.png"), labels, tables,
+                           title=f"{args.prompts}: {len(prompts)} prompts, the same noise in every column"))
+    print(f"wrote {os.path.join(args.out, 'summary.json')}, " + ", ".join(paths))
     return summary
 
 

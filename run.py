@@ -239,10 +239,10 @@ class Run:
         else:
             self.bar.write(step_line(step, info))
             if args.log_images_every and step % args.log_images_every == 0:  # prompt, reward and verdict per sample
-                images = batch["images"]
-                captions = sample_captions(batch["prompts"], scores, args.reward_key, len(images))
-                evaluation.save_sample_grid(os.path.join(args.out, "samples", f"{step:06d}.png"), images, captions,
-                                            fps=args.fps)
+                captions = sample_captions(batch["prompts"], scores, args.reward_key, len(batch["images"]))
+                shown = evaluation.select_samples(batch["prompts"], scores[args.reward_key].tolist(), 8)  # several
+                evaluation.save_sample_grid(os.path.join(args.out, "samples", f"{step:06d}.png"), batch["images"],
+                                            captions, fps=args.fps, ids=shown)  # prompts, each its worst and best
             warn_divergence(info)
 
     def evaluate(self, step):

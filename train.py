@@ -180,7 +180,7 @@ def main(argv=None, *, on_step=None):
 def sample(policy, loss, args, prompts, sigmas, step, reward_fn, run):
     """This rank's rollouts of the step -> (batch, pending rewards). batch: latents [n, N, ...] (the forward process
     keeps only the clean sample: [n, 1, ...]), log_probs [n, K], means [n, K, ...], stds [n, K], steps [n, K] (each
-    sample's trained steps), embeds {k: [n, ...]}, prompts, the first rollout batch's images; pending: one
+    sample's trained steps), embeds {k: [n, ...]}, prompts, images; pending: one
     [(future of the reward, prompts)] per rollout batch, scored while the next is sampled."""
     texts, metadata = prompts
     prompt_ids = data.step_prompt_ids(len(texts), step, prompts_per_step=args.prompts_per_step, seed=args.seed,
@@ -213,8 +213,8 @@ def sample(policy, loss, args, prompts, sigmas, step, reward_fn, run):
             batch["trajectories"].append(traj)
             pending.append((run.submit(reward_fn, images, batch["prompts"][idx], [metadata[i] for i in my_ids[idx]]),
                             batch["prompts"][idx]))
-            batch.setdefault("images", images)  # the first rollout batch's, for the sample grid
-    trajs = batch.pop("trajectories")
+            batch.setdefault("images", []).append(images)  # for the sample grid
+    trajs, batch["images"] = batch.pop("trajectories"), torch.cat(batch["images"])  # uint8 [n, H, W, 3]
     batch.update({k: torch.cat([t[k] for t in trajs]) for k in ("latents", "log_probs", "means", "stds")
                   if k in trajs[0]})
     if loss.process == "reverse":
