@@ -97,7 +97,8 @@ def resolve_resume(resume, out):
 MODEL_FLAGS = ("model", "lora_rank", "lora_alpha")
 # Flags that change nothing a resumed run computes (bookkeeping, speed, robustness): no warning when they differ.
 RUN_FLAGS = ("out", "resume", "overwrite", "steps", "fps", "save_every", "keep_checkpoints", "eval_every", "eval_steps",
-             "eval_prompts", "log_images_every", "max_bad_steps", "wandb", "compile", "gradient_checkpointing",
+             "eval_prompts", "log_images_every", "max_bad_steps", "wandb", "log_to", "compile",
+             "gradient_checkpointing",
              "model_path", "reward_retries", "reward_timeout", "reward_backoff", "ocr_workers", "pickscore_batch_size",
              "hps_batch_size", "remote_batch_size", "remote_max_concurrency")
 

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from PIL import Image
 from tqdm import tqdm
 
 import checkpoints
@@ -62,7 +63,10 @@ def add_arguments(parser):
                    help="stop after this many consecutive skipped (non-finite) steps")
     g.add_argument("--fps", type=flags.POSITIVE_INT, default=16,
                    help="video models: frames per second of the saved sample GIFs")
-    g.add_argument("--wandb", action="store_true", help="also log to Weights & Biases")
+    g.add_argument("--log-to", action="append", default=[], choices=["wandb", "tensorboard"],
+                   help="also log the step metrics, the held-out evaluation and the sample grids to Weights & Biases "
+                        "or TensorBoard (<out>/tensorboard); repeat for both")
+    g.add_argument("--wandb", action="store_true", help="the same as --log-to wandb")
     return g
 
 
@@ -81,7 +85,7 @@ class Run:
         self.args, self.device, self.on_step = args, device, on_step
         self.resume_from, self.stale = checkpoints.prepare(args)  # verified, or None; the old run's files
         self.step = self.bad_in_a_row = self.trained = 0  # trained: steps of this process that updated the weights
-        self.signal, self.policy, self.wandb, self.ratio_warned = None, None, None, False
+        self.signal, self.policy, self.wandb, self.tensorboard, self.ratio_warned = None, None, None, None, False
         self.pool = ThreadPoolExecutor(max_workers=1)  # scores batch b while batch b + 1 is sampled
         self.bar, self.marks, self.last_skip = None, {}, None
 
@@ -109,9 +113,12 @@ class Run:
             checkpoints.trim_metrics(args.out, self.step)  # a killed run's rows after the checkpoint are redone
         self.first_step = self.step
         checkpoints.start_run(args, self.stale)
-        if args.wandb and is_main:
+        if is_main and (args.wandb or "wandb" in args.log_to):
             import wandb  # optional, heavy: only when asked for
             self.wandb = wandb.init(config=vars(args), dir=args.out, resume="allow")
+        if is_main and "tensorboard" in args.log_to:
+            from torch.utils.tensorboard import SummaryWriter  # optional: only when asked for
+            self.tensorboard = SummaryWriter(os.path.join(args.out, "tensorboard"), purge_step=self.step + 1)
         for signum in (signal.SIGTERM, signal.SIGINT):  # preemption: finish the step on every rank, save, exit 0
             signal.signal(signum, lambda signum, frame: setattr(self, "signal", signal.Signals(signum).name))
         # A live bar on rank 0's terminal; none in log files, where the per-step lines already say everything.
@@ -241,8 +248,10 @@ class Run:
             if args.log_images_every and step % args.log_images_every == 0:  # prompt, reward and verdict per sample
                 captions = sample_captions(batch["prompts"], scores, args.reward_key, len(batch["images"]))
                 shown = evaluation.select_samples(batch["prompts"], scores[args.reward_key].tolist(), 8)  # several
-                evaluation.save_sample_grid(os.path.join(args.out, "samples", f"{step:06d}.png"), batch["images"],
-                                            captions, fps=args.fps, ids=shown)  # prompts, each its worst and best
+                paths = evaluation.save_sample_grid(os.path.join(args.out, "samples", f"{step:06d}.png"),
+                                                    batch["images"], captions, fps=args.fps, ids=shown)
+                if (self.wandb or self.tensorboard) and paths[0].endswith(".png"):
+                    self._publish({}, step, image=np.asarray(Image.open(paths[0]).convert("RGB")))
             warn_divergence(info)
 
     def evaluate(self, step):
@@ -261,13 +270,26 @@ class Run:
         if is_main:
             scores = evaluation.score(self.reward_fn, images, *self.held_out)
             evaluation.append_scores(os.path.join(args.out, "eval.jsonl"), step, scores)
+            self._publish(scores, step, prefix="eval/")
             self.bar.write(f"eval  {step:5d} | " + evaluation.summary_line(scores))
 
     def _append(self, info):
         self.bar.update(1)
         checkpoints.append_metrics(self.args.out, info)
+        self._publish(info, info["step"])
+
+    def _publish(self, values, step, prefix="", image=None):
+        """The same numbers (and an image, uint8 [H, W, 3]) to wandb and TensorBoard, when asked for."""
+        numbers = {prefix + k: v for k, v in values.items() if isinstance(v, (int, float)) and k != "step"}
         if self.wandb:
-            self.wandb.log(info, step=info["step"])
+            self.wandb.log(dict(numbers, **({prefix + "samples": self.wandb.Image(image)} if image is not None
+                                            else {})), step=step)
+        if self.tensorboard:
+            for key, value in numbers.items():
+                self.tensorboard.add_scalar(key, value, step)
+            if image is not None:
+                self.tensorboard.add_image(prefix + "samples", image, step, dataformats="HWC")
+            self.tensorboard.flush()
 
     def warn_ratio(self, deviation, limit, cause):
         """Once per run: the first update's on-policy ratio strays beyond the clip range (departure 2)."""
@@ -294,6 +316,8 @@ class Run:
 
     def finish(self):
         self.bar.close()
+        if self.tensorboard:
+            self.tensorboard.close()
         self.pool.shutdown()
         distributed.finish()
         if self.step == self.args.steps > self.first_step and self.trained == 0:  # every step skipped: say so

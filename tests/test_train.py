@@ -261,3 +261,18 @@ def test_eval_summary_line_reads_as_accuracy():
     assert line == ("accuracy 0.300 (single_object 0.90, two_object 0.20, colors 0.70, position 0.00, "
                     "color_attr 0.00) | reward +0.5000")
     assert evaluation.summary_line({"reward": -0.25, "reward/jpeg": -0.25}) == "reward -0.2500 | reward/jpeg -0.2500"
+
+
+def test_tensorboard_gets_the_metrics_the_evaluation_and_the_samples(tmp_path):
+    """--log-to tensorboard writes event files under <out>/tensorboard that TensorBoard's own reader reads back."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    _, out = train(tmp_path, "--steps", "2", "--log-to", "tensorboard", "--eval-every", "2", "--eval-prompts",
+                   "prompts/tiny.txt", "--eval-steps", "2")
+    events = EventAccumulator(os.path.join(out, "tensorboard"), size_guidance={"images": 0, "scalars": 0})
+    events.Reload()
+    scalars, rows = events.Tags()["scalars"], metrics(out)
+    assert {"reward_mean", "grad_norm", "eval/reward"} <= set(scalars)
+    assert [e.step for e in events.Scalars("reward_mean")] == [1, 2]
+    assert [e.value for e in events.Scalars("grad_norm")] == pytest.approx([r["grad_norm"] for r in rows])
+    assert [e.step for e in events.Scalars("eval/reward")] == [0, 2]
+    assert [e.step for e in events.Images("samples")] == [1, 2]  # the sample grid of every logged step
