@@ -454,3 +454,24 @@ def test_geneval_rows_the_detector_cannot_judge_stop_before_any_model_loads(tmp_
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error:") and "line 2" in last and "'dragon'" in last
     assert "model shapes" not in proc.stdout  # refused before the model loaded
+
+
+def test_a_checkpoint_in_the_earlier_layout_still_resumes(three_checkpoints, tmp_path):
+    """Checkpoints written before state.json joined the manifest (and before the fp16 loss scale and optimizer
+    steps were saved in it) resume as they did, and continue exactly as an uninterrupted run."""
+    run_dir, full = three_checkpoints
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    ckpt = copy / "checkpoints" / "2"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    del manifest["state.json"]
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    state = json.loads((ckpt / "state.json").read_text())
+    for key in ("grad_scaler", "optimizer_steps"):
+        del state[key]
+    (ckpt / "state.json").write_text(json.dumps(state))
+    shutil.rmtree(copy / "checkpoints" / "3")
+    assert checkpoints.verify(str(ckpt)) is None
+    main("--steps", "4", "--resume", "auto", out=copy)
+    for a, b in zip(metrics(copy), full):
+        assert a["reward_mean"] == b["reward_mean"] and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
