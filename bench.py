@@ -70,6 +70,7 @@ import time
 
 import torch
 
+import families
 import models
 import rewards
 import train
@@ -634,7 +635,7 @@ def reward_flops():
     hpsv3_vision = per_depth[0] + 31 * (per_depth[1] - per_depth[0])
     words = ("system\nYou are a helpful assistant.\nuser\n" + rewards.hpsv3_text(
         "a photo of an astronaut riding a horse on the moon, highly detailed") + "\nassistant\n")
-    tokenizer = models.clip_tokenizer()
+    tokenizer = families.clip_tokenizer()
     tokenizer.model_max_length = 10**6  # counting, not encoding for CLIP: no length warning
     tokens = 256 + 8 + len(tokenizer(words, add_special_tokens=False)["input_ids"])
     config = Qwen2VLConfig(text_config=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,

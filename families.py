@@ -885,7 +885,7 @@ PUBLISHED = {
                             pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=192, qk_norm="rms_norm")),
                         text_encoder=("CLIPTextModelWithProjection", _CLIP_L),
                         text_encoder_2=("CLIPTextModelWithProjection", _CLIP_G),
-                        text_encoder_3=("T5EncoderModel", _T5_XXL), vae=("AutoencoderKL", None)),  # models.SD35_VAE
+                        text_encoder_3=("T5EncoderModel", _T5_XXL), vae=("AutoencoderKL", None)),  # SD35_VAE
 }
 
 

@@ -154,7 +154,8 @@ def combined_advantages(components, weights, group_ids, *, global_std=False, eps
                              f"{tuple(ids.shape)}")
         scored = ~torch.isnan(rewards)
         adv = torch.zeros_like(rewards)  # a reward that scores no sample of the batch adds nothing to it
-        adv[scored] = group_advantages(rewards[scored], ids[scored], global_std=global_std, eps=eps, clip=math.inf)
+        if scored.any():
+            adv[scored] = group_advantages(rewards[scored], ids[scored], global_std=global_std, eps=eps, clip=math.inf)
         weighted = float(weights[name]) * adv
         total = total + weighted
         size[name] = weighted.abs().mean().item()

@@ -203,10 +203,22 @@ class Run:
             self.policy.checkpoint(self.args, step, self._state())
         print0(f"stopped by {self.signal or 'a signal on another rank'} while waiting for rewards in step "
                f"{step + 1}; checkpoint {step} saved, continue with --resume auto --out {self.args.out}")
+        self._exit_now()  # a reward request may still be blocked on the network: do not wait for its thread
+
+    def _exit_now(self):
+        """Exit 0 without the interpreter's teardown, the run saved: loggers closed, the process group destroyed,
+        output flushed. A thread still alive at teardown (a reward request blocked on the network, a collective's
+        worker thread after a peer left) would otherwise hang the exit or abort it: a joinable C++ thread destroyed
+        at exit calls std::terminate ("terminate called without an active exception", SIGABRT)."""
+        self.bar.close()
+        if self.tensorboard:
+            self.tensorboard.close()
+        if self.wandb:
+            self.wandb.finish()
         self.pool.shutdown(wait=False, cancel_futures=True)
         distributed.finish()
         sys.stdout.flush(), sys.stderr.flush()
-        os._exit(0)  # a reward request may still be blocked on the network: do not wait for its thread
+        os._exit(0)
 
     # ------------------------------------------------------------------------- LOG / SAVE
     def _state(self):  # what a checkpoint's state.json carries besides the step
@@ -311,6 +323,8 @@ class Run:
         if stopping:
             print0(f"stopped by {self.signal or 'a signal on another rank'} after step {step}; "
                    f"checkpoint saved, continue with --resume auto --out {args.out}")
+            if distributed.WORLD > 1:  # preempted under torchrun: every rank saved; leave as after a reward wait
+                self._exit_now()
         self.step = step
         return stopping
 

@@ -439,7 +439,7 @@ def test_train_runs_two_steps(name, tmp_path, monkeypatch):
     assert rows[0]["first_ratio_dev"] < 1e-5 and all(math.isfinite(r["loss"]) for r in rows)
     saved = sorted(os.listdir(out / "samples"))
     if name == "tiny-wan":
-        assert saved == ["000002_0.gif"]  # the first 4 samples are one prompt's group
+        assert saved == ["000002_0.gif", "000002_1.gif"]  # one GIF per prompt: the grid shows both prompts of the step
         gif = Image.open(out / "samples" / saved[0])
         # 64 px frames enlarged 2x for reading, each of the 4 samples captioned below its frame
         assert gif.is_animated and gif.n_frames == 5 and gif.size[0] == 4 * 128 and gif.size[1] > 128 + 12

@@ -71,6 +71,7 @@ def ode_samples(model, n=2000):
 
 # The flags the losses read, as train.py passes them (vars(args)); the toy has no reference model (kl_beta 0).
 HYPER = dict(clip_range=0.2, kl_beta=0.0, kl_form="flow-grpo", sde="flow", kl_mask_threshold=1e-4, adv_clip=5.0,
+             step_loss_weight="none",
              nft_beta=1.0, nft_adaptive=True, ema_kl_beta=1.0, awm_weighting="ghuber", ghuber_power=0.25,
              num_steps=NUM_STEPS, train_timesteps=6, awm_timesteps="discrete_wo_init")
 
@@ -134,9 +135,10 @@ def fine_tune_forward(model, loss_name, *, lr, iters=30, batch=128, group=16):
     sigmas, its loss, its old copy's decay), one optimizer step per batch."""
     loss_fn = losses.LOSSES[loss_name]
     hyper = dict(HYPER, timestep_fraction=loss_fn.defaults["timestep_fraction"], clip_range=loss_fn.defaults.get(
-        "clip_range", HYPER["clip_range"]))
+        "clip_range", HYPER["clip_range"]), kl_beta=loss_fn.hub_defaults["kl_beta"])  # AWM's EMA-KL needs beta > 0
     sigmas = sde.sd3_sigmas(NUM_STEPS)
     old = copy.deepcopy(model).requires_grad_(False)
+    base = copy.deepcopy(model).requires_grad_(False)  # the reference of the KL to the base
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     g = torch.Generator().manual_seed(1)
     group_ids = torch.arange(batch) // group
@@ -155,8 +157,9 @@ def fine_tune_forward(model, loss_name, *, lr, iters=30, batch=128, group=16):
             x_t = sde.renoise(x0, eps, s)  # (1 - s) x0 + s eps
             v = model(x_t, s)
             with torch.no_grad():
-                v_old = old(x_t, s)
-            loss, info = loss_fn.fn(dict(v=v, x_t=x_t, x0=x0, noise=eps, sigma=s, adv=adv, v_old=v_old), **hyper)
+                v_old, v_ref = old(x_t, s), base(x_t, s)
+            loss, info = loss_fn.fn(dict(v=v, x_t=x_t, x0=x0, noise=eps, sigma=s, adv=adv, v_old=v_old, v_ref=v_ref),
+                                    **hyper)
             (loss / n).backward()
             log.append(dict(info, iteration=k))
         opt.step()
