@@ -95,12 +95,12 @@ import distributed
 import flags
 import losses
 import models
+import policy as policy_mod
 import rewards
+import run as run_mod
 import sde
 from distributed import RANK, WORLD, print0
 from flags import FRACTION, NONNEG_INT, POSITIVE, POSITIVE_INT, SEED, bounded
-import policy as policy_mod
-import run as run_mod
 from policy import Policy
 from run import Run, check_rm_types, mean_stats, setup_or_exit
 
