@@ -183,7 +183,7 @@ def read_curve(folder, eval0=None, steps=None):
     points = []
     for step in sorted(evals):
         row = evals[step]
-        if "geneval_overall" not in row:
+        if not isinstance(row.get("geneval_overall"), (int, float)):  # not a GenEval evaluation, or NaN (null)
             return None
         seconds = sum(metrics[s].get("seconds", 0.0) for s in metrics if s <= step)
         points.append(dict(step=step, samples=step * per_step, seconds=seconds, accuracy=row["geneval_overall"],
@@ -203,7 +203,7 @@ def check_records(args):
     """One line, before anything runs or is reported, when a finished run of --out was run with other flags."""
     for run in all_runs(args):
         record = read_record(args.out, run)
-        if record and record.get("done") and record["flags"] != train_flags(run[0], run[1], run[2], args):
+        if record and record.get("done") and record["flags"] != train_flags(*run, args):
             was = shlex.join(record["flags"])
             raise SystemExit(f"error: {os.path.join(args.out, run_name(*run))} was run with `{was}`, not with this "
                              "league's flags (--samples, --evals, COMMON or the entry's): give the flags it "
@@ -394,7 +394,7 @@ def tables(results, args):
         after = [c[-1]["accuracy"] for c in curves]
         per_tag = [np.mean([c[-1]["tags"][t] for c in curves]) for t in geneval.TAGS]
         seeds = "" if len(curves) == n else f" ({len(curves)} of {n} seeds)"
-        lines.append(f"| {name}{seeds} | {lr_text(r['lr'])} | {curves[0][-1]['samples']:,} | {np.mean(before):.3f} | "
+        lines.append(f"| {name}{seeds} | {lr_text(r['lr'])} | {curves[0][-1]['samples']:,} | {mean_std(before)} | "
                      f"{mean_std(after)} | {np.mean(after) - np.mean(before):+.3f} | "
                      + " | ".join(f"{v:.2f}" for v in per_tag)
                      + f" | {np.mean([c[-1]['seconds'] for c in curves]) / 60:.1f} |")
@@ -498,7 +498,7 @@ def report(args):
     """league.md (printed too), league.png and league.json from the finished runs; one error line when there are
     none."""
     if not os.path.isdir(args.out):
-        raise SystemExit(f"error: {args.out} does not exist: run the league first (python scripts/league.py), or "
+        raise SystemExit(f"error: {args.out} is not a folder: run the league first (python scripts/league.py), or "
                          "give the --out it wrote")
     results = collect(args)
     if not results:

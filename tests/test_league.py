@@ -133,13 +133,13 @@ def test_table_has_the_six_tags_the_lr_the_samples_the_minutes_command_and_machi
     args = league_args(tmp_path, "--only", "guard", "--lrs", "2e-4", "--sweep-seed", "0", "--seeds", "0", "1")
     final = dict(zip(TAGS, [0.9, 0.5, 0.25, 0.75, 0.1, 0.05]))
     fake_run(args, ("guard", 2e-4, 0), [30.0] * 4, [0.3, 0.4, 0.5], tags=final)
-    fake_run(args, ("guard", 2e-4, 1), [60.0] * 4, [0.3, 0.3, 0.3], tags=dict(final, counting=0.35))
+    fake_run(args, ("guard", 2e-4, 1), [60.0] * 4, [0.32, 0.3, 0.3], tags=dict(final, counting=0.35))
     league.report(args)
     table = open(tmp_path / "league.md").read()
     assert "| entry | lr | samples | before | after | rise | single | two_obj | counting | colors | position | attr " \
            "| training minutes |" in table
-    assert "| guard | 2e-4 | 128 | 0.300 | 0.400 +- 0.141 | +0.100 | 0.90 | 0.50 | 0.30 | 0.75 | 0.10 | 0.05 | 3.0 |" \
-        in table
+    row = "| guard | 2e-4 | 128 | 0.310 +- 0.014 | 0.400 +- 0.141 | +0.090 | 0.90 | 0.50 | 0.30 | 0.75 | 0.10 | 0.05 |"
+    assert row + " 3.0 |" in table  # before and after over seeds; the tags after, counting the mean of 0.25 and 0.35
     assert "`python scripts/league.py --samples 128 --evals 3 --lrs 2e-4 --sweep-seed 0 --seeds 0 1 --jobs 2 " \
            f"--threads {args.threads} --only guard --out {tmp_path}`" in table
     assert f"Machine: {league.cpu_model()}, {os.cpu_count()} CPU threads; 2 run(s) at a time" in table
@@ -154,7 +154,7 @@ def test_report_of_a_missing_folder_is_one_error_line(tmp_path):
     done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "league.py"), "--report", "--out",
                            str(missing)], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
-    assert done.stderr.strip().splitlines() == [f"error: {missing} does not exist: run the league first "
+    assert done.stderr.strip().splitlines() == [f"error: {missing} is not a folder: run the league first "
                                                 "(python scripts/league.py), or give the --out it wrote"]
     with pytest.raises(SystemExit) as stop:  # an empty folder, or runs of another league
         league.main(["--report", "--out", str(tmp_path)])
@@ -231,7 +231,7 @@ def test_league_sweeps_then_runs_the_seeds_at_the_chosen_lr_and_never_reruns_a_f
     assert [name for name, _ in launched][:5] == first  # an entry's seeds start as soon as its sweep ends
     assert results["grpo"]["lr"] == results["nft"]["lr"] == 2e-4  # 4e-4 ties: the smaller
     assert [c[-1]["accuracy"] for c in results["nft"]["curves"].values()] == [pytest.approx(0.4), pytest.approx(0.41)]
-    assert "| grpo | 2e-4 | 128 | 0.300 | 0.405 +- 0.007 | +0.105 |" in open(out / "league.md").read()
+    assert "| grpo | 2e-4 | 128 | 0.300 +- 0.000 | 0.405 +- 0.007 | +0.105 |" in open(out / "league.md").read()
     assert all(json.load(open(out / f"{name}.json"))["done"] for name, _ in launched)
     run_league(out)  # everything finished: nothing is launched again
     assert len(fake_train()) == len(launched)
@@ -258,7 +258,7 @@ def test_some_failed_runs_report_what_finished_then_exit_non_zero(tmp_path, fake
         run_league(out)
     assert str(stop.value.code).startswith("error: 2 run(s) failed; the first, grpo-lr2e-4-s3: rc 1: error: --lr 2e-4")
     table = open(out / "league.md").read()  # chosen among the finished: 4e-4
-    assert "| grpo | 4e-4 | 128 | 0.300 | 0.405 +- 0.007 | +0.105 |" in table
+    assert "| grpo | 4e-4 | 128 | 0.300 +- 0.000 | 0.405 +- 0.007 | +0.105 |" in table
     assert "| grpo | 0.380 | - | 0.430 | 4e-4 |" in table  # the failed sweep run is a dash
     monkeypatch.delenv("FAKE_FAIL")
     before = len(fake_train())
@@ -266,7 +266,7 @@ def test_some_failed_runs_report_what_finished_then_exit_non_zero(tmp_path, fake
     again = fake_train()[before:]
     assert sorted(argv[argv.index("--out") + 1].rsplit("/", 1)[1] for argv in again) == \
         [f"{e}-lr2e-4-s{s}" for e in ("grpo", "nft") for s in (0, 1, 3)]
-    assert "| grpo | 2e-4 | 128 | 0.300 | 0.405 +- 0.007 | +0.105 |" in open(out / "league.md").read()
+    assert "| grpo | 2e-4 | 128 | 0.300 +- 0.000 | 0.405 +- 0.007 | +0.105 |" in open(out / "league.md").read()
 
 
 def test_a_run_stopped_early_is_not_done_and_continues_with_resume(tmp_path, fake_train, monkeypatch):
