@@ -332,6 +332,8 @@ def run_league(args):
     except KeyboardInterrupt:  # stop the runs at a checkpoint (train.py saves on SIGTERM): a rerun continues them
         for job in running:
             job["process"].send_signal(signal.SIGTERM)
+        print(f"{stamp()} stopping {len(running)} run(s): each saves at the end of its step or evaluation",
+              file=sys.stderr, flush=True)
         for job in running:
             job["process"].wait()
             job["log"].close()
@@ -574,8 +576,12 @@ def main(argv=None):
         return report(args)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise SystemExit(f"error: --out {args.out} is a file: give a folder")
-    os.makedirs(args.out, exist_ok=True)
-    handle = lock(args.out)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        handle = lock(args.out)
+    except OSError as e:
+        raise SystemExit(f"error: --out {args.out} cannot be written ({e.strerror or e}): give a writable folder") \
+            from None
     check_records(args)
     for name in args.only:  # every command line is train.py's to refuse, once, before anything runs
         argv = ["--out", os.path.join(args.out, "x"), *train_flags(name, args.lrs[0], 0, args)]

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -182,6 +183,10 @@ FAKE_TRAIN = textwrap.dedent('''
     a, _ = p.parse_known_args()
     with open(os.environ["FAKE_LAUNCHES"], "a") as f:
         f.write(json.dumps(sys.argv[1:]) + "\\n")
+    if os.environ.get("FAKE_SLOW"):  # a long run that saves and exits 0 on SIGTERM, as train.py does
+        import signal, time
+        signal.signal(signal.SIGTERM, lambda *_: (open(a.out + ".stopped", "w").close(), sys.exit(0)))
+        time.sleep(120)
     if a.lr in os.environ.get("FAKE_FAIL", "").split():
         print("step 1 | reward +0.1")
         print(f"error: --lr {a.lr} fails here; fix the fake")
@@ -289,6 +294,25 @@ def test_a_run_stopped_early_is_not_done_and_continues_with_resume(tmp_path, fak
     run_league(out, "--only", "grpo", "--lrs", "1e-4", "--seeds", "0", "3")
     third = fake_train()[-1]
     assert third[third.index("--out") + 1].endswith("grpo-lr1e-4-s0") and "--overwrite" in third
+
+
+def test_a_terminated_league_stops_its_runs_and_exits_130(tmp_path, fake_train, monkeypatch):
+    monkeypatch.setenv("FAKE_SLOW", "1")
+    out = tmp_path / "league"
+    argv = ["--out", str(out), "--samples", "128", "--poll", "0.05", "--only", "grpo", "--lrs", "1e-4", "2e-4"]
+    code = (f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'scripts')!r}); import league; "
+            f"league.TRAIN = {league.TRAIN!r}; league.main({argv!r})")
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while len(fake_train()) < 2 and time.time() < deadline and process.poll() is None:
+        time.sleep(0.2)
+    time.sleep(1)  # the stand-ins set their SIGTERM handlers
+    process.terminate()
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert "interrupted: 2 run(s) stopped at a checkpoint; the same command continues" in err
+    assert (out / "grpo-lr1e-4-s3.stopped").exists() and (out / "grpo-lr2e-4-s3.stopped").exists()
+    assert not json.load(open(out / "grpo-lr1e-4-s3.json"))["done"]
 
 
 def test_every_entry_is_a_valid_train_py_command_line(tmp_path):
