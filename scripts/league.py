@@ -30,6 +30,7 @@ changed starts over. Runs go `--jobs` at a time with `--threads` torch threads e
 soon as its sweep has finished. The exit status is non-zero, naming the first failed run, when any run failed.
 """
 import argparse
+import collections
 import fcntl
 import json
 import os
@@ -245,7 +246,7 @@ def launch(run, args):
     eval0 = record.get("eval0") if same else None
     if same and 0 in (evals := last_rows(os.path.join(folder, "eval.jsonl"))):
         eval0 = evals[0]  # a resume drops eval.jsonl's step-0 row: the league keeps it
-    write_record(args.out, run, dict(flags=flags_now, done=False, eval0=eval0))
+    write_record(args.out, run, dict(flags=flags_now, done=False, eval0=eval0, machine=machine(args)))
     how = ["--resume", "auto"] if same or not os.path.exists(folder) else ["--overwrite"]
     command = [*TRAIN, "--out", folder, *how, "--save-every", str(args.save_every), "--keep-checkpoints", "1",
                *flags_now]
@@ -429,7 +430,7 @@ def tables(results, args):
     lines += ["", "Entries (train.py's shapes defaults plus): " + "; ".join(
         f"`{name}` {ENTRIES[name][0]}" + (f" (`{shlex.join(ENTRIES[name][1])}`)" if ENTRIES[name][1] else "")
         for name in results) + ("." if not COMMON else f"; every entry `{shlex.join(COMMON)}`."), "",
-        f"Command: `{command_line(args)}`", "", machine_line(args, results)]
+        f"Command: `{command_line(args)}`", "", machine_line(*ran_on(args, results))]
     return "\n".join(lines)
 
 
@@ -456,13 +457,25 @@ def cpu_model():
     return names[0] if names else "unknown CPU"
 
 
-def machine_line(args, results):
-    loads = [record["load"] for name, r in results.items() for seed in r["curves"]
-             if (record := read_record(args.out, (name, r["lr"], seed))) and "load" in record]
+def machine(args):
+    """Where and how a run runs: the CPU, its threads, the runs at a time and the torch threads of each."""
+    return dict(cpu=cpu_model(), cpus=os.cpu_count(), jobs=args.jobs, threads=args.threads)
+
+
+def ran_on(args, results):
+    """The machine of the reported runs (the most common in their records; this one for older records) and the
+    load averages as they ended."""
+    records = [read_record(args.out, (name, r["lr"], seed)) for name, r in results.items() for seed in r["curves"]]
+    machines = [json.dumps(record["machine"], sort_keys=True) for record in records if "machine" in record]
+    found = json.loads(collections.Counter(machines).most_common(1)[0][0]) if machines else machine(args)
+    return found, [record["load"] for record in records if "load" in record]
+
+
+def machine_line(where, loads):
     load = f"; load average (1 min) as the runs ended: median {np.median(loads):.1f}, the league's own runs " \
            f"included" if loads else ""
-    return (f"Machine: {cpu_model()}, {os.cpu_count()} CPU threads; {args.jobs} run(s) at a time, {args.threads} "
-            f"torch thread(s) each{load}.")
+    return (f"Machine: {where['cpu']}, {where['cpus']} CPU threads; {where['jobs']} run(s) at a time, "
+            f"{where['threads']} torch thread(s) each{load}.")
 
 
 def plot(results, args, budget, path):
@@ -508,6 +521,8 @@ def report(args):
                          f"{' '.join(lr_text(lr) for lr in args.lrs)} on sweep seed {args.sweep_seed}, seeds "
                          f"{' '.join(map(str, args.seeds))}): run the league first, or give the flags it ran with")
     budget, _ = wall_clock_budget(results, args.minutes)
+    where, _ = ran_on(args, results)
+    args.jobs, args.threads = where["jobs"], where["threads"]  # as the runs ran: the command and the plot say so
     table = tables(results, args)
     with open(os.path.join(args.out, "league.md"), "w") as f:
         f.write(table + "\n")

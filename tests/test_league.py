@@ -23,7 +23,7 @@ def eval_row(step, accuracy, tags=None):
     return {"step": step, "geneval_overall": accuracy, **{f"geneval_{t}": v for t, v in tags.items()}}
 
 
-def fake_run(args, run, seconds, accuracy, *, done=True, tags=None, eval0=None):
+def fake_run(args, run, seconds, accuracy, *, done=True, tags=None, eval0=None, machine=None):
     """A finished league run as train.py and the league leave it: args.json, a metrics row per step (its `seconds`),
     an eval row every args.eval_every steps from step 0 (`accuracy` per evaluation; `tags` the last one's), and the
     league's record."""
@@ -39,7 +39,8 @@ def fake_run(args, run, seconds, accuracy, *, done=True, tags=None, eval0=None):
             if i or eval0 is None:
                 f.write(json.dumps(eval_row(i * args.eval_every, a, tags if i == len(accuracy) - 1 else None)) + "\n")
         f.write('{"step": 6, "geneval_ov')  # a torn last line (a killed run) is skipped
-    league.write_record(args.out, run, dict(flags=league.train_flags(*run, args), done=done, eval0=eval0, load=3.0))
+    record = dict(flags=league.train_flags(*run, args), done=done, eval0=eval0, load=3.0)
+    league.write_record(args.out, run, dict(record, machine=machine) if machine else record)
 
 
 def league_args(tmp_path, *extra):
@@ -133,17 +134,18 @@ def test_table_has_the_six_tags_the_lr_the_samples_the_minutes_command_and_machi
     pytest.importorskip("matplotlib")
     args = league_args(tmp_path, "--only", "guard", "--lrs", "2e-4", "--sweep-seed", "0", "--seeds", "0", "1")
     final = dict(zip(TAGS, [0.9, 0.5, 0.25, 0.75, 0.1, 0.05]))
-    fake_run(args, ("guard", 2e-4, 0), [30.0] * 4, [0.3, 0.4, 0.5], tags=final)
-    fake_run(args, ("guard", 2e-4, 1), [60.0] * 4, [0.32, 0.3, 0.3], tags=dict(final, counting=0.35))
+    where = dict(cpu="Some CPU", cpus=64, jobs=4, threads=16)  # where the runs ran, not where the report runs
+    fake_run(args, ("guard", 2e-4, 0), [30.0] * 4, [0.3, 0.4, 0.5], tags=final, machine=where)
+    fake_run(args, ("guard", 2e-4, 1), [60.0] * 4, [0.32, 0.3, 0.3], tags=dict(final, counting=0.35), machine=where)
     league.report(args)
     table = open(tmp_path / "league.md").read()
     assert "| entry | lr | samples | before | after | rise | single | two_obj | counting | colors | position | attr " \
            "| training minutes |" in table
     row = "| guard | 2e-4 | 128 | 0.310 +- 0.014 | 0.400 +- 0.141 | +0.090 | 0.90 | 0.50 | 0.30 | 0.75 | 0.10 | 0.05 |"
     assert row + " 3.0 |" in table  # before and after over seeds; the tags after, counting the mean of 0.25 and 0.35
-    assert "`python scripts/league.py --samples 128 --evals 3 --lrs 2e-4 --sweep-seed 0 --seeds 0 1 --jobs 2 " \
-           f"--threads {args.threads} --only guard --out {tmp_path}`" in table
-    assert f"Machine: {league.cpu_model()}, {os.cpu_count()} CPU threads; 2 run(s) at a time" in table
+    assert "`python scripts/league.py --samples 128 --evals 3 --lrs 2e-4 --sweep-seed 0 --seeds 0 1 --jobs 4 " \
+           f"--threads 16 --only guard --out {tmp_path}`" in table
+    assert "Machine: Some CPU, 64 CPU threads; 4 run(s) at a time, 16 torch thread(s) each" in table
     assert "median 3.0" in table
     assert os.path.getsize(tmp_path / "league.png") > 10000
     summary = json.load(open(tmp_path / "league.json"))
