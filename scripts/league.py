@@ -25,8 +25,8 @@ Outputs in --out: a run folder per entry, lr and seed (`grpo-lr1e-4-s0/`, train.
 league record (`.json`: the train.py flags, and `done` once the run reached its last step and evaluation; a killed
 or failed run is never marked); league.md (the tables, the command, the machine), league.png (accuracy against
 samples and against training minutes) and league.json. A finished run is not run again; an interrupted one
-continues from its last checkpoint (`--resume auto`, checkpoints every `--save-every` steps); a run whose flags
-changed starts over. Runs go `--jobs` at a time with `--threads` torch threads each; an entry's seeds start as
+continues from its last checkpoint (`--resume auto`, checkpoints every `--save-every` steps; a finished run's are
+removed unless `--keep-weights`); a run whose flags changed starts over. Runs go `--jobs` at a time with `--threads` torch threads each; an entry's seeds start as
 soon as its sweep has finished. The exit status is non-zero, naming the first failed run, when any run failed.
 """
 import argparse
@@ -275,7 +275,7 @@ def finish(job, args):
     record.update(done=True, minutes=points[-1]["seconds"] / 60, wall_minutes=(time.time() - job["started"]) / 60,
                   load=os.getloadavg()[0])
     write_record(args.out, run, record)
-    if not args.keep_checkpoints:  # the league reads the curves only; 54 MB a run otherwise
+    if not args.keep_weights:  # the league reads the curves only; 54 MB a run otherwise
         shutil.rmtree(os.path.join(folder, "checkpoints"), ignore_errors=True)
     return None
 
@@ -568,7 +568,7 @@ def parse_args(argv=None):
                    help="torch threads per run (default: the CPUs // --jobs, at least 1)")
     p.add_argument("--save-every", type=flags.POSITIVE_INT, default=5,
                    help="steps between a run's checkpoints, what a killed league loses at most (default: 5)")
-    p.add_argument("--keep-checkpoints", action="store_true",
+    p.add_argument("--keep-weights", action="store_true",
                    help="keep the last checkpoint of finished runs (54 MB each; default: removed)")
     p.add_argument("--out", default="runs/league", help="folder of the runs, the tables and the plot "
                                                         "(default: runs/league)")

@@ -196,7 +196,7 @@ FAKE_TRAIN = textwrap.dedent('''
     steps, every = int(a.steps), int(a.eval_every)
     last = steps // 2 if os.environ.get("FAKE_STOP") else steps  # as a SIGTERM'd train.py: saved, exit 0, not done
     gain = {"5e-5": 0.02, "1e-4": 0.05, "2e-4": 0.1, "4e-4": 0.1}[a.lr] + 0.01 * int(a.seed)
-    os.makedirs(a.out, exist_ok=True)
+    os.makedirs(os.path.join(a.out, "checkpoints", str(last)), exist_ok=True)
     json.dump({"args": {"prompts_per_step": 4, "group_size": 8}}, open(os.path.join(a.out, "args.json"), "w"))
     with open(os.path.join(a.out, "metrics.jsonl"), "w") as f:
         f.writelines(json.dumps({"step": s, "seconds": 6.0}) + "\\n" for s in range(1, last + 1))
@@ -240,6 +240,7 @@ def test_league_sweeps_then_runs_the_seeds_at_the_chosen_lr_and_never_reruns_a_f
     assert [c[-1]["accuracy"] for c in results["nft"]["curves"].values()] == [pytest.approx(0.4), pytest.approx(0.41)]
     assert "| grpo | 2e-4 | 128 | 0.300 +- 0.000 | 0.405 +- 0.007 | +0.105 |" in open(out / "league.md").read()
     assert all(json.load(open(out / f"{name}.json"))["done"] for name, _ in launched)
+    assert not (out / "grpo-lr2e-4-s0" / "checkpoints").exists()  # a finished run's weights go (--keep-weights)
     run_league(out)  # everything finished: nothing is launched again
     assert len(fake_train()) == len(launched)
 
@@ -283,7 +284,7 @@ def test_a_run_stopped_early_is_not_done_and_continues_with_resume(tmp_path, fak
         run_league(out, "--only", "grpo", "--lrs", "1e-4", "--seeds", "3")
     assert "grpo-lr1e-4-s3: stopped before step 4 and its evaluation" in str(stop.value.code)
     record = json.load(open(out / "grpo-lr1e-4-s3.json"))
-    assert record["done"] is False
+    assert record["done"] is False and (out / "grpo-lr1e-4-s3" / "checkpoints" / "2").is_dir()  # kept to resume
     monkeypatch.delenv("FAKE_STOP")
     run_league(out, "--only", "grpo", "--lrs", "1e-4", "--seeds", "3")
     second = fake_train()[-1]
