@@ -1,23 +1,48 @@
-"""The league table: every algorithm and sampler of this repository on the shapes world, same samples, 3 seeds.
+"""The league: every algorithm of this repository on the shapes world, at equal samples and at equal wall-clock.
 
-    python scripts/league.py                      # 10 entries x seeds 0 1 2 -> runs/league/ (about 50 minutes, 2 cores)
-    python scripts/league.py --only grpo nft --seeds 0 --steps 10     # a quick look
-    python scripts/league.py --report                                 # table and plot again from the finished runs
+Every entry (algorithm or sampler) runs at its own learning rate, chosen on one seed, then on 3 seeds:
 
-Each entry is `python train.py` on its defaults (`--model shapes`: the pretrained 32 px model, GenEval prompts of
-the shapes world, the exact GenEval judge) plus the flags below that make it that algorithm, for 40 steps (the
-default run's first 40 of 100, to fit 30 runs in under an hour); every entry sees the same prompts, the same
-number of samples per step and steps, and the same held-out evaluation (ODE, fixed noise,
-the strict GenEval accuracy: mean of the six per-tag accuracies). The table reports the held-out accuracy before
-and after training (mean and spread over seeds) and the training wall-clock (sampling, reward and update, not the
-evaluations); the plot draws accuracy against that wall-clock, so that a cheaper algorithm shows as a curve that
-rises sooner. Runs go two at a time, one thread each (--jobs); a finished run is not run again.
+    python scripts/league.py                      # 10 entries: 4-lr sweep on seed 3, then seeds 0 1 2 -> runs/league/
+    python scripts/league.py --only grpo nft --lrs 1e-4 --sweep-seed 0 --seeds 0 --samples 64    # a quick look
+    python scripts/league.py --report             # the tables and the plot again from the finished runs
+
+Each entry is `python train.py` on its defaults (`--model shapes`: the pretrained 32 px model, GenEval prompts of the
+shapes world, the exact GenEval judge) plus COMMON and the entry's flags below. What is held equal:
+
+- **samples**: every run trains on `--samples` samples (default: the default run's, train.py's steps x prompts per
+  step x group size), at train.py's samples per step; entries that train fewer forwards per sample (the windows)
+  get no more samples. The held-out set (360 prompts, ODE, fixed noise, the strict GenEval accuracy: the mean of
+  the six per-tag accuracies) is evaluated at `--evals` sample counts or more, 0 and the last included.
+- **wall-clock**, separately: the accuracy each entry reached at its latest evaluation within the same training
+  minutes (`--minutes`; default the fastest entry's median, so that the budget falls within every entry's curves),
+  read from the same curves. Training minutes are the sum of metrics.jsonl's per-step `seconds` (sampling, rewards and
+  the update; evaluations and checkpoints not counted), with `--jobs` runs sharing the machine.
+- **learning rate**: each entry's is chosen on one seed (`--sweep-seed`) from `--lrs`, the best final held-out
+  accuracy (ties to the smaller), then the entry runs `--seeds` at it. The sweep seed is by default not one of the
+  table's seeds, so that the choice does not flatter the table.
+
+Outputs in --out: a run folder per entry, lr and seed (`grpo-lr1e-4-s0/`, train.py's), its log (`.log`) and its
+league record (`.json`: the train.py flags, and `done` once the run reached its last step and evaluation; a killed
+or failed run is never marked); league.md (the tables, the command, the machine), league.png (accuracy against
+samples and against training minutes) and league.json. A finished run is not run again; an interrupted one
+continues from its last checkpoint (`--resume auto`, checkpoints every `--save-every` steps; a finished run's are
+removed unless `--keep-weights`); a run whose flags changed starts over. Runs go `--jobs` at a time with
+`--threads` torch threads each; an entry's seeds start as soon as its sweep has finished. The exit status is
+non-zero, naming the first failed run, when any run failed.
+
+Cost of the default league: 70 runs (10 entries x 4 lrs on seed 3, then seeds 0 1 2 at the chosen lr) of the
+default run's samples (40 steps x 32 = 1,280 with train.py's present defaults: 89,600 in all) and 5 held-out
+evaluations each; about 2 hours on 2 otherwise idle cores, several times that on a shared machine. `--sweep-seed 0`
+reuses the sweep's run as seed 0 (60 runs), at the price of a seed that flatters its entry.
 """
 import argparse
-import bisect
-import itertools
+import collections
+import fcntl
 import json
 import os
+import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -27,9 +52,15 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import checkpoints  # noqa: E402
-# One learning rate for every entry, 2e-4, as README's table was run (the default run has since moved to 1e-4, which
-# held up on more seeds). The papers compare each algorithm at its own tuned settings; this table does not tune.
-COMMON = ["--lr", "2e-4"]
+import eval as evaluation  # noqa: E402
+import flags  # noqa: E402
+import geneval  # noqa: E402
+import train  # noqa: E402
+
+TRAIN = [sys.executable, os.path.join(ROOT, "train.py")]  # the command each run starts with
+# Flags for every entry, over train.py's defaults (e.g. ["--prompts-per-step", "16"]): the samples per step and the
+# default --samples budget follow them.
+COMMON = []
 # name -> (what it is, flags over train.py's shapes defaults). Settings the papers tie to the algorithm
 # (window sizes, flash ratio, the forward-process losses' solvers and schedules) are train.py's or the recipes'.
 ENTRIES = {
@@ -46,131 +77,548 @@ ENTRIES = {
     "nft": ("DiffusionNFT: forward process, ODE rollouts", ["--loss", "nft"]),
     "awm": ("Advantage Weighted Matching: forward process, ODE rollouts", ["--loss", "awm"]),
 }
+LRS = [5e-5, 1e-4, 2e-4, 4e-4]
 
 
-def run_folder(out, name, seed):
-    return os.path.join(out, f"{name}-s{seed}")
+# ----------------------------------------------------------------------------- the plan
+def lr_text(lr):
+    """1e-4, 5e-5, 1.5e-4: the learning rate as folder names and tables show it (and as train.py gets it)."""
+    mantissa, exponent = f"{lr:e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
 
 
-def curve(folder):
-    """[(training seconds, step, held-out accuracy)] of a finished run, or None when it did not finish."""
-    evals, _ = checkpoints.read_jsonl(os.path.join(folder, "eval.jsonl"))
-    if not evals or not os.path.isfile(os.path.join(folder, "league_done")):
+def run_name(name, lr, seed):
+    return f"{name}-lr{lr_text(lr)}-s{seed}"
+
+
+def samples_per_step(argv):
+    """Samples of one training step of train.py under argv (global: prompts per step x group size)."""
+    _, args = train.parse_args(argv)
+    return args.prompts_per_step * args.group_size
+
+
+def default_samples():
+    """The default run's samples: train.py's steps x samples per step, under COMMON."""
+    _, args = train.parse_args(COMMON)
+    return args.steps * args.prompts_per_step * args.group_size
+
+
+def eval_every(steps, evals):
+    """The largest divisor of steps that gives at least `evals` evaluations (step 0 and the last included)."""
+    return max(d for d in range(1, steps + 1) if steps % d == 0 and steps // d >= min(evals - 1, steps))
+
+
+def plan(args, p):
+    """The league's bookkeeping from its flags: args.per_step (samples per step, equal for every entry), args.steps
+    (from the --samples budget) and args.eval_every; refuses in one line what does not divide."""
+    per_step = {name: samples_per_step([*COMMON, *ENTRIES[name][1]]) for name in args.only}
+    if len(set(per_step.values())) > 1:
+        p.error(f"entries train different samples per step ({per_step}): give every entry the same "
+                "--prompts-per-step and --group-size (COMMON)")
+    args.per_step = per_step[args.only[0]]
+    args.samples = args.samples or default_samples()
+    if args.samples % args.per_step:
+        low = max(args.per_step, args.samples - args.samples % args.per_step)
+        p.error(f"--samples {args.samples} is not a whole number of steps of {args.per_step} samples: use --samples "
+                f"{low} or {low + args.per_step}")
+    args.steps = args.samples // args.per_step
+    args.eval_every = eval_every(args.steps, args.evals)
+    return args
+
+
+def train_flags(name, lr, seed, args):
+    """train.py's flags of one run that identify it (without --out, how it starts and its checkpoints)."""
+    return ["--seed", str(seed), "--lr", lr_text(lr), "--steps", str(args.steps), "--eval-every", str(args.eval_every),
+            "--log-images-every", "0", *COMMON, *ENTRIES[name][1]]
+
+
+def sweep_runs(name, args):
+    return [(name, lr, args.sweep_seed) for lr in args.lrs]
+
+
+def all_runs(args):
+    """Every run the league could hold: each entry at each lr, on the sweep seed and the table's seeds."""
+    seeds = sorted({args.sweep_seed, *args.seeds})
+    return [(name, lr, seed) for name in args.only for lr in args.lrs for seed in seeds]
+
+
+# ----------------------------------------------------------------------------- run records and curves
+def record_path(out, run):
+    return os.path.join(out, run_name(*run) + ".json")
+
+
+def read_record(out, run):
+    """The league's record of a run ({flags, done, eval0, ...}), or None (none yet, or unreadable)."""
+    try:
+        with open(record_path(out, run)) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
         return None
-    metrics, _ = checkpoints.read_jsonl(os.path.join(folder, "metrics.jsonl"))
-    rows = sorted((r for r in metrics if "step" in r), key=lambda r: r["step"])
-    steps = [r["step"] for r in rows]
-    elapsed = list(itertools.accumulate((r.get("seconds", 0.0) for r in rows), initial=0.0))  # after 0, 1, .. rows
+    return record if isinstance(record, dict) and isinstance(record.get("flags"), list) else None
+
+
+def write_record(out, run, record):
+    path = record_path(out, run)
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(path + ".tmp", path)  # a killed league never leaves a half-written record
+
+
+def last_rows(path):
+    """{step: row} of a run's JSONL file, the last row of each step (torn lines skipped)."""
+    rows, _ = checkpoints.read_jsonl(path)
+    return {row["step"]: row for row in rows if isinstance(row, dict) and isinstance(row.get("step"), int)}
+
+
+def read_curve(folder, eval0=None, steps=None):
+    """The held-out curve of a run folder: [{step, samples, seconds, accuracy, tags}] at every evaluation, seconds the
+    training wall-clock up to that step (the sum of the per-step `seconds` of metrics.jsonl). With `steps`: None
+    unless the run is complete (an evaluation at step 0 and at `steps`, a metrics row for every step in between).
+    eval0 stands in for a step-0 evaluation that eval.jsonl lost (train.py's resume keeps rows of steps 1..N)."""
+    try:
+        with open(os.path.join(folder, "args.json")) as f:
+            saved = json.load(f)["args"]
+        per_step = saved["prompts_per_step"] * saved["group_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    metrics = last_rows(os.path.join(folder, "metrics.jsonl"))
+    evals = last_rows(os.path.join(folder, "eval.jsonl"))
+    if 0 not in evals and eval0:
+        evals[0] = eval0
+    if steps is not None and (0 not in evals or steps not in evals or not set(range(1, steps + 1)) <= set(metrics)):
+        return None
     points = []
-    for row in evals:  # the training seconds of every step up to the evaluated one
-        points.append((elapsed[bisect.bisect_right(steps, row["step"])], row["step"], row["geneval_overall"]))
+    for step in sorted(evals):
+        row = evals[step]
+        if not isinstance(row.get("geneval_overall"), (int, float)):  # not a GenEval evaluation, or NaN (null)
+            return None
+        seconds = sum(metrics[s].get("seconds", 0.0) for s in metrics if s <= step)
+        points.append(dict(step=step, samples=step * per_step, seconds=seconds, accuracy=row["geneval_overall"],
+                           tags={tag: row.get(f"geneval_{tag}") for tag in geneval.TAGS}))
     return points
 
 
-def run(name, seed, args):
-    """One league run; a finished one (marked league_done) is kept."""
-    folder = run_folder(args.out, name, seed)
-    if curve(folder) is not None:
+def curve(out, run):
+    """The curve of a finished run of the league (marked done), or None."""
+    record = read_record(out, run)
+    if not (record and record.get("done")):
         return None
-    command = [sys.executable, os.path.join(ROOT, "train.py"), "--model", "shapes", "--out", folder, "--overwrite",
-               "--seed", str(seed), "--steps", str(args.steps), "--eval-every", str(args.eval_every),
-               "--log-images-every", "0", *COMMON, *ENTRIES[name][1]]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    os.makedirs(args.out, exist_ok=True)
-    log = open(folder + ".log", "w")
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), folder, log
+    return read_curve(os.path.join(out, run_name(*run)), record.get("eval0"))
 
 
-def report(args):
-    """Markdown table (printed, and league.md) and league.png from the finished runs."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def check_records(args):
+    """One line, before anything runs or is reported, when a finished run of --out was run with other flags."""
+    for run in all_runs(args):
+        record = read_record(args.out, run)
+        if record and record.get("done") and record["flags"] != train_flags(*run, args):
+            was = shlex.join(record["flags"])
+            raise SystemExit(f"error: {os.path.join(args.out, run_name(*run))} was run with `{was}`, not with this "
+                             "league's flags (--samples, --evals, COMMON or the entry's): give the flags it "
+                             "ran with, or another --out")
 
-    lines = ["| algorithm | held-out accuracy before | after (mean +- std over seeds) | rise | training minutes |",
-             "| --- | --- | --- | --- | --- |"]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+
+# ----------------------------------------------------------------------------- the learning rate
+def choose_lr(finals):
+    """{lr: final held-out accuracy} -> the best lr; ties (to 6 decimals) go to the smaller one. None when empty."""
+    if not finals:
+        return None
+    return max(sorted(finals), key=lambda lr: round(finals[lr], 6))
+
+
+def sweep_finals(name, args):
+    """{lr: final held-out accuracy} of the entry's finished sweep runs."""
+    curves = {run[1]: curve(args.out, run) for run in sweep_runs(name, args)}
+    return {lr: c[-1]["accuracy"] for lr, c in curves.items() if c}
+
+
+# ----------------------------------------------------------------------------- running
+def last_error(path, offset=0):
+    """The last line of a log (from byte offset) that reads as an error, else its last line."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            lines = [line.strip() for line in f.read().decode("utf-8", "replace").splitlines() if line.strip()]
+    except OSError:
+        return "(no log)"
+    errors = [line for line in lines if line.lower().startswith("error") or "Error" in line]
+    return (errors or lines or ["(empty log)"])[-1]
+
+
+def launch(run, args):
+    """Start one run: continued (--resume auto) when its record holds the same flags, started over otherwise."""
+    folder, flags_now = os.path.join(args.out, run_name(*run)), train_flags(*run, args)
+    record = read_record(args.out, run)
+    same = record is not None and record["flags"] == flags_now
+    eval0 = record.get("eval0") if same else None
+    if same and 0 in (evals := last_rows(os.path.join(folder, "eval.jsonl"))):
+        eval0 = evals[0]  # a resume drops eval.jsonl's step-0 row: the league keeps it
+    write_record(args.out, run, dict(flags=flags_now, done=False, eval0=eval0, machine=machine(args)))
+    how = ["--resume", "auto"] if same or not os.path.exists(folder) else ["--overwrite"]
+    command = [*TRAIN, "--out", folder, *how, "--save-every", str(args.save_every), "--keep-checkpoints", "1",
+               *flags_now]
+    log_path = folder + ".log"
+    log = open(log_path, "ab")
+    offset = log.tell()
+    log.write(f"== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n".encode())
+    log.flush()
+    threads = str(args.threads)
+    env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")  # a live log
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL)
+    return dict(run=run, process=process, log=log, log_path=log_path, offset=offset, started=time.time())
+
+
+def finish(job, args):
+    """Mark a run that ended done when it is complete, -> None; else the failure (run, log, last error line)."""
+    job["log"].close()
+    run, rc = job["run"], job["process"].returncode
+    folder = os.path.join(args.out, run_name(*run))
+    record = read_record(args.out, run) or {}
+    points = read_curve(folder, record.get("eval0"), args.steps) if rc == 0 else None
+    if points is None:
+        why = f"rc {rc}" if rc else f"stopped before step {args.steps} and its evaluation"
+        return run, job["log_path"], f"{why}: {last_error(job['log_path'], job['offset'])}"
+    record.update(done=True, minutes=points[-1]["seconds"] / 60, wall_minutes=(time.time() - job["started"]) / 60,
+                  load=os.getloadavg()[0])
+    write_record(args.out, run, record)
+    if not args.keep_weights:  # the league reads the curves only; 54 MB a run otherwise
+        shutil.rmtree(os.path.join(folder, "checkpoints"), ignore_errors=True)
+    return None
+
+
+def next_run(args, state):
+    """The next run to start: the table's seeds of an entry whose sweep has ended (at its chosen lr), then sweeps."""
+    for name in args.only:
+        sweep = sweep_runs(name, args)
+        if all(state.get(run) in ("done", "failed") for run in sweep):
+            lr = choose_lr(sweep_finals(name, args))
+            for seed in args.seeds:
+                if lr is not None and (name, lr, seed) not in state:
+                    return name, lr, seed
+    for name in args.only:
+        for run in sweep_runs(name, args):
+            if run not in state:
+                return run
+    return None
+
+
+def run_league(args):
+    """Run what is not finished, --jobs at a time. -> the failures [(run, log, last error line)], first first."""
+    state = {run: "done" for run in all_runs(args) if curve(args.out, run) is not None}
+    failures, running, start = [], [], time.time()
+
+    def stamp():
+        return f"[{(time.time() - start) / 60:6.1f} min]"
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupted)
+    try:
+        while True:
+            while len(running) < args.jobs and (run := next_run(args, state)):
+                state[run] = "running"
+                running.append(launch(run, args))
+                print(f"{stamp()} started {run_name(*run)}", flush=True)
+            if not running:
+                break
+            time.sleep(args.poll)
+            for job in [job for job in running if job["process"].poll() is not None]:
+                running.remove(job)
+                failure = finish(job, args)
+                name = run_name(*job["run"])
+                if failure:
+                    state[job["run"]] = "failed"
+                    failures.append(failure)
+                    print(f"{stamp()} {name} failed ({failure[2]}); see {failure[1]}", flush=True)
+                else:
+                    state[job["run"]] = "done"
+                    points = curve(args.out, job["run"])
+                    print(f"{stamp()} {name}: accuracy {points[0]['accuracy']:.3f} -> {points[-1]['accuracy']:.3f} "
+                          f"in {points[-1]['seconds'] / 60:.1f} training minutes", flush=True)
+    except KeyboardInterrupt:  # stop the runs at a checkpoint (train.py saves on SIGTERM): a rerun continues them
+        for job in running:
+            job["process"].send_signal(signal.SIGTERM)
+        print(f"{stamp()} stopping {len(running)} run(s): each saves at the end of its step or evaluation",
+              file=sys.stderr, flush=True)
+        for job in running:
+            job["process"].wait()
+            job["log"].close()
+        print(f"{stamp()} interrupted: {len(running)} run(s) stopped at a checkpoint; the same command continues",
+              file=sys.stderr, flush=True)
+        raise SystemExit(130)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return failures
+
+
+# ----------------------------------------------------------------------------- the report
+def at_minutes(points, minutes):
+    """The latest evaluation of a curve within `minutes` of training."""
+    return [p for p in points if p["seconds"] <= minutes * 60 + 1e-9][-1]
+
+
+def mean_std(values):
+    """'mean +- std' over seeds (sample standard deviation), or 'mean (1 seed)'."""
+    values = np.asarray(values, dtype=float)
+    if len(values) == 1:
+        return f"{values[0]:.3f} (1 seed)"
+    return f"{values.mean():.3f} +- {values.std(ddof=1):.3f}"
+
+
+def collect(args):
+    """{entry: {lr, finals, curves}} of every entry with a finished run at its chosen lr on a table seed."""
     results = {}
     for name in args.only:
-        curves = [c for c in (curve(run_folder(args.out, name, s)) for s in args.seeds) if c]
-        if not curves:
-            continue
-        before = np.array([c[0][2] for c in curves])
-        after = np.array([c[-1][2] for c in curves])
-        minutes = np.array([c[-1][0] / 60 for c in curves])
-        results[name] = dict(before=before.tolist(), after=after.tolist(), minutes=minutes.tolist())
-        lines.append(f"| {name} ({ENTRIES[name][0]}) | {before.mean():.3f} | {after.mean():.3f} +- {after.std():.3f} "
-                     f"| {(after - before).mean():+.3f} | {minutes.mean():.1f} |")
-        n = min(len(c) for c in curves)  # the same eval steps on every seed
-        seconds = np.mean([[p[0] for p in c[:n]] for c in curves], 0)
-        accuracy = np.mean([[p[2] for p in c[:n]] for c in curves], 0)
-        ax.plot(seconds / 60, accuracy, marker="o", markersize=3, label=f"{name} ({len(curves)} seeds)")
-    seeds = " ".join(str(s) for s in args.seeds)
-    lines.append(f"\n{len(args.seeds)} seeds ({seeds}), {args.steps} steps of train.py's shapes defaults at "
-                 f"{' '.join(COMMON)} each, "
-                 f"{args.jobs} runs at a time on {args.threads} thread(s) each; reproduce with "
-                 f"`python scripts/league.py --steps {args.steps} --seeds {seeds} --jobs {args.jobs}`.")
-    ax.set_xlabel("training wall-clock (minutes; evaluations not counted)")
-    ax.set_ylabel("held-out GenEval accuracy (ODE)")
-    ax.set_title("shapes world: every algorithm, same samples")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "league.png"), dpi=110)
-    table = "\n".join(lines)
-    with open(os.path.join(args.out, "league.md"), "w") as f:
-        f.write(table + "\n")
-    with open(os.path.join(args.out, "league.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    print(table)
-    print(f"wrote {os.path.join(args.out, 'league.png')}, league.md, league.json")
+        finals = sweep_finals(name, args)
+        lr = choose_lr(finals)
+        curves = {seed: c for seed in args.seeds if lr is not None and (c := curve(args.out, (name, lr, seed)))}
+        if curves:
+            results[name] = dict(lr=lr, finals=finals, curves=curves)
     return results
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--only", nargs="+", default=list(ENTRIES), choices=list(ENTRIES), help="entries to run")
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="train.py --seed of each run")
-    p.add_argument("--steps", type=int, default=40, help="training steps per run")
-    p.add_argument("--eval-every", type=int, default=None, help="steps between held-out evaluations "
-                                                                  "(default: half of --steps)")
-    p.add_argument("--jobs", type=int, default=2, help="runs at once")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per run (default: 2 // --jobs, min 1)")
-    p.add_argument("--out", default="runs/league", help="folder of the runs, the table and the plot")
-    p.add_argument("--report", action="store_true", help="only the table and plot from finished runs")
+def wall_clock_budget(results, minutes=None):
+    """(minutes, how chosen): --minutes, else the fastest entry's median training minutes."""
+    if minutes:
+        return minutes, "--minutes"
+    medians = {name: float(np.median([c[-1]["seconds"] / 60 for c in r["curves"].values()]))
+               for name, r in results.items()}
+    fastest = min(medians, key=medians.get)
+    return medians[fastest], f"the median of the fastest entry, {fastest}"
+
+
+def tables(results, args):
+    """The markdown of the league: equal samples, equal wall-clock, the lr sweep, the entries, command and machine."""
+    tags = [evaluation.TAG_NAMES[t] for t in geneval.TAGS]
+    n = len(args.seeds)
+    lines = [f"**Equal samples**: {args.samples:,} samples per run ({args.steps} steps of {args.per_step}), held-out "
+             f"GenEval accuracy (360 prompts, ODE) before and after, mean +- standard deviation over seeds "
+             f"({' '.join(map(str, args.seeds))}); per tag after, mean over seeds.", "",
+             "| entry | lr | samples | before | after | rise | " + " | ".join(tags) + " | training minutes |",
+             "| --- | --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in tags) + " | ---: |"]
+    for name, r in results.items():
+        curves = list(r["curves"].values())
+        before = [c[0]["accuracy"] for c in curves]
+        after = [c[-1]["accuracy"] for c in curves]
+        per_tag = [np.mean([c[-1]["tags"][t] for c in curves]) for t in geneval.TAGS]
+        seeds = "" if len(curves) == n else f" ({len(curves)} of {n} seeds)"
+        lines.append(f"| {name}{seeds} | {lr_text(r['lr'])} | {curves[0][-1]['samples']:,} | {mean_std(before)} | "
+                     f"{mean_std(after)} | {np.mean(after) - np.mean(before):+.3f} | "
+                     + " | ".join(f"{v:.2f}" for v in per_tag)
+                     + f" | {np.mean([c[-1]['seconds'] for c in curves]) / 60:.1f} |")
+    budget, how = wall_clock_budget(results, args.minutes)
+    lines += ["", f"**Equal wall-clock**: the accuracy at each run's latest evaluation within {budget:.1f} training "
+              f"minutes ({how}), from the same runs; samples and minutes of that evaluation, mean over seeds.", "",
+              "| entry | lr | samples by then | minutes | accuracy | rise |",
+              "| --- | --- | ---: | ---: | ---: | ---: |"]
+    ended = []
+    for name, r in results.items():
+        curves = list(r["curves"].values())
+        reached = [at_minutes(c, budget) for c in curves]
+        if all(c[-1]["seconds"] < budget * 60 for c in curves):
+            ended.append(name)
+        accuracy = [p["accuracy"] for p in reached]
+        lines.append(f"| {name}{'*' if name in ended else ''} | {lr_text(r['lr'])} | "
+                     f"{np.mean([p['samples'] for p in reached]):,.0f} | "
+                     f"{np.mean([p['seconds'] for p in reached]) / 60:.1f} | {mean_std(accuracy)} | "
+                     f"{np.mean(accuracy) - np.mean([c[0]['accuracy'] for c in curves]):+.3f} |")
+    if ended:
+        lines.append(f"\n\\* ran out of samples before the budget: {', '.join(ended)} (its last evaluation).")
+    lrs = sorted({lr for r in results.values() for lr in r["finals"]} | set(args.lrs))
+    lines += ["", f"**Learning rate**: each entry's final held-out accuracy on seed {args.sweep_seed} at each lr "
+              f"of the sweep (the same samples); the best is chosen, ties to the smaller.", "",
+              "| entry | " + " | ".join(lr_text(lr) for lr in lrs) + " | chosen |",
+              "| --- | " + " | ".join("---:" for _ in lrs) + " | --- |"]
+    for name, r in results.items():
+        lines.append(f"| {name} | " + " | ".join(f"{r['finals'][lr]:.3f}" if lr in r["finals"] else "-" for lr in lrs)
+                     + f" | {lr_text(r['lr'])} |")
+    lines += ["", "Entries (train.py's shapes defaults plus): " + "; ".join(
+        f"`{name}` {ENTRIES[name][0]}" + (f" (`{shlex.join(ENTRIES[name][1])}`)" if ENTRIES[name][1] else "")
+        for name in results) + ("." if not COMMON else f"; every entry `{shlex.join(COMMON)}`."), "",
+        f"Command: `{command_line(args)}`", "", machine_line(*ran_on(args, results))]
+    return "\n".join(lines)
+
+
+def command_line(args):
+    """The command that reproduces the league, every setting explicit."""
+    parts = ["python scripts/league.py", f"--samples {args.samples}", f"--evals {args.evals}",
+             "--lrs " + " ".join(lr_text(lr) for lr in args.lrs), f"--sweep-seed {args.sweep_seed}",
+             "--seeds " + " ".join(map(str, args.seeds)), f"--jobs {args.jobs}", f"--threads {args.threads}"]
+    if args.only != list(ENTRIES):
+        parts.append("--only " + " ".join(args.only))
+    if args.minutes:
+        parts.append(f"--minutes {args.minutes:g}")
+    if args.out_given != "runs/league":
+        parts.append(f"--out {args.out_given}")
+    return " ".join(parts)
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else "unknown CPU"
+
+
+def machine(args):
+    """Where and how a run runs: the CPU, its threads, the runs at a time and the torch threads of each."""
+    return dict(cpu=cpu_model(), cpus=os.cpu_count(), jobs=args.jobs, threads=args.threads)
+
+
+def ran_on(args, results):
+    """The machine of the reported runs (the most common in their records; this one for older records) and the
+    load averages as they ended."""
+    records = [read_record(args.out, (name, r["lr"], seed)) for name, r in results.items() for seed in r["curves"]]
+    machines = [json.dumps(record["machine"], sort_keys=True) for record in records if "machine" in record]
+    found = json.loads(collections.Counter(machines).most_common(1)[0][0]) if machines else machine(args)
+    return found, [record["load"] for record in records if "load" in record]
+
+
+def machine_line(where, loads):
+    load = f"; load average (1 min) as the runs ended: median {np.median(loads):.1f}, the league's own runs " \
+           f"included" if loads else ""
+    return (f"Machine: {where['cpu']}, {where['cpus']} CPU threads; {where['jobs']} run(s) at a time, "
+            f"{where['threads']} torch thread(s) each{load}.")
+
+
+def plot(results, args, budget, path):
+    import matplotlib  # optional, heavy: only for the report
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_samples, by_minutes) = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    colours = plt.get_cmap("tab10")
+    for i, (name, r) in enumerate(results.items()):
+        curves = list(r["curves"].values())
+        n = min(len(c) for c in curves)  # the same evaluation steps on every seed
+        accuracy = np.mean([[p["accuracy"] for p in c[:n]] for c in curves], 0)
+        samples = [p["samples"] for p in curves[0][:n]]
+        minutes = np.mean([[p["seconds"] / 60 for p in c[:n]] for c in curves], 0)
+        style = dict(color=colours(i % 10), marker="o", markersize=3, linestyle="--" if i >= 10 else "-",
+                     label=f"{name} (lr {lr_text(r['lr'])}, {len(curves)} seed{'s' if len(curves) > 1 else ''})")
+        by_samples.plot(samples, accuracy, **style)
+        by_minutes.plot(minutes, accuracy, **style)
+    by_minutes.axvline(budget, color="grey", linestyle=":", linewidth=1, label=f"budget {budget:.1f} min")
+    by_samples.set_xlabel("training samples")
+    by_minutes.set_xlabel("training wall-clock (minutes; evaluations not counted)")
+    by_samples.set_ylabel("held-out GenEval accuracy (ODE), mean over seeds")
+    by_samples.set_title("equal samples")
+    by_minutes.set_title(f"equal wall-clock ({args.jobs} runs at a time, {args.threads} thread(s) each)")
+    for ax in (by_samples, by_minutes):
+        ax.grid(alpha=0.3)
+    by_minutes.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(args):
+    """league.md (printed too), league.png and league.json from the finished runs; one error line when there are
+    none."""
+    if not os.path.isdir(args.out):
+        raise SystemExit(f"error: {args.out} is not a folder: run the league first (python scripts/league.py), or "
+                         "give the --out it wrote")
+    results = collect(args)
+    if not results:
+        raise SystemExit(f"error: {args.out} holds no finished run of this league ({', '.join(args.only)}; lrs "
+                         f"{' '.join(lr_text(lr) for lr in args.lrs)} on sweep seed {args.sweep_seed}, seeds "
+                         f"{' '.join(map(str, args.seeds))}): run the league first, or give the flags it ran with")
+    budget, _ = wall_clock_budget(results, args.minutes)
+    where, _ = ran_on(args, results)
+    args.jobs, args.threads = where["jobs"], where["threads"]  # as the runs ran: the command and the plot say so
+    table = tables(results, args)
+    with open(os.path.join(args.out, "league.md"), "w") as f:
+        f.write(table + "\n")
+    plot(results, args, budget, os.path.join(args.out, "league.png"))
+    summary = {name: dict(lr=r["lr"], sweep={lr_text(lr): a for lr, a in r["finals"].items()},
+                          curves={str(seed): c for seed, c in r["curves"].items()}) for name, r in results.items()}
+    with open(os.path.join(args.out, "league.json"), "w") as f:
+        json.dump(dict(samples=args.samples, steps=args.steps, minutes_budget=budget, entries=summary), f, indent=1)
+    print(table)
+    print(f"wrote {os.path.join(args.out, 'league.md')}, league.png, league.json")
+    return results
+
+
+# ----------------------------------------------------------------------------- main
+def lock(out):
+    """One league per --out at a time (the lock goes with the process)."""
+    handle = open(os.path.join(out, ".league.lock"), "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        raise SystemExit(f"error: another league is running in {out}: wait for it, or give another --out") from None
+    return handle
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", nargs="+", default=list(ENTRIES), choices=list(ENTRIES), metavar="NAME",
+                   help="entries to run (default: all): " + ", ".join(ENTRIES))
+    p.add_argument("--samples", type=flags.POSITIVE_INT, default=None,
+                   help="training samples per run, a whole number of train.py steps (default: the default run's, "
+                        f"{default_samples()})")
+    p.add_argument("--evals", type=flags.bounded(int, 2), default=5,
+                   help="held-out evaluations per run, at least, step 0 and the last included (default: 5)")
+    p.add_argument("--lrs", nargs="+", type=flags.POSITIVE, default=LRS,
+                   help="learning rates of the sweep (default: " + " ".join(map(lr_text, LRS)) + ")")
+    p.add_argument("--sweep-seed", type=flags.SEED, default=3, help="the seed the lr is chosen on (default: 3)")
+    p.add_argument("--seeds", nargs="+", type=flags.SEED, default=[0, 1, 2],
+                   help="seeds of the table, at the chosen lr (default: 0 1 2)")
+    p.add_argument("--minutes", type=flags.POSITIVE, default=None,
+                   help="training minutes of the equal wall-clock table (default: the fastest entry's median)")
+    p.add_argument("--jobs", type=flags.POSITIVE_INT, default=2, help="runs at once (default: 2)")
+    p.add_argument("--threads", type=flags.POSITIVE_INT, default=None,
+                   help="torch threads per run (default: the CPUs // --jobs, at least 1)")
+    p.add_argument("--save-every", type=flags.POSITIVE_INT, default=5,
+                   help="steps between a run's checkpoints, what a killed league loses at most (default: 5)")
+    p.add_argument("--keep-weights", action="store_true",
+                   help="keep the last checkpoint of finished runs (54 MB each; default: removed)")
+    p.add_argument("--out", default="runs/league", help="folder of the runs, the tables and the plot "
+                                                        "(default: runs/league)")
+    p.add_argument("--report", action="store_true", help="only the tables and the plot, from the finished runs")
+    p.add_argument("--poll", type=flags.POSITIVE, default=2.0, help=argparse.SUPPRESS)  # seconds between looks
     args = p.parse_args(argv)
-    if args.steps < 1 or args.jobs < 1:
-        p.error("--steps and --jobs must be positive")
-    args.eval_every = args.eval_every or max(1, args.steps // 2)
-    args.threads = args.threads or max(1, 2 // args.jobs)
-    args.out = os.path.abspath(args.out)
-    if not args.report:
-        queue = [(name, seed) for seed in args.seeds for name in args.only]
-        running, start = [], time.time()
-        while queue or running:
-            while queue and len(running) < args.jobs:
-                name, seed = queue.pop(0)
-                started = run(name, seed, args)
-                if started:
-                    running.append(started)
-                    print(f"[{(time.time() - start) / 60:5.1f} min] started {os.path.basename(started[1])}", flush=True)
-            for item in list(running):
-                process, folder, log = item
-                if process.poll() is None:
-                    continue
-                running.remove(item)
-                log.close()
-                if process.returncode == 0:
-                    open(os.path.join(folder, "league_done"), "w").close()
-                    points = curve(folder)
-                    print(f"[{(time.time() - start) / 60:5.1f} min] {os.path.basename(folder)}: accuracy "
-                          f"{points[0][2]:.3f} -> {points[-1][2]:.3f}", flush=True)
-                else:
-                    print(f"[{(time.time() - start) / 60:5.1f} min] {os.path.basename(folder)} failed "
-                          f"(rc {process.returncode}); see {folder}.log", flush=True)
-            time.sleep(1)
-    return report(args)
+    args.only = list(dict.fromkeys(args.only))
+    args.seeds = list(dict.fromkeys(args.seeds))
+    args.lrs = sorted(set(args.lrs))
+    args.threads = args.threads or max(1, len(os.sched_getaffinity(0)) // args.jobs)
+    args.out_given, args.out = args.out, os.path.abspath(args.out)
+    return plan(args, p)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.report:
+        if os.path.isdir(args.out):
+            check_records(args)
+        return report(args)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise SystemExit(f"error: --out {args.out} is a file: give a folder")
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        handle = lock(args.out)
+    except OSError as e:
+        raise SystemExit(f"error: --out {args.out} cannot be written ({e.strerror or e}): give a writable folder") \
+            from None
+    check_records(args)
+    for name in args.only:  # every command line is train.py's to refuse, once, before anything runs
+        argv = ["--out", os.path.join(args.out, "x"), *train_flags(name, args.lrs[0], 0, args)]
+        parser, targs = train.parse_args(argv)
+        train.check_args(parser, targs, 1)
+    failures = run_league(args)
+    handle.close()
+    results = report(args) if collect(args) else {}
+    if failures:
+        run, log, line = failures[0]
+        total = len(failures)
+        raise SystemExit(f"error: {total} run(s) failed; the first, {run_name(*run)}: {line} (log: {log}); rerun the "
+                         "same command after fixing it: finished runs are kept")
+    if not results:
+        raise SystemExit(f"error: no run of the league finished in {args.out}: see its .log files")
+    return results
 
 
 if __name__ == "__main__":

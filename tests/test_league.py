@@ -1,52 +1,330 @@
-"""scripts/league.py: the table and the curves it reads from run folders (the runs themselves are train.py's)."""
+"""scripts/league.py: its bookkeeping (samples, lr choice, curves, the tables) on run folders written here, and its
+scheduling and failures with a stand-in for train.py that writes such folders in a moment."""
 import json
 import os
+import subprocess
 import sys
+import textwrap
+import time
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, ROOT)
 import league  # noqa: E402
+import train  # noqa: E402
+
+TAGS = ["single_object", "two_object", "counting", "colors", "position", "color_attr"]
 
 
-def fake_run(folder, seconds, accuracy, *, done=True):
-    """A run folder as train.py leaves it: a step line per step, an eval line every 2 steps (step 0 first)."""
+def eval_row(step, accuracy, tags=None):
+    tags = tags or {t: accuracy for t in TAGS}
+    return {"step": step, "geneval_overall": accuracy, **{f"geneval_{t}": v for t, v in tags.items()}}
+
+
+def fake_run(args, run, seconds, accuracy, *, done=True, tags=None, eval0=None, machine=None):
+    """A finished league run as train.py and the league leave it: args.json, a metrics row per step (its `seconds`),
+    an eval row every args.eval_every steps from step 0 (`accuracy` per evaluation; `tags` the last one's), and the
+    league's record."""
+    folder = os.path.join(args.out, league.run_name(*run))
     os.makedirs(folder)
+    with open(os.path.join(folder, "args.json"), "w") as f:
+        json.dump({"args": {"prompts_per_step": 4, "group_size": 8}}, f)
     with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
         for step, s in enumerate(seconds, start=1):
             f.write(json.dumps({"step": step, "seconds": s}) + "\n")
     with open(os.path.join(folder, "eval.jsonl"), "w") as f:
         for i, a in enumerate(accuracy):
-            f.write(json.dumps({"step": 2 * i, "geneval_overall": a}) + "\n")
+            if i or eval0 is None:
+                f.write(json.dumps(eval_row(i * args.eval_every, a, tags if i == len(accuracy) - 1 else None)) + "\n")
         f.write('{"step": 6, "geneval_ov')  # a torn last line (a killed run) is skipped
-    if done:
-        open(os.path.join(folder, "league_done"), "w").close()
+    record = dict(flags=league.train_flags(*run, args), done=done, eval0=eval0, load=3.0)
+    league.write_record(args.out, run, dict(record, machine=machine) if machine else record)
+
+
+def league_args(tmp_path, *extra):
+    """The league's parsed flags: 4 steps of 32 samples, evaluated every 2 steps."""
+    return league.parse_args(["--out", str(tmp_path), "--samples", "128", "--evals", "3", *extra])
+
+
+def test_lr_text_round_trips_and_names_runs():
+    assert [league.lr_text(lr) for lr in (5e-5, 1e-4, 2e-4, 1.5e-4, 1e-3)] == ["5e-5", "1e-4", "2e-4", "1.5e-4", "1e-3"]
+    assert float(league.lr_text(1.5e-4)) == 1.5e-4
+    assert league.run_name("mix-flash", 4e-4, 2) == "mix-flash-lr4e-4-s2"
+
+
+def test_lr_is_the_best_final_accuracy_of_the_sweep_ties_to_the_smaller(tmp_path):
+    assert league.choose_lr({5e-5: 0.35, 1e-4: 0.41, 2e-4: 0.38}) == 1e-4
+    assert league.choose_lr({4e-4: 0.41, 1e-4: 0.41 + 1e-12, 2e-4: 0.30}) == 1e-4  # a tie, whatever the float noise
+    assert league.choose_lr({}) is None
+    args = league_args(tmp_path, "--only", "nft", "--lrs", "1e-4", "2e-4", "4e-4", "--sweep-seed", "7", "--seeds", "0")
+    for lr, final in ((1e-4, 0.40), (2e-4, 0.45), (4e-4, 0.45)):  # the sweep: 2e-4 and 4e-4 tie
+        fake_run(args, ("nft", lr, 7), [1.0] * 4, [0.3, 0.35, final])
+    fake_run(args, ("nft", 4e-4, 0), [1.0] * 4, [0.3, 0.5, 0.6])  # not the chosen lr: not in the table
+    fake_run(args, ("nft", 2e-4, 0), [1.0] * 4, [0.3, 0.4, 0.5])
+    results = league.report(args)
+    assert results["nft"]["lr"] == 2e-4 and list(results["nft"]["curves"]) == [0]
+    assert results["nft"]["curves"][0][-1]["accuracy"] == 0.5
+    table = open(tmp_path / "league.md").read()
+    assert "| nft | 0.400 | 0.450 | 0.450 | 2e-4 |" in table  # the sweep's table, the chosen lr last
+
+
+def test_equal_samples_budget_defaults_to_the_default_run_and_sets_the_steps(tmp_path, monkeypatch):
+    _, default = train.parse_args([])
+    per_step = default.prompts_per_step * default.group_size
+    args = league.parse_args(["--out", str(tmp_path)])
+    assert (args.samples, args.per_step, args.steps) == (default.steps * per_step, per_step, default.steps)
+    args = league.parse_args(["--out", str(tmp_path), "--samples", str(10 * per_step), "--evals", "4"])
+    assert args.steps == 10 and args.eval_every == 2  # 6 evaluations: the largest step count giving 4 or more
+    assert ["--steps", "10", "--eval-every", "2"] == league.train_flags("awm", 1e-4, 0, args)[4:8]
+    assert [league.eval_every(40, 5), league.eval_every(40, 4), league.eval_every(3, 5)] == [10, 10, 1]
+    monkeypatch.setattr(league, "COMMON", ["--prompts-per-step", "16"])  # the samples per step follow COMMON
+    args = league.parse_args(["--out", str(tmp_path)])
+    assert (args.per_step, args.samples) == (16 * default.group_size, default.steps * 16 * default.group_size)
+
+
+def test_a_budget_that_is_not_whole_steps_is_refused_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        league.parse_args(["--out", str(tmp_path), "--samples", "100"])
+    assert stop.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].endswith(
+        "error: --samples 100 is not a whole number of steps of 32 samples: use --samples 96 or 128")
 
 
 def test_curve_counts_training_seconds_up_to_each_evaluation(tmp_path):
-    fake_run(str(tmp_path / "grpo-s0"), [1.0, 2.0, 3.0, 4.0], [0.3, 0.4, 0.5])
-    assert league.curve(str(tmp_path / "grpo-s0")) == [(0.0, 0, 0.3), (3.0, 2, 0.4), (10.0, 4, 0.5)]
-    fake_run(str(tmp_path / "nft-s0"), [1.0], [0.3], done=False)
-    assert league.curve(str(tmp_path / "nft-s0")) is None  # unfinished: run again, not reported
+    args = league_args(tmp_path)
+    fake_run(args, ("grpo", 1e-4, 0), [1.0, 2.0, 3.0, 4.0], [0.3, 0.4, 0.5])
+    points = league.curve(args.out, ("grpo", 1e-4, 0))
+    assert [(p["step"], p["samples"], p["seconds"], p["accuracy"]) for p in points] == \
+        [(0, 0, 0.0, 0.3), (2, 64, 3.0, 0.4), (4, 128, 10.0, 0.5)]
+    fake_run(args, ("nft", 1e-4, 0), [1.0] * 4, [0.3, 0.3, 0.3], done=False)
+    assert league.curve(args.out, ("nft", 1e-4, 0)) is None  # not marked done: run again, not reported
+    # train.py's resume drops eval.jsonl's step-0 row; the league's record keeps it
+    fake_run(args, ("awm", 1e-4, 0), [1.0] * 4, [0.25, 0.3, 0.35], eval0=eval_row(0, 0.25))
+    assert [p["accuracy"] for p in league.curve(args.out, ("awm", 1e-4, 0))] == [0.25, 0.3, 0.35]
+    folder = os.path.join(args.out, "awm-lr1e-4-s0")
+    assert league.read_curve(folder, None, 4) is None  # incomplete without it
+    assert league.read_curve(folder, eval_row(0, 0.25), 5) is None  # and a run short of its last step
 
 
-def test_report_averages_seeds(tmp_path):
-    pytest.importorskip("matplotlib")
-    fake_run(str(tmp_path / "grpo-s0"), [30.0] * 4, [0.3, 0.4, 0.5])
-    fake_run(str(tmp_path / "grpo-s1"), [60.0] * 4, [0.3, 0.3, 0.3])
-    results = league.main(["--report", "--only", "grpo", "nft", "--seeds", "0", "1", "--steps", "4",
-                        "--out", str(tmp_path)])
-    assert set(results) == {"grpo"}  # nft has no finished run
-    assert results["grpo"] == {"before": [0.3, 0.3], "after": [0.5, 0.3], "minutes": [2.0, 4.0]}
+def test_equal_wall_clock_reads_each_curve_at_the_budget(tmp_path):
+    args = league_args(tmp_path, "--only", "grpo", "fast", "--lrs", "1e-4", "--sweep-seed", "0", "--seeds", "0", "1")
+    # fast: 2 and 3 minutes in all (median 2.5, the budget); grpo: 4 and 6 minutes
+    fake_run(args, ("fast", 1e-4, 0), [30.0] * 4, [0.30, 0.35, 0.40])
+    fake_run(args, ("fast", 1e-4, 1), [45.0] * 4, [0.30, 0.33, 0.38])
+    fake_run(args, ("grpo", 1e-4, 0), [60.0] * 4, [0.30, 0.50, 0.60])  # at 2.5 min: step 2 (2 min), 0.50
+    fake_run(args, ("grpo", 1e-4, 1), [90.0] * 4, [0.30, 0.40, 0.70])  # at 2.5 min: step 0, 0.30
+    results = league.report(args)
+    assert league.wall_clock_budget(results) == (2.5, "the median of the fastest entry, fast")
     table = open(tmp_path / "league.md").read()
-    assert "| 0.300 | 0.400 +- 0.100 | +0.100 | 3.0 |" in table
-    assert os.path.getsize(tmp_path / "league.png") > 0
+    assert "within 2.5 training minutes" in table
+    assert "| grpo | 1e-4 | 32 | 1.0 | 0.400 +- 0.141 | +0.100 |" in table  # samples 64 and 0, minutes 2 and 0
+    assert "| fast | 1e-4 | 96 | 1.8 | 0.365 +- 0.049 | +0.065 |" in table  # seed 0 ended at 2 min: its last
+    league.main(["--report", "--out", str(tmp_path), "--samples", "128", "--evals", "3", "--only", "grpo", "fast",
+                 "--lrs", "1e-4", "--sweep-seed", "0", "--seeds", "0", "1", "--minutes", "10"])
+    table = open(tmp_path / "league.md").read()
+    assert "| grpo* | 1e-4 | 128 | 5.0 | 0.650 +- 0.071 | +0.350 |" in table  # both finished within 10 minutes
+    assert "\\* ran out of samples before the budget: grpo, fast" in table
+    assert "--minutes 10" in table  # the command that reproduces it
 
 
-def test_every_entry_is_a_valid_train_py_command_line():
-    sys.path.insert(0, ROOT)
-    import train
-    for name, (_, flags) in league.ENTRIES.items():
-        parser, args = train.parse_args(["--model", "shapes", *flags])
-        train.check_args(parser, args, 1)  # refuses what cannot run (e.g. guard on cps steps)
+def test_table_has_the_six_tags_the_lr_the_samples_the_minutes_command_and_machine(tmp_path):
+    pytest.importorskip("matplotlib")
+    args = league_args(tmp_path, "--only", "guard", "--lrs", "2e-4", "--sweep-seed", "0", "--seeds", "0", "1")
+    final = dict(zip(TAGS, [0.9, 0.5, 0.25, 0.75, 0.1, 0.05]))
+    where = dict(cpu="Some CPU", cpus=64, jobs=4, threads=16)  # where the runs ran, not where the report runs
+    fake_run(args, ("guard", 2e-4, 0), [30.0] * 4, [0.3, 0.4, 0.5], tags=final, machine=where)
+    fake_run(args, ("guard", 2e-4, 1), [60.0] * 4, [0.32, 0.3, 0.3], tags=dict(final, counting=0.35), machine=where)
+    league.report(args)
+    table = open(tmp_path / "league.md").read()
+    assert "| entry | lr | samples | before | after | rise | single | two_obj | counting | colors | position | attr " \
+           "| training minutes |" in table
+    row = "| guard | 2e-4 | 128 | 0.310 +- 0.014 | 0.400 +- 0.141 | +0.090 | 0.90 | 0.50 | 0.30 | 0.75 | 0.10 | 0.05 |"
+    assert row + " 3.0 |" in table  # before and after over seeds; the tags after, counting the mean of 0.25 and 0.35
+    assert "`python scripts/league.py --samples 128 --evals 3 --lrs 2e-4 --sweep-seed 0 --seeds 0 1 --jobs 4 " \
+           f"--threads 16 --only guard --out {tmp_path}`" in table
+    assert "Machine: Some CPU, 64 CPU threads; 4 run(s) at a time, 16 torch thread(s) each" in table
+    assert "median 3.0" in table
+    assert os.path.getsize(tmp_path / "league.png") > 10000
+    summary = json.load(open(tmp_path / "league.json"))
+    assert summary["entries"]["guard"]["curves"]["1"][-1]["tags"]["counting"] == 0.35
+
+
+def test_report_of_a_missing_folder_is_one_error_line(tmp_path):
+    missing = tmp_path / "nothing"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "league.py"), "--report", "--out",
+                           str(missing)], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines() == [f"error: {missing} is not a folder: run the league first "
+                                                "(python scripts/league.py), or give the --out it wrote"]
+    with pytest.raises(SystemExit) as stop:  # an empty folder, or runs of another league
+        league.main(["--report", "--out", str(tmp_path)])
+    assert str(stop.value.code).startswith(f"error: {tmp_path} holds no finished run of this league")
+
+
+def test_report_refuses_runs_of_other_flags(tmp_path):
+    args = league_args(tmp_path, "--only", "grpo", "--lrs", "1e-4", "--sweep-seed", "0", "--seeds", "0")
+    fake_run(args, ("grpo", 1e-4, 0), [1.0] * 4, [0.3, 0.4, 0.5])
+    with pytest.raises(SystemExit) as stop:  # the same runs read as a league of 2 steps
+        league.main(["--report", "--out", str(tmp_path), "--samples", "64", "--only", "grpo", "--lrs", "1e-4",
+                     "--sweep-seed", "0", "--seeds", "0"])
+    message = str(stop.value.code)
+    assert message.startswith(f"error: {tmp_path}/grpo-lr1e-4-s0 was run with `--seed 0 --lr 1e-4 --steps 4 ") and \
+        "\n" not in message
+
+
+FAKE_TRAIN = textwrap.dedent('''
+    """Stands in for train.py: the run folder of a run that learns best at lr 2e-4 (4e-4 ties), in a moment."""
+    import argparse, json, os, sys
+    p = argparse.ArgumentParser()
+    for flag in ("--out", "--seed", "--lr", "--steps", "--eval-every", "--resume"):
+        p.add_argument(flag)
+    p.add_argument("--overwrite", action="store_true")
+    a, _ = p.parse_known_args()
+    with open(os.environ["FAKE_LAUNCHES"], "a") as f:
+        f.write(json.dumps(sys.argv[1:]) + "\\n")
+    if os.environ.get("FAKE_SLOW"):  # a long run that saves and exits 0 on SIGTERM, as train.py does
+        import signal, time
+        signal.signal(signal.SIGTERM, lambda *_: (open(a.out + ".stopped", "w").close(), sys.exit(0)))
+        time.sleep(120)
+    if a.lr in os.environ.get("FAKE_FAIL", "").split():
+        print("step 1 | reward +0.1")
+        print(f"error: --lr {a.lr} fails here; fix the fake")
+        sys.exit(1)
+    steps, every = int(a.steps), int(a.eval_every)
+    last = steps // 2 if os.environ.get("FAKE_STOP") else steps  # as a SIGTERM'd train.py: saved, exit 0, not done
+    gain = {"5e-5": 0.02, "1e-4": 0.05, "2e-4": 0.1, "4e-4": 0.1}[a.lr] + 0.01 * int(a.seed)
+    os.makedirs(os.path.join(a.out, "checkpoints", str(last)), exist_ok=True)
+    json.dump({"args": {"prompts_per_step": 4, "group_size": 8}}, open(os.path.join(a.out, "args.json"), "w"))
+    with open(os.path.join(a.out, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps({"step": s, "seconds": 6.0}) + "\\n" for s in range(1, last + 1))
+    tags = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+    with open(os.path.join(a.out, "eval.jsonl"), "w") as f:
+        for s in range(0, last + 1, every):
+            accuracy = 0.3 + gain * s / steps
+            f.write(json.dumps({"step": s, "geneval_overall": accuracy, **{f"geneval_{t}": accuracy for t in tags}})
+                    + "\\n")
+''')
+
+
+@pytest.fixture
+def fake_train(tmp_path, monkeypatch):
+    """league.TRAIN pointed at FAKE_TRAIN; returns a function giving the argv of every launch so far."""
+    script = tmp_path / "fake_train.py"
+    script.write_text(FAKE_TRAIN)
+    launches = tmp_path / "launches.jsonl"
+    monkeypatch.setattr(league, "TRAIN", [sys.executable, str(script)])
+    monkeypatch.setenv("FAKE_LAUNCHES", str(launches))
+    return lambda: [json.loads(line) for line in open(launches)] if launches.exists() else []
+
+
+def run_league(out, *extra):
+    return league.main(["--out", str(out), "--samples", "128", "--evals", "3", "--poll", "0.02", "--only", "grpo",
+                        "nft", "--lrs", "1e-4", "2e-4", "4e-4", "--sweep-seed", "3", "--seeds", "0", "1", *extra])
+
+
+def test_league_sweeps_then_runs_the_seeds_at_the_chosen_lr_and_never_reruns_a_finished_run(tmp_path, fake_train):
+    out = tmp_path / "league"
+    results = run_league(out, "--jobs", "1")
+    launched = [(argv[argv.index("--out") + 1].rsplit("/", 1)[1], argv[argv.index("--out") + 2]) for argv in
+                fake_train()]
+    assert sorted(name for name, _ in launched) == sorted(
+        [f"{e}-lr{lr}-s3" for e in ("grpo", "nft") for lr in ("1e-4", "2e-4", "4e-4")]
+        + [f"{e}-lr2e-4-s{s}" for e in ("grpo", "nft") for s in (0, 1)])
+    assert {how for _, how in launched} == {"--resume"}  # fresh folders: --resume auto starts them
+    first = ["grpo-lr1e-4-s3", "grpo-lr2e-4-s3", "grpo-lr4e-4-s3", "grpo-lr2e-4-s0", "grpo-lr2e-4-s1"]
+    assert [name for name, _ in launched][:5] == first  # an entry's seeds start as soon as its sweep ends
+    assert results["grpo"]["lr"] == results["nft"]["lr"] == 2e-4  # 4e-4 ties: the smaller
+    assert [c[-1]["accuracy"] for c in results["nft"]["curves"].values()] == [pytest.approx(0.4), pytest.approx(0.41)]
+    assert "| grpo | 2e-4 | 128 | 0.300 +- 0.000 | 0.405 +- 0.007 | +0.105 |" in open(out / "league.md").read()
+    assert all(json.load(open(out / f"{name}.json"))["done"] for name, _ in launched)
+    assert not (out / "grpo-lr2e-4-s0" / "checkpoints").exists()  # a finished run's weights go (--keep-weights)
+    run_league(out)  # everything finished: nothing is launched again
+    assert len(fake_train()) == len(launched)
+
+
+def test_every_failed_run_exits_non_zero_naming_the_first_and_leaves_no_done_mark(tmp_path, fake_train, monkeypatch):
+    monkeypatch.setenv("FAKE_FAIL", "1e-4 2e-4 4e-4")
+    out = tmp_path / "league"
+    with pytest.raises(SystemExit) as stop:
+        run_league(out, "--jobs", "1")
+    assert str(stop.value.code) == (f"error: 6 run(s) failed; the first, grpo-lr1e-4-s3: rc 1: error: --lr 1e-4 fails "
+                                    f"here; fix the fake (log: {out}/grpo-lr1e-4-s3.log); rerun the same command after "
+                                    "fixing it: finished runs are kept")
+    assert len(fake_train()) == 6  # no seed runs without an lr
+    assert not any(json.load(open(out / f"{e}-lr{lr}-s3.json"))["done"] for e in ("grpo", "nft")
+                   for lr in ("1e-4", "2e-4", "4e-4"))
+    assert not (out / "league.md").exists()
+
+
+def test_some_failed_runs_report_what_finished_then_exit_non_zero(tmp_path, fake_train, monkeypatch):
+    monkeypatch.setenv("FAKE_FAIL", "2e-4")
+    out = tmp_path / "league"
+    with pytest.raises(SystemExit) as stop:
+        run_league(out)
+    assert str(stop.value.code).startswith("error: 2 run(s) failed; the first, grpo-lr2e-4-s3: rc 1: error: --lr 2e-4")
+    table = open(out / "league.md").read()  # chosen among the finished: 4e-4
+    assert "| grpo | 4e-4 | 128 | 0.300 +- 0.000 | 0.405 +- 0.007 | +0.105 |" in table
+    assert "| grpo | 0.380 | - | 0.430 | 4e-4 |" in table  # the failed sweep run is a dash
+    monkeypatch.delenv("FAKE_FAIL")
+    before = len(fake_train())
+    run_league(out)  # the failed runs run again, the rest not; 2e-4 now ties 4e-4, so the seeds run at 2e-4
+    again = fake_train()[before:]
+    assert sorted(argv[argv.index("--out") + 1].rsplit("/", 1)[1] for argv in again) == \
+        [f"{e}-lr2e-4-s{s}" for e in ("grpo", "nft") for s in (0, 1, 3)]
+    assert "| grpo | 2e-4 | 128 | 0.300 +- 0.000 | 0.405 +- 0.007 | +0.105 |" in open(out / "league.md").read()
+
+
+def test_a_run_stopped_early_is_not_done_and_continues_with_resume(tmp_path, fake_train, monkeypatch):
+    monkeypatch.setenv("FAKE_STOP", "1")  # exits 0 half way, as train.py does on SIGTERM
+    out = tmp_path / "league"
+    with pytest.raises(SystemExit) as stop:
+        run_league(out, "--only", "grpo", "--lrs", "1e-4", "--seeds", "3")
+    assert "grpo-lr1e-4-s3: stopped before step 4 and its evaluation" in str(stop.value.code)
+    record = json.load(open(out / "grpo-lr1e-4-s3.json"))
+    assert record["done"] is False and (out / "grpo-lr1e-4-s3" / "checkpoints" / "2").is_dir()  # kept to resume
+    monkeypatch.delenv("FAKE_STOP")
+    run_league(out, "--only", "grpo", "--lrs", "1e-4", "--seeds", "3")
+    second = fake_train()[-1]
+    assert second[second.index("--out") + 2:][:2] == ["--resume", "auto"]
+    record = json.load(open(out / "grpo-lr1e-4-s3.json"))
+    assert record["done"] is True and record["eval0"]["step"] == 0  # kept for the resume
+    # a run left by other flags (here 2 evaluations fewer) starts over
+    league.write_record(str(out), ("grpo", 1e-4, 0), dict(flags=["--steps", "8"], done=False))
+    os.makedirs(out / "grpo-lr1e-4-s0")
+    run_league(out, "--only", "grpo", "--lrs", "1e-4", "--seeds", "0", "3")
+    third = fake_train()[-1]
+    assert third[third.index("--out") + 1].endswith("grpo-lr1e-4-s0") and "--overwrite" in third
+
+
+def test_a_terminated_league_stops_its_runs_and_exits_130(tmp_path, fake_train, monkeypatch):
+    monkeypatch.setenv("FAKE_SLOW", "1")
+    out = tmp_path / "league"
+    argv = ["--out", str(out), "--samples", "128", "--poll", "0.05", "--only", "grpo", "--lrs", "1e-4", "2e-4"]
+    code = (f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'scripts')!r}); import league; "
+            f"league.TRAIN = {league.TRAIN!r}; league.main({argv!r})")
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while len(fake_train()) < 2 and time.time() < deadline and process.poll() is None:
+        time.sleep(0.2)
+    time.sleep(1)  # the stand-ins set their SIGTERM handlers
+    process.terminate()
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert "interrupted: 2 run(s) stopped at a checkpoint; the same command continues" in err
+    assert (out / "grpo-lr1e-4-s3.stopped").exists() and (out / "grpo-lr2e-4-s3.stopped").exists()
+    assert not json.load(open(out / "grpo-lr1e-4-s3.json"))["done"]
+
+
+def test_every_entry_is_a_valid_train_py_command_line(tmp_path):
+    args = league.parse_args(["--out", str(tmp_path)])
+    for name in league.ENTRIES:
+        for lr in args.lrs:
+            flags = league.train_flags(name, lr, 0, args)
+            parser, targs = train.parse_args(["--out", str(tmp_path / "x"), *flags])
+            train.check_args(parser, targs, 1)  # refuses what cannot run (e.g. guard on cps steps)
+            assert targs.lr == lr and targs.steps == args.steps
+            assert targs.prompts_per_step * targs.group_size == args.per_step  # equal samples per step
+            assert targs.eval_every == args.eval_every and targs.eval_prompts  # a held-out curve
