@@ -448,21 +448,22 @@ def read_jsonl(path):
 
 
 def metrics_step(line):
-    """The step of a metrics.jsonl line; 0 for a torn line (a run killed while writing it)."""
+    """The step of a metrics.jsonl or eval.jsonl line; None for a torn line (a run killed while writing it)."""
     try:
-        return int(json.loads(line).get("step", 0))
-    except (ValueError, AttributeError, TypeError):
-        return 0
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, AttributeError, TypeError):
+        return None
 
 
 def trim_metrics(out, step):
-    """Keep the rows of steps 1..step in metrics.jsonl and eval.jsonl: a killed run's later rows are redone.
-    A torn last line (a run killed while writing it) goes too."""
-    for name in ("metrics.jsonl", "eval.jsonl"):
+    """Keep the rows of steps 1..step in metrics.jsonl and 0..step in eval.jsonl (the model before training is step
+    0): a killed run's later rows are redone. A torn last line (a run killed while writing it) goes too."""
+    for name, first in (("metrics.jsonl", 1), ("eval.jsonl", 0)):
         path = os.path.join(out, name)
         if distributed.is_main and os.path.isfile(path):
             with open(path, "rb") as f:
-                kept = [line.rstrip(b"\n") + b"\n" for line in f if 0 < metrics_step(line) <= step]
+                kept = [line.rstrip(b"\n") + b"\n" for line in f
+                        if (n := metrics_step(line)) is not None and first <= n <= step]
             with open(path, "wb") as f:
                 f.writelines(kept)
 

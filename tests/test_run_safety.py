@@ -475,3 +475,12 @@ def test_a_checkpoint_in_the_earlier_layout_still_resumes(three_checkpoints, tmp
     main("--steps", "4", "--resume", "auto", out=copy)
     for a, b in zip(metrics(copy), full):
         assert a["reward_mean"] == b["reward_mean"] and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
+
+
+def test_a_resume_keeps_the_evaluation_of_the_model_before_training(tmp_path):
+    """eval.jsonl's step-0 row (the base model) survives a resume; rows past the checkpoint are redone."""
+    flags = ["--eval-every", "1", "--eval-prompts", "prompts/tiny.txt", "--eval-steps", "2", "--save-every", "1"]
+    main("--steps", "2", *flags, out=tmp_path / "run")
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "2")  # as if killed before checkpoint 2
+    main("--steps", "3", "--resume", "auto", *flags, out=tmp_path / "run")
+    assert [r["step"] for r in strict_rows(tmp_path / "run", "eval.jsonl")] == [0, 1, 2, 3]
