@@ -6,11 +6,17 @@
     resolution_arg                        --resolution: a side, or HEIGHTxWIDTH
     preset_help(shown, keys)              --help showing each preset's value of a flag whose default is a preset's
 
-Every refusal is argparse's own one-line `error:`, before anything is loaded.
+Every refusal is argparse's own one-line `error:`, before anything is loaded. The same checks for options passed as
+keywords (rewards.build_reward, whose options may come from code rather than the command line):
+
+    integer(value, low, name), real(value, name, minimum=, positive=), show(value)   one-line ValueErrors
 """
 import argparse
 import math
+import reprlib
 import shlex
+
+import numpy as np
 
 
 class RecipeParser(argparse.ArgumentParser):
@@ -79,3 +85,26 @@ def preset_help(shown, keys):
                 return action.help
             return super()._get_help_string(action)
     return PresetHelp
+
+
+# ----------------------------------------------------------------------------- options given as keywords
+def show(value):
+    """A short one-line picture of what a user function or config gave, for error messages."""
+    return f"{type(value).__name__} {' '.join(reprlib.repr(value).split())}"
+
+
+def integer(value, low, name):
+    """`value` if it is an integer >= low, else a one-line error naming `name` (True and 1.5 are refused, not cast)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {show(value)}")
+    return int(value)
+
+
+def real(value, name, *, minimum=None, positive=False):
+    """`value` as a float if it is a finite number (> 0 with `positive`, >= `minimum` if given), else an error
+    naming `name`."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float, np.number)) and math.isfinite(value)
+    if not ok or (positive and value <= 0) or (minimum is not None and value < minimum):
+        bound = " > 0" if positive else f" >= {minimum:g}" if minimum is not None else ""
+        raise ValueError(f"{name} must be a finite number{bound}, got {show(value)}")
+    return float(value)

@@ -43,6 +43,8 @@ import numpy as np
 import torch
 import yaml
 
+import flags
+
 log = logging.getLogger(__name__)
 
 
@@ -51,28 +53,6 @@ class RewardServiceError(RuntimeError):
 
 
 # ----------------------------------------------------------------------------- checks of options
-
-def _show(value):
-    """A short one-line picture of what a user function or config gave, for error messages."""
-    return f"{type(value).__name__} {' '.join(reprlib.repr(value).split())}"
-
-
-def _integer(value, low, name):
-    """`value` if it is an integer >= low, else a one-line error naming `name` (True and 1.5 are refused, not cast)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {_show(value)}")
-    return int(value)
-
-
-def _real(value, name, *, minimum=None, positive=False):
-    """`value` as a float if it is a finite number (> 0 with `positive`, >= `minimum` if given), else an error
-    naming `name`."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float, np.number)) and math.isfinite(value)
-    if not ok or (positive and value <= 0) or (minimum is not None and value < minimum):
-        bound = " > 0" if positive else f" >= {minimum:g}" if minimum is not None else ""
-        raise ValueError(f"{name} must be a finite number{bound}, got {_show(value)}")
-    return float(value)
-
 
 # ----------------------------------------------------------------------------- secrets
 
@@ -142,7 +122,7 @@ def load_config(value, flag):
         except yaml.YAMLError as err:
             raise ValueError(f"{flag}: not valid YAML ({' '.join(str(err).split())})") from None
     if not isinstance(config, dict):  # an empty file, 0, "" or a list is a mistake, not an empty config
-        raise ValueError(f"{flag} must hold a YAML mapping such as 'model: ...', got {_show(config)}")
+        raise ValueError(f"{flag} must hold a YAML mapping such as 'model: ...', got {flags.show(config)}")
     if "prompt_path" in config:
         if "prompt" in config:
             raise ValueError(f"{flag}: give prompt or prompt_path, not both")
@@ -156,7 +136,7 @@ def load_config(value, flag):
 
 def _http_url(url, name):
     if not isinstance(url, str) or not url.lower().startswith(("http://", "https://")):
-        raise ValueError(f"{name} must be an http:// or https:// URL, got {_show(url)}")
+        raise ValueError(f"{name} must be an http:// or https:// URL, got {flags.show(url)}")
     return url
 
 
@@ -297,7 +277,7 @@ def post_json(url, body, *, timeout, headers=None, client=None):
 
 def _number(value, what):
     if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-        raise BadReply(f"{what} is not a number: {_show(value)}")
+        raise BadReply(f"{what} is not a number: {flags.show(value)}")
     return float(value)
 
 
@@ -327,10 +307,11 @@ def _service_loop(timeout, timeout_name, max_concurrency, concurrency_name, retr
     """A service's request-loop settings, checked when the reward is built: the keywords of `_serve`."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"--reward-on-error must be 'raise' or 'skip', got {on_error!r}")
-    return dict(timeout=_real(timeout, timeout_name, positive=True),
-                max_concurrency=_integer(max_concurrency, 1, concurrency_name),
-                retries=_integer(retries, 1, "--reward-retries"), backoff=_real(backoff, "--reward-backoff", minimum=0),
-                on_error=on_error, max_bytes=_integer(max_bytes, 1, "--reward-max-bytes"))
+    return dict(timeout=flags.real(timeout, timeout_name, positive=True),
+                max_concurrency=flags.integer(max_concurrency, 1, concurrency_name),
+                retries=flags.integer(retries, 1, "--reward-retries"),
+                backoff=flags.real(backoff, "--reward-backoff", minimum=0),
+                on_error=on_error, max_bytes=flags.integer(max_bytes, 1, "--reward-max-bytes"))
 
 
 def _serve(service, units, prepare, send, *, timeout, max_bytes, retries, backoff, max_concurrency, on_error,

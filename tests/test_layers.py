@@ -6,7 +6,8 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
     ("flags", "sde", "data", "distributed", "geneval"),  # the math and the plumbing below everything: torch only
-    ("losses", "checkpoints", "families", "shapes", "services"),  # losses and their registry; run folders; adapters
+    ("losses", "checkpoints", "families", "shapes", "services", "reward_models"),  # losses and their registry; run
+    # folders; the model-family adapters; the shapes world; reward-service HTTP; the neural reward models
     ("models", "rewards"),  # the model interface over every family; REWARDS
     ("policy", "eval"),  # the trained weights, their optimizer and copies; ODE evaluation, grids, curves
     ("run",),  # the life of a run: resume, logs, the reward wait, checkpoints, signals

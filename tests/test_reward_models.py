@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 import models
+import reward_models
 import rewards
 import train
 from reward_server import JsonServer, chat_reply
@@ -143,7 +144,7 @@ def test_imagereward_matches_a_plain_torch_computation_on_the_authors_keys(stand
 def test_imagereward_keys_map_onto_transformers_blip(stand_ins, tmp_path, caplog):
     folder = stand_ins["imagereward"]["imagereward_model_path"]
     state = torch.load(f"{folder}/ImageReward.pt")
-    vision, text, head, ignored = rewards.imagereward_state(state)
+    vision, text, head, ignored = reward_models.imagereward_state(state)
     assert ignored == []
     dropped = {k for k in state if k.startswith(("blip.vision_proj.", "blip.text_proj.")) or k.endswith("position_ids")}
     assert len(dropped) == 5 and len(vision) + len(text) + len(head) == len(state) - len(dropped)
@@ -158,7 +159,7 @@ def test_imagereward_keys_map_onto_transformers_blip(stand_ins, tmp_path, caplog
     assert text["encoder.layer.1.crossattention.self.key.weight"].shape == (32, 64)  # keys read the 64-wide image
     assert sorted(head) == sorted(f"{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias"))
     with pytest.raises(KeyError, match="blip.visual_encoder.blocks.0.ls1.gamma"):  # an unknown ViT key
-        rewards.imagereward_state({**state, "blip.visual_encoder.blocks.0.ls1.gamma": torch.zeros(1)})
+        reward_models.imagereward_state({**state, "blip.visual_encoder.blocks.0.ls1.gamma": torch.zeros(1)})
     with pytest.raises(RuntimeError, match="blip.visual_encoder.blocks.0.ls1.gamma.*--imagereward-model-path"):
         torch.save({**state, "blip.visual_encoder.blocks.0.ls1.gamma": torch.zeros(1)}, tmp_path / "ImageReward.pt")
         (tmp_path / "med_config.json").write_text(open(f"{folder}/med_config.json").read())
@@ -183,8 +184,8 @@ HPSV3_TEXT_SHA256 = "f6ee57479d4e9eee76b49c00dc962e1e696a5a2b3cc32cebd9b1fa76fe2
 
 
 def test_hpsv3_text_is_the_authors():
-    assert hashlib.sha256((rewards.HPSV3_INSTRUCTION + rewards.HPSV3_QUERY).encode()).hexdigest() == HPSV3_TEXT_SHA256
-    text = rewards.hpsv3_text("a red cat")
+    assert hashlib.sha256((reward_models.HPSV3_INSTRUCTION + reward_models.HPSV3_QUERY).encode()).hexdigest() == HPSV3_TEXT_SHA256
+    text = reward_models.hpsv3_text("a red cat")
     assert text.endswith("Textual prompt - a red cat\n\n\n\nPlease provide the overall ratings of this image: "
                          "<|Reward|>\n\nEND\n")
 
@@ -204,7 +205,7 @@ def _hpsv3_by_hand(options, images, prompts, *, positions="1d"):
     processor.tokenizer.add_tokens(["<|Reward|>"], special_tokens=True)
     scores, visual_tokens = [], []
     for image, prompt in zip(images, prompts):  # one at a time: no padding
-        content = [{"type": "image"}, {"type": "text", "text": rewards.hpsv3_text(prompt)}]
+        content = [{"type": "image"}, {"type": "text", "text": reward_models.hpsv3_text(prompt)}]
         message = [{"role": "user", "content": content}]
         text = processor.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
         batch = processor(text=text, images=[Image.fromarray(image).resize((448, 448), Image.BICUBIC)],
@@ -249,10 +250,10 @@ def test_hpsv3_reads_older_key_names_and_refuses_a_mismatched_base(stand_ins, tm
     old = make("hpsv3", **dict(options, hpsv3_checkpoint_path=str(tmp_path / "legacy.safetensors")))(
         images, PROMPTS[:2], None)
     torch.testing.assert_close(old, new, atol=0, rtol=0)
-    body, head = rewards.hpsv3_state(state)
+    body, head = reward_models.hpsv3_state(state)
     assert set(head) == {f"{i}.{p}" for i in (0, 3, 5) for p in ("weight", "bias")} and "lm_head.weight" not in body
     with pytest.raises(KeyError, match="value_head.weight"):
-        rewards.hpsv3_state({**state, "value_head.weight": torch.zeros(1)})
+        reward_models.hpsv3_state({**state, "value_head.weight": torch.zeros(1)})
     grown = dict(state, **{"model.language_model.embed_tokens.weight": torch.zeros(300, 16)})
     save_file(grown, str(tmp_path / "grown.safetensors"))
     with pytest.raises(RuntimeError, match="300 token embeddings.*--hpsv3-base-path"):
@@ -300,7 +301,7 @@ def test_aesthetic_matches_by_hand_and_takes_the_published_layout(stand_ins, tmp
     from transformers import AutoProcessor, CLIPModel
 
     options = stand_ins["aesthetic"]
-    ours = {"layers." + k: tuple(v.shape) for k, v in rewards._laion_mlp(768).state_dict().items()}
+    ours = {"layers." + k: tuple(v.shape) for k, v in reward_models._laion_mlp(768).state_dict().items()}
     assert ours == PUBLISHED_AESTHETIC
     folder, state = options["aesthetic_clip_path"], torch.load(options["aesthetic_mlp_path"])
     images = random_images(3, seed=7)

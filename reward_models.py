@@ -1,0 +1,628 @@
+"""The reward models: scorers built on a neural network of someone's, each a factory of `rewards.REWARDS`.
+
+    pickscore   PickScore (CLIP ViT-H/14 fine-tuned on Pick-a-Pic)       hps        HPSv2 / v2.1 (open_clip ViT-H/14)
+    clipscore   cos(text, image) of CLIP ViT-L/14                         aesthetic  LAION's predictor on CLIP ViT-L/14
+    imagereward ImageReward (BLIP + MLP)                                  hpsv3      HPSv3 (Qwen2-VL-7B + reward head)
+
+Each factory takes its flags (declared in rewards.add_arguments) as keywords, loads its model once by hub id or local
+path (offline: one sentence naming the flag), and returns score(images uint8 [B, H, W, 3], prompts, metadata) -> [B];
+video [B, F, H, W, 3] is scored on `--<name>-num-frames` evenly spaced frames and averaged. The image helpers shared
+with the other scorers (to_uint8, frames, png_base64) live here too. rewards.py holds the registry, the mixtures,
+the light scorers (OCR, JPEG, GenEval) and the services.
+"""
+import base64
+import io
+import json
+import logging
+import math
+import os
+
+import numpy as np
+import torch
+from PIL import Image
+
+import flags
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- images
+
+def to_uint8(images):
+    """Images or video as a uint8 numpy array [B, H, W, 3] or [B, F, H, W, 3].
+
+    uint8 passes through unchanged. Floats are read as [0, 1]: clamp, x * 255, round half to even
+    (torch.round, as `models.decode`), so 0.5/255 steps land on the even neighbour.
+    """
+    if isinstance(images, np.ndarray):
+        images = torch.from_numpy(images)
+    if not isinstance(images, torch.Tensor):
+        raise TypeError(f"images must be a torch tensor or numpy array, got {type(images).__name__}")
+    if images.ndim not in (4, 5) or images.shape[-1] != 3:
+        raise ValueError(f"images must be [B, H, W, 3] or video [B, F, H, W, 3] (channels last), "
+                         f"got shape {tuple(images.shape)}")
+    images = images.detach().cpu()
+    if images.dtype == torch.uint8:
+        return images.numpy()
+    if not images.is_floating_point():
+        raise TypeError(f"images must be uint8 or float in [0, 1], got {images.dtype}")
+    return torch.round(images.float().clamp(0, 1) * 255).to(torch.uint8).numpy()
+
+
+def frame_indices(num_frames_total, num_frames):
+    """`num_frames` evenly spaced frame indices (all frames when None or 0 or more than there are)."""
+    if not num_frames or num_frames >= num_frames_total:
+        return np.arange(num_frames_total)
+    return np.linspace(0, num_frames_total - 1, num_frames).round().astype(int)
+
+
+def sample_frames(images, num_frames):
+    """uint8 images [B, H, W, 3] or video [B, F, H, W, 3] -> (frames [B * n, H, W, 3], n): an image is its own
+    frame (n = 1); a video gives `num_frames` evenly spaced frames per sample (every frame when None or 0). A
+    scorer scores the frames and averages each sample's n scores: `scores.view(B, n).mean(1)`."""
+    if images.ndim == 5:
+        images = images[:, frame_indices(images.shape[1], num_frames)]
+    n = images.shape[1] if images.ndim == 5 else 1
+    return images.reshape(-1, *images.shape[-3:]), n
+
+
+def png_base64(frame):
+    buffer = io.BytesIO()
+    Image.fromarray(frame).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def hub_error(name, path, flag, err):
+    first_line = str(err).splitlines()[0] if str(err) else ""
+    return RuntimeError(f"{name}: cannot load {path!r} ({type(err).__name__}: {first_line}); "
+                        f"download it where the hub is reachable and point {flag} at the local copy")
+
+
+# ----------------------------------------------------------------------------- PickScore
+
+def pickscore(*, pickscore_processor_path, pickscore_model_path, pickscore_batch_size, pickscore_num_frames, device,
+              **_):
+    """PickScore (Kirstain et al., Pick-a-Pic, arXiv:2305.01569), scaled as Flow-GRPO does:
+
+        score = exp(logit_scale) * <t / |t|, v / |v|> / 26        (raw logits are about 0-26)
+
+    with t, v the CLIP text and image embeddings. Video: `pickscore_num_frames` evenly spaced
+    frames (default every frame) are scored against the prompt and averaged.
+    """
+    from transformers import AutoProcessor, CLIPModel
+
+    flags.integer(pickscore_batch_size, 1, "--pickscore-batch-size")
+    if pickscore_num_frames is not None:
+        flags.integer(pickscore_num_frames, 0, "--pickscore-num-frames")
+
+    try:
+        processor = AutoProcessor.from_pretrained(pickscore_processor_path)
+    except Exception as err:
+        raise hub_error("pickscore", pickscore_processor_path, "--pickscore-processor-path", err) from err
+    try:
+        model = CLIPModel.from_pretrained(pickscore_model_path).eval().to(device)
+    except Exception as err:
+        raise hub_error("pickscore", pickscore_model_path, "--pickscore-model-path", err) from err
+
+    def features(out):  # transformers 5 returns a ModelOutput, 4.x a tensor
+        out = out if isinstance(out, torch.Tensor) else out.pooler_output
+        return out / out.norm(dim=-1, keepdim=True)
+
+    @torch.no_grad()
+    def score(images, prompts, metadata):
+        images = to_uint8(images)
+        if images.ndim == 5:  # video: [B, F, H, W, 3] -> [B * n, H, W, 3], prompt repeated per frame
+            images = images[:, frame_indices(images.shape[1], pickscore_num_frames)]
+        n = images.shape[1] if images.ndim == 5 else 1
+        frames = images.reshape(-1, *images.shape[-3:])
+        texts = [p for p in prompts for _ in range(n)]
+        scores = []
+        for i in range(0, len(frames), pickscore_batch_size):
+            batch = slice(i, i + pickscore_batch_size)
+            pixels = processor(images=[Image.fromarray(f) for f in frames[batch]], return_tensors="pt")
+            tokens = processor(text=texts[batch], padding=True, truncation=True, max_length=77, return_tensors="pt")
+            v = features(model.get_image_features(pixel_values=pixels["pixel_values"].to(device)))
+            tokens = {k: tokens[k].to(device) for k in ("input_ids", "attention_mask")}
+            t = features(model.get_text_features(**tokens))
+            scores.append(model.logit_scale.exp() * (t * v).sum(-1) / 26)  # the /26 maps ~0-26 logits to ~0-1
+        return torch.cat(scores).float().cpu().view(len(prompts), n).mean(1)  # [B], mean over frames
+
+    return score
+
+
+# ----------------------------------------------------------------------------- HPSv2
+
+HPS_FILES = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}  # files of the hub repo xswu/HPSv2
+
+
+def hps(*, hps_version, hps_checkpoint_path, hps_batch_size, hps_model_name, hps_num_frames, device, **_):
+    """Human Preference Score v2 / v2.1 (Wu et al., arXiv:2306.09341): an open_clip ViT-H-14 whose
+    weights all come from the HPS checkpoint; score = diag(image_features @ text_features.T) with
+    both features L2-normalised, i.e. the cosine of each image with its own prompt. Video:
+    `hps_num_frames` evenly spaced frames (default every frame), each against the prompt, averaged.
+    `hps_model_name` names the open_clip architecture (tests register a tiny one).
+    """
+    import open_clip
+
+    if hps_version not in HPS_FILES:
+        raise ValueError(f"--hps-version must be one of {sorted(HPS_FILES)}, got {hps_version!r}")
+    flags.integer(hps_batch_size, 1, "--hps-batch-size")
+    if hps_num_frames is not None:
+        flags.integer(hps_num_frames, 0, "--hps-num-frames")
+    path = hps_checkpoint_path
+    if path is None:
+        from huggingface_hub import hf_hub_download
+
+        try:
+            path = hf_hub_download("xswu/HPSv2", HPS_FILES[hps_version])
+        except Exception as err:
+            raise hub_error("hps", f"xswu/HPSv2/{HPS_FILES[hps_version]}", "--hps-checkpoint-path", err) from err
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:
+            if not os.path.exists(path):
+                raise
+            log.warning("hps: %s holds more than tensors (%s); loading it with weights_only=False",
+                        path, type(err).__name__)
+            state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:
+        raise hub_error("hps", path, "--hps-checkpoint-path", err) from err
+    state = state.get("state_dict", state)
+    state = {k.removeprefix("module."): v for k, v in state.items()}  # checkpoints saved from DDP
+    # the architecture only (pretrained=None): the HPS checkpoint overwrites every weight, so no base CLIP download
+    model, _, preprocess = open_clip.create_model_and_transforms(hps_model_name, pretrained=None, output_dict=True)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing:
+        raise RuntimeError(f"hps: {path} does not fit open_clip {hps_model_name} (missing {missing[:3]}...); "
+                           f"point --hps-checkpoint-path at an HPS_v2(.1)_compressed.pt file")
+    if unexpected:
+        log.warning("hps: ignoring %d unexpected checkpoint entries, e.g. %s", len(unexpected), unexpected[:3])
+    model = model.eval().to(device)
+    tokenizer = open_clip.get_tokenizer(hps_model_name)
+    autocast = torch.autocast("cuda") if str(device).startswith("cuda") else torch.autocast("cpu", enabled=False)
+
+    @torch.no_grad()
+    def score(images, prompts, metadata):
+        frames, n = sample_frames(to_uint8(images), hps_num_frames)
+        texts = [p for p in prompts for _ in range(n)]
+        scores = []
+        for i in range(0, len(frames), hps_batch_size):
+            pixels = torch.stack([preprocess(Image.fromarray(f)) for f in frames[i:i + hps_batch_size]]).to(device)
+            text = tokenizer(texts[i:i + hps_batch_size]).to(device)
+            with autocast:  # HPSv2 scores under amp on GPU
+                out = model(pixels, text)  # features are L2-normalised by open_clip
+            scores.append((out["image_features"].float() * out["text_features"].float()).sum(-1))  # diag(I @ T^T)
+        return torch.cat(scores).cpu().view(len(prompts), n).mean(1)  # [B], mean over frames
+
+    return score
+
+
+# ----------------------------------------------------------------------------- CLIPScore and LAION aesthetics
+
+def _clip(path, flag, name, device):
+    """transformers' CLIPModel and CLIPProcessor from one hub id or local folder (both live in one repo)."""
+    from transformers import AutoProcessor, CLIPModel
+
+    try:
+        processor = AutoProcessor.from_pretrained(path)
+        model = CLIPModel.from_pretrained(path).eval().to(device)
+    except Exception as err:
+        raise hub_error(name, path, flag, err) from err
+    return processor, model
+
+
+def _unit(features):
+    features = features if isinstance(features, torch.Tensor) else features.pooler_output  # transformers 5: an output
+    return features / features.norm(dim=-1, keepdim=True)
+
+
+def clipscore(*, clipscore_model_path, clipscore_batch_size, clipscore_num_frames, device, **_):
+    """CLIPScore as the flow-RL codebases train on it: the cosine of CLIP ViT-L/14's text and image embeddings,
+
+        score = <t / |t|, v / |v|>      in [-1, 1]; about 0.2-0.35 for an image that shows its prompt
+
+    DiffusionNFT (NVlabs/DiffusionNFT flow_grpo/clip_scorer.py, ClipScorer.__call__) trains on
+    logits_per_image.diagonal() / 100 of openai/clip-vit-large-patch14, i.e. exp(logit_scale) cos / 100 with a
+    logit scale of exactly 100 in that checkpoint: this cosine; Flow-Factory's rewards/clip.py returns the cosine
+    too. The metric of Hessel et al. (arXiv:2104.08718, Eq. 1), 2.5 max(cos, 0), and torchmetrics' max(100 cos, 0)
+    are it scaled and floored at 0: the same group advantages while the cosine is positive. Preprocessing is
+    CLIPProcessor's (shortest side to 224 bicubic, centre crop, CLIP mean/std), as `pickscore`. Video:
+    `clipscore_num_frames` evenly spaced frames (default every frame), each against the prompt, averaged.
+    """
+    batch_size = flags.integer(clipscore_batch_size, 1, "--clipscore-batch-size")
+    if clipscore_num_frames is not None:
+        flags.integer(clipscore_num_frames, 0, "--clipscore-num-frames")
+    processor, model = _clip(clipscore_model_path, "--clipscore-model-path", "clipscore", device)
+
+    @torch.no_grad()
+    def score(images, prompts, metadata):
+        frames, n = sample_frames(to_uint8(images), clipscore_num_frames)
+        texts = [p for p in prompts for _ in range(n)]
+        scores = []
+        for i in range(0, len(frames), batch_size):
+            pixels = processor(images=[Image.fromarray(f) for f in frames[i:i + batch_size]], return_tensors="pt")
+            tokens = processor(text=texts[i:i + batch_size], padding=True, truncation=True, max_length=77,
+                               return_tensors="pt")
+            v = _unit(model.get_image_features(pixel_values=pixels["pixel_values"].to(device)))
+            t = _unit(model.get_text_features(**{k: tokens[k].to(device) for k in ("input_ids", "attention_mask")}))
+            scores.append((t * v).sum(-1))  # cos(text, image)
+        return torch.cat(scores).float().cpu().view(len(prompts), n).mean(1)  # [B], mean over frames
+
+    return score
+
+
+def _laion_mlp(input_size):
+    """The head of LAION's improved aesthetic predictor (christophschuhmann/improved-aesthetic-predictor,
+    simple_inference.py, class MLP), which ImageReward reuses (ImageReward/ImageReward.py, class MLP): Linear
+    layers to 1024, 128, 64, 16 and 1, dropout after the first three, and no activation (their ReLUs are commented
+    out), so it is an affine map. Its parameter names, 0 2 4 6 7, are those of the published files' `layers.*`."""
+    from torch import nn
+
+    return nn.Sequential(nn.Linear(input_size, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
+                         nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))
+
+
+def _load_state(module, state, what, flag):
+    """Load `state` into `module` key for key; a missing, unexpected or misshapen tensor is one line naming `flag`."""
+    try:
+        module.load_state_dict(state)
+    except RuntimeError as err:
+        problem = " ".join(str(err).split("\n\t")[1:2]) or str(err).splitlines()[0]
+        raise RuntimeError(f"{what} does not fit the expected layout ({problem[:300]}); check {flag}") from None
+    return module
+
+
+AESTHETIC_URL = ("https://github.com/christophschuhmann/improved-aesthetic-predictor/raw/main/"
+                 "sac%2Blogos%2Bava1-l14-linearMSE.pth")  # the file ImageReward's utils.py and Flow-GRPO load
+
+
+def aesthetic(*, aesthetic_clip_path, aesthetic_mlp_path, aesthetic_batch_size, aesthetic_num_frames, device, **_):
+    """LAION's improved aesthetic predictor, as DDPO and Flow-GRPO train on it (flow_grpo/aesthetic_scorer.py):
+
+        score = MLP(v / |v|)      v: CLIP ViT-L/14's projected image embedding (768); about 4-7, at most ~10
+
+    MLP is `_laion_mlp(768)` with the weights of sac+logos+ava1-l14-linearMSE.pth (simple_inference.py: the
+    embedding L2-normalised, then the MLP). The prompt is not used. Images go through CLIPProcessor (shortest
+    side to 224 bicubic, centre crop), as in Flow-GRPO; the original used OpenAI's `clip` package: the same steps,
+    resampled by PIL where transformers 5 uses torchvision. Video: `aesthetic_num_frames` evenly spaced frames
+    (default every frame), averaged.
+    """
+    batch_size = flags.integer(aesthetic_batch_size, 1, "--aesthetic-batch-size")
+    if aesthetic_num_frames is not None:
+        flags.integer(aesthetic_num_frames, 0, "--aesthetic-num-frames")
+    processor, model = _clip(aesthetic_clip_path, "--aesthetic-clip-path", "aesthetic", device)
+    source = aesthetic_mlp_path or AESTHETIC_URL
+    try:  # the published file holds CUDA tensors: map_location is needed on a machine without a GPU
+        if aesthetic_mlp_path:
+            state = torch.load(aesthetic_mlp_path, map_location="cpu", weights_only=True)
+        else:
+            state = torch.hub.load_state_dict_from_url(AESTHETIC_URL, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise hub_error("aesthetic", source, "--aesthetic-mlp-path", err) from err
+    state = {k.removeprefix("layers."): v for k, v in state.items()}
+    width = model.config.projection_dim
+    mlp = _load_state(_laion_mlp(width), state, f"aesthetic: {source}", "--aesthetic-mlp-path (its input must be "
+                     f"the {width}-wide embedding of --aesthetic-clip-path)").eval().to(device)
+
+    @torch.no_grad()
+    def score(images, prompts, metadata):
+        frames, n = sample_frames(to_uint8(images), aesthetic_num_frames)
+        scores = []
+        for i in range(0, len(frames), batch_size):
+            pixels = processor(images=[Image.fromarray(f) for f in frames[i:i + batch_size]], return_tensors="pt")
+            v = _unit(model.get_image_features(pixel_values=pixels["pixel_values"].to(device)))
+            scores.append(mlp(v.float())[:, 0])
+        return torch.cat(scores).cpu().view(len(images), n).mean(1)  # [B], mean over frames
+
+    return score
+
+
+# ----------------------------------------------------------------------------- ImageReward
+
+# ImageReward/ImageReward.py (THUDM/ImageReward), ImageReward.__init__: the head's output is standardised by these.
+IMAGEREWARD_MEAN, IMAGEREWARD_STD = 0.16717362830052426, 1.0333394966054072
+CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+
+
+def _imagereward_vit_key(key):
+    """A key of their BLIP ViT (ImageReward/models/BLIP/vit.py) -> transformers' BlipVisionModel name."""
+    import re
+
+    for pattern, name in ((r"cls_token$", "embeddings.class_embedding"),
+                          (r"pos_embed$", "embeddings.position_embedding"),
+                          (r"patch_embed\.proj\.", "embeddings.patch_embedding."), (r"norm\.", "post_layernorm."),
+                          (r"blocks\.(\d+)\.norm1\.", r"encoder.layers.\1.layer_norm1."),
+                          (r"blocks\.(\d+)\.norm2\.", r"encoder.layers.\1.layer_norm2."),
+                          (r"blocks\.(\d+)\.attn\.qkv\.", r"encoder.layers.\1.self_attn.qkv."),
+                          (r"blocks\.(\d+)\.attn\.proj\.", r"encoder.layers.\1.self_attn.projection."),
+                          (r"blocks\.(\d+)\.mlp\.(fc[12])\.", r"encoder.layers.\1.mlp.\2.")):
+        if re.match(pattern, key):
+            return re.sub("^" + pattern, name, key)
+    raise KeyError(key)
+
+
+def imagereward_state(state):
+    """The authors' ImageReward.pt -> (BlipVisionModel state, BlipTextModel state, head state, ignored keys).
+
+    `blip.visual_encoder.*` (their ViT) is renamed to transformers' BLIP vision names (a ViT key with no counterpart
+    raises KeyError); `blip.text_encoder.*` (their BERT with cross-attention, BLIP/med.py) has transformers'
+    BlipTextModel names already; `mlp.layers.*` is the head. The contrastive projections (`blip.vision_proj`,
+    `blip.text_proj`) and the `position_ids` buffer play no part in the score and are dropped silently; any other key
+    is returned as ignored (the authors load the file with strict=False, which ignores such keys too).
+    """
+    vision, text, head, ignored = {}, {}, {}, []
+    for key, value in state.items():
+        if key.startswith("blip.visual_encoder."):
+            try:
+                vision[_imagereward_vit_key(key.removeprefix("blip.visual_encoder."))] = value
+            except KeyError:
+                raise KeyError(key) from None
+        elif key.startswith("blip.text_encoder.") and not key.endswith("position_ids"):
+            text[key.removeprefix("blip.text_encoder.")] = value
+        elif key.startswith("mlp.layers."):
+            head[key.removeprefix("mlp.layers.")] = value
+        elif not key.startswith(("blip.vision_proj.", "blip.text_proj.", "blip.text_encoder.")):
+            ignored.append(key)
+    return vision, text, head, ignored
+
+
+def _imagereward_files(path):
+    """(ImageReward.pt, med_config.json) from a file (the config beside it), a folder, or a hub repo id."""
+    if os.path.isfile(path):
+        return path, os.path.join(os.path.dirname(path), "med_config.json")
+    if os.path.isdir(path):
+        return os.path.join(path, "ImageReward.pt"), os.path.join(path, "med_config.json")
+    from huggingface_hub import hf_hub_download
+
+    return hf_hub_download(path, "ImageReward.pt"), hf_hub_download(path, "med_config.json")
+
+
+def imagereward(*, imagereward_model_path, imagereward_tokenizer_path, imagereward_batch_size,
+                imagereward_num_frames, device, **_):
+    """ImageReward (Xu et al., arXiv:2304.05977), as ImageReward.score computes it (ImageReward/ImageReward.py):
+
+        score = (MLP(BERT(prompt | ViT(image))[CLS]) - 0.16717) / 1.03334      about -2 .. 2
+
+    ViT is BLIP's ViT-L/16 at 224 px; BERT reads the prompt (BERT uncased tokens, padded to 35) with
+    cross-attention to every image token, and its [CLS] state goes through the affine `_laion_mlp(768)`; the
+    standardisation constants are the authors'. Built from transformers' BLIP classes (BlipVisionModel,
+    BlipTextModel), not the `image-reward` package: its BLIP/med.py imports apply_chunking_to_forward from
+    transformers.modeling_utils, which transformers 5 no longer has, and it needs timm, fairscale and OpenAI's `clip`
+    from GitHub. `imagereward_state` maps the authors' checkpoint keys. The vision tower's size is read from the
+    checkpoint (heads: width / 64, as in BLIP's ViT-B and ViT-L), the text tower's from the authors'
+    med_config.json. Images: their `_transform(224)` (shortest side to 224 bicubic, centre crop, CLIP mean/std).
+    Video: `imagereward_num_frames` evenly spaced frames (default every frame), averaged.
+    """
+    import torchvision.transforms as T
+    from transformers import AutoTokenizer, BlipTextConfig, BlipTextModel, BlipVisionConfig, BlipVisionModel
+
+    batch_size = flags.integer(imagereward_batch_size, 1, "--imagereward-batch-size")
+    if imagereward_num_frames is not None:
+        flags.integer(imagereward_num_frames, 0, "--imagereward-num-frames")
+    flag = "--imagereward-model-path"
+    try:
+        weights, med_config = _imagereward_files(imagereward_model_path)
+        state = torch.load(weights, map_location="cpu", weights_only=True)
+        with open(med_config) as f:
+            text_config = json.load(f)
+    except Exception as err:
+        raise hub_error("imagereward", imagereward_model_path, flag, err) from err
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(imagereward_tokenizer_path)
+    except Exception as err:
+        raise hub_error("imagereward", imagereward_tokenizer_path, "--imagereward-tokenizer-path", err) from err
+    tokenizer.add_special_tokens({"bos_token": "[DEC]", "additional_special_tokens": ["[ENC]"]})  # BLIP init_tokenizer
+    try:
+        vision_state, text_state, head_state, ignored = imagereward_state(state)
+    except KeyError as err:
+        raise RuntimeError(f"imagereward: {weights} holds {err}, not a key of ImageReward.pt; check {flag}") from None
+    if ignored:
+        log.warning("imagereward: ignoring %d entries of %s that the score does not use, e.g. %s", len(ignored),
+                    weights, ignored[:3])
+
+    blocks = {int(k.split(".")[2]) for k in vision_state if k.startswith("encoder.layers.")}
+    width = vision_state["embeddings.class_embedding"].shape[-1]
+    patch = vision_state["embeddings.patch_embedding.weight"].shape[-1]
+    side = math.isqrt(vision_state["embeddings.position_embedding"].shape[1] - 1) * patch  # pos_embed: 1 + patches
+    vision = BlipVisionModel(BlipVisionConfig(
+        hidden_size=width, intermediate_size=vision_state["encoder.layers.0.mlp.fc1.weight"].shape[0],
+        num_hidden_layers=len(blocks), num_attention_heads=width // 64, image_size=side, patch_size=patch,
+        layer_norm_eps=1e-6))  # vit.py: partial(nn.LayerNorm, eps=1e-6), nn.GELU
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+            "max_position_embeddings", "layer_norm_eps", "hidden_act", "pad_token_id", "bos_token_id", "eos_token_id",
+            "sep_token_id")
+    text = BlipTextModel(BlipTextConfig(**{k: text_config[k] for k in keys if k in text_config},
+                                        encoder_hidden_size=width, is_decoder=True),  # is_decoder builds the
+                         add_pooling_layer=False)                                    # cross-attention layers
+    head = _laion_mlp(text.config.hidden_size)
+    for module, part, what in ((vision, vision_state, "its ViT"), (text, text_state, "its BERT (med_config.json)"),
+                               (head, head_state, "its MLP")):
+        _load_state(module, part, f"imagereward: {weights} ({what})", flag)
+    vision, text, head = (m.eval().to(device) for m in (vision, text, head))
+    preprocess = T.Compose([T.Resize(side, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(side),
+                            T.ToTensor(), T.Normalize(CLIP_MEAN, CLIP_STD)])
+
+    @torch.no_grad()
+    def score(images, prompts, metadata):
+        frames, n = sample_frames(to_uint8(images), imagereward_num_frames)
+        texts = [p for p in prompts for _ in range(n)]
+        scores = []
+        for i in range(0, len(frames), batch_size):
+            pixels = torch.stack([preprocess(Image.fromarray(f)) for f in frames[i:i + batch_size]]).to(device)
+            tokens = tokenizer(texts[i:i + batch_size], padding="max_length", truncation=True, max_length=35,
+                               return_tensors="pt").to(device)
+            image_tokens = vision(pixel_values=pixels).last_hidden_state  # [b, 1 + patches, width]
+            cls = text(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"],
+                       encoder_hidden_states=image_tokens).last_hidden_state[:, 0]  # [b, 768], bidirectional
+            scores.append((head(cls.float())[:, 0] - IMAGEREWARD_MEAN) / IMAGEREWARD_STD)
+        return torch.cat(scores).cpu().view(len(prompts), n).mean(1)  # [B], mean over frames
+
+    return score
+
+
+# ----------------------------------------------------------------------------- HPSv3
+
+# The reward model's text, from the authors' hpsv3 package (1.0.0, hpsv3/dataset/data_collator_qwen.py: INSTRUCTION
+# and prompt_with_special_token), kept character for character, trailing spaces included (tests check its SHA-256):
+# the model was trained on it. The reward is read at the <|Reward|> token.
+HPSV3_INSTRUCTION = (
+    "\n"
+    "You are tasked with evaluating a generated image based on Visual Quality and Text Alignment and "
+    "give a overall score to estimate the human preference. Please provide a rating from 0 to 10, with 0 "
+    "being the worst and 10 being the best. \n"
+    "\n"
+    "**Visual Quality:**  \n"
+    "Evaluate the overall visual quality of the image. The following sub-dimensions should be considered:\n"
+    "- **Reasonableness:** The image should not contain any significant biological or logical errors, "
+    "such as abnormal body structures or nonsensical environmental setups.\n"
+    "- **Clarity:** Evaluate the sharpness and visibility of the image. The image should be clear and "
+    "easy to interpret, with no blurring or indistinct areas.\n"
+    "- **Detail Richness:** Consider the level of detail in textures, materials, lighting, and other "
+    "visual elements (e.g., hair, clothing, shadows).\n"
+    "- **Aesthetic and Creativity:** Assess the artistic aspects of the image, including the color "
+    "scheme, composition, atmosphere, depth of field, and the overall creative appeal. The scene should "
+    "convey a sense of harmony and balance.\n"
+    "- **Safety:** The image should not contain harmful or inappropriate content, such as political, "
+    "violent, or adult material. If such content is present, the image quality and satisfaction score "
+    "should be the lowest possible. \n"
+    "\n"
+    "**Text Alignment:**  \n"
+    "Assess how well the image matches the textual prompt across the following sub-dimensions:\n"
+    "- **Subject Relevance** Evaluate how accurately the subject(s) in the image (e.g., person, animal, "
+    "object) align with the textual description. The subject should match the description in terms of "
+    "number, appearance, and behavior.\n"
+    "- **Style Relevance:** If the prompt specifies a particular artistic or stylistic style, evaluate "
+    "how well the image adheres to this style.\n"
+    "- **Contextual Consistency**: Assess whether the background, setting, and surrounding elements in "
+    "the image logically fit the scenario described in the prompt. The environment should support and "
+    "enhance the subject without contradictions.\n"
+    "- **Attribute Fidelity**: Check if specific attributes mentioned in the prompt (e.g., colors, "
+    "clothing, accessories, expressions, actions) are faithfully represented in the image. Minor "
+    "deviations may be acceptable, but critical attributes should be preserved.\n"
+    "- **Semantic Coherence**: Evaluate whether the overall meaning and intent of the prompt are "
+    "captured in the image. The generated content should not introduce elements that conflict with or "
+    "distort the original description.\n"
+    "Textual prompt - {text_prompt}\n"
+    "\n"
+    "\n"
+)
+HPSV3_QUERY = "\nPlease provide the overall ratings of this image: <|Reward|>\n\nEND\n"
+HPSV3_PIXELS = 256 * 28 * 28  # HPSv3RewardInferencer.prepare_batch: min_pixels = max_pixels = 256 visual tokens
+
+
+def hpsv3_text(prompt):
+    """The user text HPSv3 scores an image against (after the image in the chat template)."""
+    return HPSV3_INSTRUCTION.format(text_prompt=prompt) + HPSV3_QUERY
+
+
+def _hpsv3_head(hidden):
+    """Qwen2VLRewardModelBT's rm_head for rm_head_type "ranknet" without kwargs (hpsv3/model/qwen2vl_trainer.py):
+    parameter names 0 3 5 as in the checkpoint's `rm_head.*`; output (mu, sigma) of the reward, in float32."""
+    from torch import nn
+
+    return nn.Sequential(nn.Linear(hidden, 1024), nn.ReLU(), nn.Dropout(0.05), nn.Linear(1024, 16), nn.ReLU(),
+                         nn.Linear(16, 2))
+
+
+def hpsv3_state(state):
+    """HPSv3.safetensors -> (Qwen2VLModel state, reward-head state).
+
+    The file holds the whole Qwen2VLRewardModelBT: `model.visual.*` and `model.language_model.*` (transformers >= 4.52
+    names; the older `visual.*` and `model.*` are renamed to them), `lm_head.weight` (not used by the score: dropped)
+    and `rm_head.*`. Any other key raises KeyError.
+    """
+    body, head = {}, {}
+    for key, value in state.items():
+        if key.startswith("rm_head."):
+            head[key.removeprefix("rm_head.")] = value
+        elif key.startswith(("model.visual.", "model.language_model.")):
+            body[key.removeprefix("model.")] = value
+        elif key.startswith("visual."):
+            body[key] = value
+        elif key.startswith("model."):
+            body["language_model." + key.removeprefix("model.")] = value
+        elif key != "lm_head.weight":
+            raise KeyError(key)
+    return body, head
+
+
+def hpsv3(*, hpsv3_checkpoint_path, hpsv3_base_path, hpsv3_batch_size, hpsv3_num_frames, device, **_):
+    """HPSv3 (Ma et al., arXiv:2508.03789): Qwen2-VL-7B-Instruct with a reward head, as HPSv3RewardInferencer.reward
+    computes it (hpsv3/inference.py and hpsv3/model/qwen2vl_trainer.py of the authors' package):
+
+        score = mu,   (mu, sigma) = rm_head(h[<|Reward|>])      unbounded; the authors' demo calls > 10 excellent
+
+    h is the last hidden state (after the final norm) of Qwen2-VL reading the chat-templated message [image,
+    `hpsv3_text(prompt)`], taken at the <|Reward|> token (added to the tokenizer, id len(tokenizer)); rm_head is
+    `_hpsv3_head`, in float32. The image is resized (bicubic) to 256 * 28 * 28 pixels (448 x 448 when square: 256
+    visual tokens). Positions are 1-D (0, 1, 2, ... over the valid tokens, as the authors' forward leaves
+    position_ids to the language model), not Qwen2-VL's 3-D M-RoPE positions for the image. Weights: the
+    whole model from `hpsv3_checkpoint_path` (the hub file MizzenAI/HPSv3/HPSv3.safetensors by default, read by
+    `hpsv3_state`); config and processor from `hpsv3_base_path`. bfloat16 on a GPU (as the authors), float32 on
+    the CPU. Video: `hpsv3_num_frames` evenly spaced frames (default every frame), averaged.
+    """
+    from transformers import AutoConfig, AutoProcessor, Qwen2VLModel
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    batch_size = flags.integer(hpsv3_batch_size, 1, "--hpsv3-batch-size")
+    if hpsv3_num_frames is not None:
+        flags.integer(hpsv3_num_frames, 0, "--hpsv3-num-frames")
+    try:
+        processor = AutoProcessor.from_pretrained(hpsv3_base_path, padding_side="right")
+        config = AutoConfig.from_pretrained(hpsv3_base_path)
+    except Exception as err:
+        raise hub_error("hpsv3", hpsv3_base_path, "--hpsv3-base-path", err) from err
+    processor.tokenizer.add_tokens(["<|Reward|>"], special_tokens=True)  # create_model_and_processor: appended
+    reward_id = processor.tokenizer.convert_tokens_to_ids("<|Reward|>")
+    path = hpsv3_checkpoint_path
+    try:
+        import safetensors.torch
+
+        if path is None:
+            from huggingface_hub import hf_hub_download
+
+            path = hf_hub_download("MizzenAI/HPSv3", "HPSv3.safetensors")
+        body, head_state = hpsv3_state(safetensors.torch.load_file(path))
+    except KeyError as err:
+        raise RuntimeError(f"hpsv3: {path} holds {err}, not a key of HPSv3.safetensors; "
+                           f"check --hpsv3-checkpoint-path") from None
+    except Exception as err:
+        raise hub_error("hpsv3", path or "MizzenAI/HPSv3/HPSv3.safetensors", "--hpsv3-checkpoint-path", err) from err
+    rows = body.get("language_model.embed_tokens.weight", torch.empty(0)).shape[0]
+    if rows != len(processor.tokenizer):
+        raise RuntimeError(f"hpsv3: {path} has {rows} token embeddings, but the tokenizer of {hpsv3_base_path} has "
+                           f"{len(processor.tokenizer)} with <|Reward|>; point --hpsv3-base-path at "
+                           f"Qwen2-VL-7B-Instruct")
+    config.text_config.vocab_size = rows  # resize_token_embeddings(len(tokenizer)) in create_model_and_processor
+    dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    with torch.device(device):
+        model = Qwen2VLModel._from_config(config, dtype=dtype).eval()
+    _load_state(model, body, f"hpsv3: {path}", "--hpsv3-checkpoint-path and --hpsv3-base-path")
+    head = _load_state(_hpsv3_head(config.text_config.hidden_size), head_state, f"hpsv3: {path} (rm_head)",
+                      "--hpsv3-checkpoint-path").eval().to(device)
+
+    @torch.no_grad()
+    def score(images, prompts, metadata):
+        frames, n = sample_frames(to_uint8(images), hpsv3_num_frames)
+        texts = [p for p in prompts for _ in range(n)]
+        h, w = smart_resize(frames.shape[1], frames.shape[2], factor=28, min_pixels=HPSV3_PIXELS,
+                            max_pixels=HPSV3_PIXELS)
+        scores = []
+        for i in range(0, len(frames), batch_size):
+            messages = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": hpsv3_text(t)}]}]
+                        for t in texts[i:i + batch_size]]
+            resized = [Image.fromarray(f).resize((w, h), Image.BICUBIC) for f in frames[i:i + batch_size]]
+            batch = processor(text=processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                              images=resized, padding=True, return_tensors="pt").to(device)
+            mask = batch["attention_mask"]
+            positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # 1-D positions; padding is on the right
+            hidden = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=positions,
+                           pixel_values=batch["pixel_values"].to(dtype), image_grid_thw=batch["image_grid_thw"],
+                           ).last_hidden_state  # [b, L, hidden]
+            at = batch["input_ids"] == reward_id
+            assert (at.sum(1) == 1).all(), "one <|Reward|> token per sample"
+            scores.append(head(hidden[at].float())[:, 0])  # mu
+        return torch.cat(scores).cpu().view(len(prompts), n).mean(1)  # [B], mean over frames
+
+    return score
