@@ -195,6 +195,13 @@ def lock(out):
     _LOCKS[path] = handle
 
 
+def unlock(out):
+    """Give back the lock of `lock(out)` (a no-op on ranks that never took it)."""
+    handle = _LOCKS.pop(os.path.realpath(os.path.join(out, ".lock")), None)
+    if handle is not None:
+        handle.close()
+
+
 def _count_rows(path):
     if not os.path.isfile(path):
         return 0

@@ -119,8 +119,8 @@ class Run:
         if is_main and "tensorboard" in args.log_to:
             from torch.utils.tensorboard import SummaryWriter  # optional: only when asked for
             self.tensorboard = SummaryWriter(os.path.join(args.out, "tensorboard"), purge_step=self.step + 1)
-        for signum in (signal.SIGTERM, signal.SIGINT):  # preemption: finish the step on every rank, save, exit 0
-            signal.signal(signum, lambda signum, frame: setattr(self, "signal", signal.Signals(signum).name))
+        self.handlers = {signum: signal.signal(signum, lambda n, frame: setattr(self, "signal", signal.Signals(n).name))
+                         for signum in (signal.SIGTERM, signal.SIGINT)}  # preemption: finish the step, save, exit 0
         # A live bar on rank 0's terminal; none in log files, where the per-step lines already say everything.
         self.bar = tqdm(total=args.steps, initial=self.step, disable=not (is_main and sys.stderr.isatty()),
                         dynamic_ncols=True)
@@ -329,9 +329,14 @@ class Run:
         return stopping
 
     def finish(self):
+        """The end of the run: loggers closed, the signal handlers and the folder's lock given back (train.main may be
+        called again in this process), the process group left."""
         self.bar.close()
         if self.tensorboard:
             self.tensorboard.close()
+        for signum, handler in self.handlers.items():
+            signal.signal(signum, handler)
+        checkpoints.unlock(self.args.out)
         self.pool.shutdown()
         distributed.finish()
         if self.step == self.args.steps > self.first_step and self.trained == 0:  # every step skipped: say so
