@@ -12,6 +12,17 @@ With `metadata_key=""` the whole row is the metadata: GenEval's own files (evalu
 Flow-GRPO's train_metadata.jsonl: {"tag": ..., "include": [...], "prompt": ...}) load as they are
 with `input_key="prompt", metadata_key=""`.
 
+Source images (image editing). A JSONL row may name the image(s) an edit starts from under
+`image_key` ("image", the key of Flow-GRPO's counting_edit rows): one path or a list of paths,
+relative to the prompt file's folder (or absolute):
+
+                    {"prompt": "make two circles into three", "image": "edit/0001.png", "tag": ...}
+
+They are checked when the prompts load (a missing, unreadable or non-image file is one error naming
+the line) and travel with the sample in ONE way, for the model and every reward alike: its metadata
+holds them under `source_images`, a list of absolute paths, and `source_images(metadata)` reads
+them as uint8 arrays [H, W, 3] (RGB). A row without them has no `source_images` key.
+
 Sampling is stateless. The prompt stream of a run is perm(epoch 0) ++ perm(epoch 1) ++ ..., each
 permutation seeded from (seed, epoch), and optimizer step s takes items [s P, (s + 1) P) of it, so
 a resumed run needs only the step number. Each of the P prompts of a step is sampled G times
@@ -21,6 +32,7 @@ this costs nothing (Flow-GRPO arXiv:2505.05470, Sec. 4, samples G images per pro
 within the group).
 """
 
+import functools
 import json
 import os
 import warnings
@@ -29,9 +41,10 @@ import torch
 
 FORMATS = (".jsonl", ".txt")  # accepted prompt-file extensions
 _EXAMPLE_ROW = '{"input": "a red apple on a table"}'
+SOURCE_KEY = "source_images"  # the metadata key under which a sample's source images travel (absolute paths)
 
 
-def load_prompts(path, *, input_key="input", metadata_key="metadata", check=None):
+def load_prompts(path, *, input_key="input", metadata_key="metadata", check=None, image_key="image"):
     """Read a `.jsonl` or `.txt` prompt file -> (prompts: list[str], metadata: list[dict]).
 
     Prompts are stripped of surrounding whitespace. A JSONL row's metadata is the object under
@@ -43,10 +56,14 @@ def load_prompts(path, *, input_key="input", metadata_key="metadata", check=None
     object are skipped and reported in one warning (path, count per reason, first line number). A
     trailing newline does not make a blank row.
 
+    A row's source images (a path or a list of paths under `image_key`, relative to the prompt
+    file) are checked here and put into its metadata (a copy) under SOURCE_KEY as absolute paths.
+
     `check(metadata)`, if given, runs on every kept row (e.g. `rewards.geneval_rows_check(detector)`);
     the first ValueError it raises is raised again as one line naming the path, the line and the
-    prompt. Raises ValueError (unknown extension, no valid row, a row `check` refuses) or
-    FileNotFoundError (missing file), each with a one-line message that names the path and the fix.
+    prompt. Raises ValueError (unknown extension, no valid row, a row `check` refuses, a source image
+    that is missing, unreadable or not an image) or FileNotFoundError (missing file), each with a
+    one-line message that names the path (and line) and the fix.
     """
     path = os.fspath(path)
     ext = os.path.splitext(path)[1].lower()
@@ -72,12 +89,15 @@ def load_prompts(path, *, input_key="input", metadata_key="metadata", check=None
     skipped = {}  # reason -> count
     first_bad = None  # 1-based line number of the first skipped row
     other_keys = {}  # keys holding non-empty strings in object rows that lack input_key (for the error hint)
+    checked = {}  # source image path -> None if it opens as an image, else what is wrong with it
     for lineno, line in enumerate(lines, start=1):
-        reason, prompt, meta = _parse_row(line, ext, input_key, metadata_key, other_keys)
+        reason, prompt, meta = _parse_row(line, ext, input_key, metadata_key, other_keys, image_key)
         if reason is not None:
             skipped[reason] = skipped.get(reason, 0) + 1
             first_bad = first_bad or lineno
             continue
+        if SOURCE_KEY in meta:
+            meta = dict(meta, **{SOURCE_KEY: _check_sources(path, lineno, meta[SOURCE_KEY], image_key, checked)})
         if check is not None:
             try:
                 check(meta)
@@ -95,8 +115,9 @@ def load_prompts(path, *, input_key="input", metadata_key="metadata", check=None
     return prompts, metadata
 
 
-def _parse_row(line, ext, input_key, metadata_key, other_keys):
-    """One line (bytes) -> (skip reason or None, prompt, metadata)."""
+def _parse_row(line, ext, input_key, metadata_key, other_keys, image_key=None):
+    """One line (bytes) -> (skip reason or None, prompt, metadata); a row's `image_key` value, unchecked, goes into
+    a copy of the metadata under SOURCE_KEY."""
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError:
@@ -124,7 +145,66 @@ def _parse_row(line, ext, input_key, metadata_key, other_keys):
         meta = {}
     if not isinstance(meta, dict):
         return f"{metadata_key!r} not an object", None, None
+    if image_key and row.get(image_key) is not None:  # null: no source image
+        meta = dict(meta, **{SOURCE_KEY: row[image_key]})
     return None, prompt.strip(), meta
+
+
+def _check_sources(path, lineno, value, image_key, checked):
+    """A row's source images (a path or a list of paths, relative to the prompt file) -> their absolute paths, each
+    opened once as an image; anything else is one ValueError naming the file, the line and the fix."""
+    where = f"{path}, line {lineno}"
+    paths = [value] if isinstance(value, str) else value
+    if not isinstance(paths, list) or not paths or not all(isinstance(p, str) and p.strip() for p in paths):
+        raise ValueError(f"{where}: {image_key!r} must be a path or a list of paths of source images (relative to "
+                         f"the prompt file), got {json.dumps(value)[:80]}")
+    folder = os.path.dirname(os.path.abspath(path))
+    resolved = [os.path.normpath(os.path.join(folder, os.path.expanduser(p))) for p in paths]
+    for given, full in zip(paths, resolved):
+        if full not in checked:
+            checked[full] = _image_problem(full)
+        if checked[full]:
+            raise ValueError(f"{where}: source image {given!r} {checked[full]}; fix the path (relative to "
+                             f"{os.path.dirname(path) or '.'}/) or remove the row")
+    return resolved
+
+
+def _image_problem(path):
+    """None when `path` is a readable image file, else what is wrong (for the one-line error)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not os.path.exists(path):
+        return f"does not exist ({path})"
+    if not os.path.isfile(path):
+        return f"is not a file ({path})"
+    try:
+        with Image.open(path) as image:
+            image.verify()  # the header and, for PNG, every chunk's checksum, without decoding the pixels
+    except UnidentifiedImageError:
+        return f"is not an image PIL can read ({path})"
+    except (OSError, SyntaxError, ValueError) as e:  # truncated, bad checksum, unreadable (permissions)
+        return f"cannot be read as an image ({type(e).__name__}: {' '.join(str(e).split())[:80]})"
+    return None
+
+
+def source_images(metadata):
+    """The source images of a sample: uint8 arrays [H, W, 3] (RGB), one per path in metadata[SOURCE_KEY]; [] for a
+    sample without any. Files are read once and kept (read-only arrays; the last 256 paths)."""
+    return [_read_image(p) for p in (metadata or {}).get(SOURCE_KEY, ())]
+
+
+@functools.lru_cache(maxsize=256)
+def _read_image(path):
+    import numpy as np
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            array = np.asarray(image.convert("RGB"))
+    except OSError as e:  # checked at load; a file changed or truncated since then
+        raise ValueError(f"source image {path} cannot be read ({type(e).__name__}: {e}); fix or replace it") from None
+    array.flags.writeable = False  # one copy serves every sample that names it
+    return array
 
 
 def _no_rows_message(path, ext, num_lines, skipped, input_key, metadata_key, other_keys):

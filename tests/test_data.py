@@ -150,6 +150,78 @@ def test_wrong_input_key_suggests_the_right_one(tmp_path):
     assert data.load_prompts(path, input_key="prompt")[0] == ["a tree", "a boat"]
 
 
+# ----------------------------------------------------------------------------- source images (editing)
+
+def png(path, color=(200, 10, 10), size=(6, 4)):
+    from PIL import Image
+
+    Image.new("RGB", size, color).save(path)
+    return path
+
+
+def test_source_images_resolve_relative_to_the_prompt_file_and_load(tmp_path):
+    (tmp_path / "imgs").mkdir()
+    png(tmp_path / "imgs" / "a.png")
+    png(tmp_path / "b.png", color=(0, 0, 255), size=(3, 5))
+    rows = [{"prompt": "make it blue", "image": "imgs/a.png", "tag": "colors"},  # Flow-GRPO's counting_edit key
+            {"prompt": "combine them", "image": ["imgs/a.png", str(tmp_path / "b.png")]},  # several, one absolute
+            {"prompt": "a plain prompt"},
+            {"prompt": "null is none", "image": None}]
+    path = write(tmp_path, "p.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    prompts, metadata, caught = load_quiet(path, input_key="prompt", metadata_key="")  # cwd is not tmp_path
+    assert caught == [] and len(prompts) == 4
+    a, b = str(tmp_path / "imgs" / "a.png"), str(tmp_path / "b.png")
+    assert metadata[0][data.SOURCE_KEY] == [a] and metadata[0]["tag"] == "colors"
+    assert metadata[1][data.SOURCE_KEY] == [a, b]
+    assert data.SOURCE_KEY not in metadata[2] and data.SOURCE_KEY not in metadata[3]
+    first, second = data.source_images(metadata[1])
+    assert first.dtype == second.dtype == "uint8" and first.shape == (4, 6, 3) and second.shape == (5, 3, 3)
+    assert first[0, 0].tolist() == [200, 10, 10] and second[0, 0].tolist() == [0, 0, 255]
+    assert data.source_images(metadata[2]) == [] and data.source_images({}) == []
+    assert not first.flags.writeable  # one cached copy serves every sample; nobody may paint on it
+
+
+def test_source_images_with_a_metadata_object_and_another_key(tmp_path):
+    png(tmp_path / "s.png")
+    rows = [{"input": "edit", "src": "s.png", "metadata": {"rm_type": "ocr"}}]
+    path = write(tmp_path, "p.jsonl", json.dumps(rows[0]) + "\n")
+    _, metadata, _ = load_quiet(path, image_key="src")
+    assert metadata == [{"rm_type": "ocr", data.SOURCE_KEY: [str(tmp_path / "s.png")]}]
+    assert load_quiet(path)[1] == [{"rm_type": "ocr"}]  # the default key "image" is absent: no sources
+
+
+@pytest.mark.parametrize("what, value, expected", [
+    ("missing", "nowhere.png", r"line 2: source image 'nowhere.png' does not exist .*nowhere.png\); fix the path"),
+    ("folder", "sub", r"line 2: source image 'sub' is not a file"),
+    ("text", "notes.png", r"line 2: source image 'notes.png' is not an image PIL can read"),
+    ("truncated", "cut.png", r"line 2: source image 'cut.png' cannot be read as an image"),
+    ("number", 7, r"line 2: 'image' must be a path or a list of paths of source images .*got 7"),
+    ("empty list", [], r"line 2: 'image' must be a path or a list of paths"),
+    ("list with a number", ["ok.png", 3], r"line 2: 'image' must be a path or a list of paths"),
+])
+def test_bad_source_image_is_one_line_naming_the_row(tmp_path, what, value, expected):
+    png(tmp_path / "ok.png")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "notes.png").write_text("not an image")
+    png(tmp_path / "big.png", size=(64, 64))
+    (tmp_path / "cut.png").write_bytes((tmp_path / "big.png").read_bytes()[:-30])  # the end chunk cut off
+    rows = [{"input": "fine", "image": "ok.png"}, {"input": "bad", "image": value}]
+    path = write(tmp_path, "p.jsonl", "\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(ValueError, match=expected) as error:
+        data.load_prompts(path)
+    assert "\n" not in str(error.value) and str(path) in str(error.value)
+
+
+def test_each_source_image_is_checked_once(tmp_path, monkeypatch):
+    png(tmp_path / "one.png")
+    path = write(tmp_path, "p.jsonl", "".join(json.dumps({"input": f"p{i}", "image": "one.png"}) + "\n"
+                                              for i in range(50)))
+    opened = []
+    real = data._image_problem
+    monkeypatch.setattr(data, "_image_problem", lambda p: opened.append(p) or real(p))
+    assert len(data.load_prompts(path)[0]) == 50 and len(opened) == 1
+
+
 # ----------------------------------------------------------------------------- fuzz
 
 _json_values = st.recursive(
