@@ -41,15 +41,18 @@ def seeded_noise(pipe, n, resolution, seed, num_frames=None):
 
 
 def sample_images(pipe, prompts, *, resolution, num_steps, guidance_scale, seed=0, batch_size=8,
-                  negative_prompt="", shift=None, num_frames=None, max_sequence_length=None, device="cpu"):
+                  negative_prompt="", shift=None, num_frames=None, max_sequence_length=None, device="cpu",
+                  source_images=None):
     """ODE samples of `prompts` on the model's own schedule (models.sigmas) -> uint8 [N, H, W, 3]
-    (videos [N, F, H, W, 3])."""
+    (videos [N, F, H, W, 3]). source_images: per prompt, the images an edit model starts from (data.source_images)."""
     sigmas = models.sigmas(pipe, num_steps, resolution, shift=shift)
     noise = seeded_noise(pipe, len(prompts), resolution, seed, num_frames)
     out = []
     for i in range(0, len(prompts), batch_size):
         embeds = models.encode_prompts(pipe, prompts[i:i + batch_size], negative_prompt=negative_prompt,
-                                       guidance_scale=guidance_scale, max_sequence_length=max_sequence_length)
+                                       guidance_scale=guidance_scale, max_sequence_length=max_sequence_length,
+                                       images=source_images[i:i + batch_size] if source_images else None,
+                                       resolution=resolution)
         out.append(models.generate(pipe, noise[i:i + batch_size].to(device), sigmas, embeds,
                                    guidance_scale=guidance_scale, solver="euler")[1])
     return torch.cat(out)
@@ -607,7 +610,8 @@ def main(argv=None):
 
     kw = dict(resolution=args.resolution, num_steps=args.eval_steps, guidance_scale=args.guidance_scale,
               seed=args.seed, batch_size=args.batch_size, device=device, shift=args.shift,
-              num_frames=args.num_frames, max_sequence_length=args.max_sequence_length)
+              num_frames=args.num_frames, max_sequence_length=args.max_sequence_length,
+              source_images=[data.source_images(m) for m in metadata])  # edit models: what each prompt edits
     names, columns, results, weights = ["base"], [], [], {}
     with models.reference(pipe) if rank else contextlib.nullcontext():
         columns.append(sample_images(pipe, prompts, **kw))

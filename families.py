@@ -552,15 +552,21 @@ def _qwen_encode(pipe, prompts, negative_prompt, guidance_scale, tokens):
 
 def _qwen_velocity(pipe, model, x, sigma, embeds, guidance_scale):
     dtype = pipe.transformer.dtype
-    side = math.isqrt(x.shape[1])
+    length = x.shape[1]
+    side = math.isqrt(length)
     keys = ["prompt_embeds", "prompt_mask"]
     text, mask = _cfg_halves(embeds, keys) if guidance_scale > 1 else [embeds[k] for k in keys]
+    shapes = [(1, side, side)]
+    if "ref_latents" in embeds:  # Qwen-Image-Edit: the references' tokens after the target's (conditioning only)
+        x = torch.cat([x, embeds["ref_latents"].to(x.device, x.dtype)], dim=1)  # [B, L + L_ref, C]
+        shapes += [(1, rows, cols) for rows, cols in _reference_grids(embeds)]
     if guidance_scale > 1:
         x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])
     v = model(hidden_states=x.to(dtype), timestep=_pipeline_timestep(pipe, sigma, dtype),
               encoder_hidden_states=text.to(dtype),
               encoder_hidden_states_mask=None if mask.all() else mask,  # the pipeline drops an all-valid mask
-              img_shapes=[[(1, side, side)]] * x.shape[0], return_dict=False)[0]
+              img_shapes=[shapes] * x.shape[0], return_dict=False)[0]
+    v = v[:, :length]  # the target's tokens
     if guidance_scale > 1:
         combined, v_cond = _guided(v, guidance_scale)
         # Qwen-Image's true CFG keeps each token's conditional norm (pipeline_qwenimage.py, the do_true_cfg branch)
@@ -666,15 +672,37 @@ def _klein_cfg(pipe, guidance_scale):
     return guidance_scale > 1 and not pipe.config.is_distilled
 
 
-def _klein_encode(pipe, prompts, negative_prompt, guidance_scale, tokens):
+def _klein_encode(pipe, prompts, negative_prompt, guidance_scale, tokens, images=None, size=None):
     def encode(texts):
         embeds, _ = pipe.encode_prompt(list(texts), device=pipe._execution_device, max_sequence_length=tokens)
         return {"prompt_embeds": embeds}
 
     out = encode(prompts)
+    if images is not None:  # reference images (edit section below)
+        out.update(_klein_references(pipe, _reference_images("flux2-klein", images, *size, most=None)))
     if not _klein_cfg(pipe, guidance_scale):
         return out
     return _with_negative(out, encode, negative_prompt, len(prompts), masked=False)
+
+
+def _klein_references(pipe, refs):
+    """Flux2KleinPipeline.__call__'s step 4 and prepare_image_latents, per sample: each reference shrunk to at most
+    1024^2 px, cut to a multiple of 2 x the VAE factor (resize_mode "crop"), encoded (the VAE's mode, 2 x 2
+    patchified, its batch-norm statistics taken off) and flattened like the target."""
+    process, multiple, parts = pipe.image_processor, pipe.vae_scale_factor * 2, []
+    for k in range(len(refs[0])):
+        tensors = []
+        for r in refs:
+            img = r[k]
+            if img.size[0] * img.size[1] > 1024 * 1024:
+                img = process._resize_to_target_area(img, 1024 * 1024)
+            width, height = img.size[0] // multiple * multiple, img.size[1] // multiple * multiple
+            tensors.append(process.preprocess(img, height=height, width=width, resize_mode="crop"))
+        vae = pipe.vae
+        with torch.no_grad():
+            z = pipe._encode_vae_image(torch.cat(tensors).to(vae.device, vae.dtype), generator=None)  # [B, C, h, w]
+        parts.append((pipe._pack_latents(z), (z.shape[2], z.shape[3])))
+    return _references(parts)
 
 
 def _klein_velocity(pipe, model, x, sigma, embeds, guidance_scale):
@@ -685,9 +713,16 @@ def _klein_velocity(pipe, model, x, sigma, embeds, guidance_scale):
     if cfg:
         x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])
     img_ids = pipe._prepare_latent_ids(x.new_empty(x.shape[0], 1, side, side)).to(x.device)  # (t, h, w, l) per token
+    length = x.shape[1]
+    if "ref_latents" in embeds:  # references after the target, at t = 10, 20, ... (conditioning only)
+        ref = embeds["ref_latents"].to(x.device, x.dtype)
+        ref_ids = pipe._prepare_image_ids([x.new_empty(1, 1, rows, cols) for rows, cols in _reference_grids(embeds)])
+        x = torch.cat([x, torch.cat([ref, ref]) if cfg else ref], dim=1)  # [B, L + L_ref, C]
+        img_ids = torch.cat([img_ids, ref_ids.to(x.device).expand(x.shape[0], -1, -1)], dim=1)
     v = model(hidden_states=x.to(dtype), timestep=_pipeline_timestep(pipe, sigma, dtype), guidance=None,
               encoder_hidden_states=text.to(dtype), txt_ids=pipe._prepare_text_ids(text).to(x.device),
               img_ids=img_ids, return_dict=False)[0]
+    v = v[:, :length]  # the target's tokens
     if cfg:
         v, _ = _guided(v, guidance_scale)
     return v
@@ -828,6 +863,282 @@ def _z_sigmas(pipe, num_steps, height, width, shift):
     return flow_match_sigmas(pipe.scheduler.config, base, mu=mu, shift=shift)
 
 
+# ----------------------------------------------------------------------------- edit models: reference images
+# FLUX.1 Kontext, Qwen-Image-Edit (and its Plus variant, 2509 / 2511, with several references), and FLUX.2 [klein]
+# (its section above) given source images. models.encode_prompts(..., images=, resolution=) hands each prompt's
+# source images (uint8 [H, W, 3], data.source_images) to the family's encode, which resizes them to the sample
+# resolution (PIL's default filter, as Flow-GRPO's edit scripts do before calling their pipelines:
+# `ref_image.resize((resolution, resolution))` in train_flux_kontext.py and train_qwenimage_edit(_plus).py), runs
+# the pipeline's own preprocessing and VAE, and packs the latents as the target is packed. They travel in the embeds
+# dict with the text, batch first like every entry, so train.py's per-sample indexing carries them to every forward:
+#
+#     ref_latents  [B, L_ref, C]   the tokens of every reference, one after the other
+#     ref_shapes   [B, K, 2]       each reference's token grid (rows, columns); the position ids follow from it
+#
+# The reference tokens are conditioning only: velocity() appends them after the target's tokens and returns the
+# output at the target's tokens alone (the pipelines' `noise_pred[:, : latents.size(1)]`). So the SDE step, its
+# log-prob (a mean over the target's dimensions), the trajectory and every loss see the target latent and nothing
+# else, whatever the size or number of the references (tests/test_edit_models.py checks both).
+
+KONTEXT_ID = "black-forest-labs/FLUX.1-Kontext-dev"
+QWEN_EDIT_ID = "Qwen/Qwen-Image-Edit"
+QWEN_EDIT_PLUS_ID = "Qwen/Qwen-Image-Edit-2509"
+QWEN_EDIT_AREA = 1024 * 1024  # px of the reference latents (VAE_IMAGE_SIZE; QwenImageEditPipeline's 1024 * 1024)
+QWEN_EDIT_VL_AREA = 384 * 384  # px of the Plus pipeline's images for the VL encoder (CONDITION_IMAGE_SIZE)
+
+
+def _reference_images(name, images, height, width, most):
+    """Per prompt its source images as RGB PIL images resized to width x height; every prompt brings the same
+    number of them, 1 to `most` (None: any)."""
+    from PIL import Image
+
+    counts = sorted({len(refs) for refs in images})
+    if len(counts) != 1 or counts[0] < 1 or (most is not None and counts[0] > most):
+        allowed = "one source image" if most == 1 else "the same number of source images (at least one)"
+        raise ValueError(f"{name} takes {allowed} per prompt; the prompts of this batch bring {counts}")
+    out = []
+    for refs in images:
+        pils = [(img if isinstance(img, Image.Image) else Image.fromarray(np.asarray(img, dtype=np.uint8)))
+                .convert("RGB") for img in refs]
+        out.append([img if img.size == (width, height) else img.resize((width, height)) for img in pils])
+    return out
+
+
+def _references(parts):
+    """[(packed latents [B, L_k, C], (rows, cols))] of references k -> the embeds entries ref_latents, ref_shapes."""
+    latents = torch.cat([p for p, _ in parts], dim=1)  # [B, sum L_k, C]
+    shapes = torch.tensor([list(hw) for _, hw in parts]).expand(len(latents), -1, -1)  # [B, K, 2]
+    return {"ref_latents": latents, "ref_shapes": shapes.to(latents.device)}
+
+
+def _reference_grids(embeds):
+    """The (rows, cols) of each reference, shared by the batch (position ids are per sequence, not per sample)."""
+    shapes = embeds["ref_shapes"]
+    if not bool((shapes == shapes[:1]).all()):
+        raise ValueError("the references of one batch must have the same sizes; resize the source images alike")
+    return [tuple(hw) for hw in shapes[0].tolist()]
+
+
+# FLUX.1 Kontext. Checked against diffusers/pipelines/flux/pipeline_flux_kontext.py (FluxKontextPipeline.__call__).
+
+def flux_kontext(model_path=None, dtype=torch.float32, device="cpu"):
+    """FLUX.1 Kontext [dev] (`black-forest-labs/FLUX.1-Kontext-dev`), FLUX.1's image editor.
+
+    Conventions as FLUX.1-dev (models.py): latents 2 x 2-packed into tokens [B, (H/16)(W/16), 64], timestep s,
+    guidance through the guidance embedding (no CFG; the pipeline's default scale 2.5), T5 text (512 tokens) and
+    pooled CLIP; FluxPipeline's schedule, its mu from the target's tokens. The source image is encoded by the VAE
+    (its mode, shifted and scaled), packed the same way and appended after the target's tokens with position ids
+    (1, row, column) where the target has (0, row, column); the output is cut back to the target's tokens. One
+    source image per prompt (the pipeline takes one). The pipeline's _auto_resize (to the nearest of Kontext's
+    preferred resolutions, 672 px and up) is not applied: sources take the sample resolution (section note).
+    """
+    from diffusers import FluxKontextPipeline
+
+    path = model_path or KONTEXT_ID
+    return from_pretrained(FluxKontextPipeline, "flux-kontext", path, KONTEXT_ID, dtype)
+
+
+def _kontext_noise(pipe, batch, height, width, num_frames, generator):
+    from diffusers.utils.torch_utils import randn_tensor
+
+    tokens, channels = _packed_shape(pipe, height, width, num_frames)
+    side = 2 * math.isqrt(tokens)  # latent side
+    x = randn_tensor((batch, channels // 4, side, side), generator=generator, device=pipe._execution_device,
+                     dtype=torch.float32)  # FluxKontextPipeline.prepare_latents draws [B, C, h, w], then packs
+    return pipe._pack_latents(x, batch, channels // 4, side, side)
+
+
+def _kontext_encode(pipe, prompts, negative_prompt, guidance_scale, tokens, images=None, size=None):
+    embeds, pooled, _ = pipe.encode_prompt(prompts, prompt_2=None, device=pipe._execution_device,
+                                           max_sequence_length=tokens)
+    out = {"prompt_embeds": embeds, "pooled": pooled}  # guidance-distilled: no negative prompt
+    if images is None:  # no source: Kontext generates from the text alone
+        return out
+    refs = [r[0] for r in _reference_images("flux-kontext", images, *size, most=1)]
+    multiple = pipe.vae_scale_factor * 2
+    height, width = size[0] // multiple * multiple, size[1] // multiple * multiple  # as __call__ rounds the image
+    image = pipe.image_processor.preprocess(refs, height, width)  # [B, 3, h, w] in [-1, 1]
+    vae = pipe.vae
+    with torch.no_grad():
+        z = pipe._encode_vae_image(image.to(vae.device, vae.dtype), generator=None)  # [B, C, h, w], shifted, scaled
+    rows, cols = z.shape[2] // 2, z.shape[3] // 2
+    return dict(out, **_references([(pipe._pack_latents(z, len(z), z.shape[1], *z.shape[2:]), (rows, cols))]))
+
+
+def _kontext_velocity(pipe, model, x, sigma, embeds, guidance_scale):
+    dtype = pipe.transformer.dtype
+    batch, length = x.shape[:2]
+    side = math.isqrt(length)
+    assert side * side == length, "flux-kontext latents must be packed from a square image"
+    hidden = x.to(dtype)
+    ids = pipe._prepare_latent_image_ids(batch, side, side, x.device, dtype)  # [L, 3]: (0, row, column)
+    if "ref_latents" in embeds:  # the source's tokens after the target's, at (1, row, column)
+        (rows, cols), = _reference_grids(embeds)
+        ref_ids = pipe._prepare_latent_image_ids(batch, rows, cols, x.device, dtype)
+        ref_ids[..., 0] = 1
+        hidden = torch.cat([hidden, embeds["ref_latents"].to(x.device, dtype)], dim=1)  # [B, L + L_ref, C]
+        ids = torch.cat([ids, ref_ids])
+    guidance = None
+    if pipe.transformer.config.guidance_embeds:  # Kontext [dev]: distilled guidance, no CFG
+        guidance = torch.full((batch,), float(guidance_scale), device=x.device)
+    v = model(hidden_states=hidden, timestep=_pipeline_timestep(pipe, sigma, dtype), guidance=guidance,  # as flux
+              pooled_projections=embeds["pooled"].to(dtype), encoder_hidden_states=embeds["prompt_embeds"].to(dtype),
+              txt_ids=torch.zeros(embeds["prompt_embeds"].shape[1], 3, device=x.device, dtype=dtype), img_ids=ids,
+              return_dict=False)[0]
+    return v[:, :length]  # the target's tokens only: the references are conditioning
+
+
+@torch.no_grad()
+def _kontext_decode(pipe, latents):
+    side = math.isqrt(latents.shape[1]) * 2 * pipe.vae_scale_factor  # image side in pixels
+    return decode_kl(pipe.vae, pipe._unpack_latents(latents, side, side, pipe.vae_scale_factor))
+
+
+# Qwen-Image-Edit and its Plus variant. Checked against diffusers/pipelines/qwenimage/pipeline_qwenimage_edit.py
+# (QwenImageEditPipeline.__call__) and pipeline_qwenimage_edit_plus.py (QwenImageEditPlusPipeline.__call__).
+
+def qwen_image_edit(model_path=None, dtype=torch.float32, device="cpu"):
+    """Qwen-Image-Edit (`Qwen/Qwen-Image-Edit`): Qwen-Image's MMDiT and VAE, its Qwen2.5-VL encoder now shown the
+    source image.
+
+    Conventions as Qwen-Image (above: packed latents, timestep s, true CFG with the norm renormalisation, the
+    same schedule with mu from the target's tokens). The source image, resized to the area QWEN_EDIT_AREA (1024^2
+    px) at its own aspect ratio in multiples of 32 px (the pipeline's calculate_dimensions), goes twice into the
+    model: through the VL encoder inside the edit template ("Describe the key features of the input image ...",
+    the image's tokens between <|vision_start|> and <|vision_end|>, the template's first 64 tokens dropped), and
+    through the VAE (its mode, normalised by the latent mean and std) as packed reference tokens concatenated after
+    the target's, with img_shapes [(1, h, w) of the target, (1, h', w') of the source]; the output is cut back to
+    the target's tokens. The negative prompt is encoded with the same image, per sample.
+    """
+    from diffusers import QwenImageEditPipeline
+
+    path = model_path or QWEN_EDIT_ID
+    pipe = from_pretrained(QwenImageEditPipeline, "qwen-image-edit", path, QWEN_EDIT_ID, dtype)
+    pipe.vae.to(torch.float32)  # as qwen_image: the VAE stays float32 whatever the mixed precision
+    return pipe
+
+
+def qwen_image_edit_plus(model_path=None, dtype=torch.float32, device="cpu"):
+    """Qwen-Image-Edit-2509 (`Qwen/Qwen-Image-Edit-2509`; Qwen-Image-Edit-2511 by --model-path), the Plus pipeline:
+    several source images per prompt. As qwen-image-edit, except: each source goes to the VL encoder at the area
+    QWEN_EDIT_VL_AREA (384^2 px) under "Picture k: <|vision_start|>...<|vision_end|>" before the prompt, and to the
+    VAE at QWEN_EDIT_AREA; the references' tokens follow the target's in order, one img_shapes entry each.
+    """
+    from diffusers import QwenImageEditPlusPipeline
+
+    path = model_path or QWEN_EDIT_PLUS_ID
+    pipe = from_pretrained(QwenImageEditPlusPipeline, "qwen-image-edit-plus", path, QWEN_EDIT_PLUS_ID, dtype)
+    pipe.vae.to(torch.float32)  # as qwen_image
+    return pipe
+
+
+def _tiny_qwen_edit(cls, name, model_path, dtype, device):
+    """Qwen-Image-Edit at toy size: tiny-qwen-image's transformer, VAE and scheduler (seed 0), its Qwen2.5-VL given
+    real vision tokens (a 1-layer vision tower of width 16, Qwen2-VL's 14 px patches merged 2 x 2) and a
+    Qwen2VLProcessor. Reference areas of 64^2 px (VL 56^2 px for Plus) stand in for the published 1024^2 (384^2),
+    which a CPU test cannot afford: the attributes reference_area / condition_area of the pipeline."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor,
+                              Qwen2VLProcessor, Qwen2VLVideoProcessor)
+
+    check_no_path(name, model_path)
+    tokenizer = _qwen_tokenizer(1024)
+    vision = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+    tokenizer.add_tokens(vision, special_tokens=True)
+    start, image, _, video = tokenizer.convert_tokens_to_ids(vision)
+    with seeded_build(0, device):
+        config = Qwen2_5_VLConfig(
+            text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
+                             rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
+                             pad_token_id=256, bos_token_id=256, eos_token_id=258),
+            vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16),
+            vocab_size=len(tokenizer), image_token_id=image, video_token_id=video, vision_start_token_id=start)
+        text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+            joint_attention_dim=16, axes_dims_rope=(4, 6, 6)).eval()
+        vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 1, 1], num_res_blocks=1,
+                                     temperal_downsample=[False, True]).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen/Qwen-Image-Edit scheduler/scheduler_config.json (Qwen-Image's)
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
+        max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential")
+    processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(), tokenizer=tokenizer,
+                                 video_processor=Qwen2VLVideoProcessor())
+    pipe = cls(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, processor=processor,
+               transformer=transformer)
+    # The pipelines drop the system prompt by a token count of the real tokenizer (64); ours counts bytes.
+    pipe.prompt_template_encode_start_idx = len(tokenizer(pipe.prompt_template_encode.split("<|im_start|>user")[0]
+                                                          + "<|im_start|>user\n").input_ids)
+    pipe.reference_area, pipe.condition_area = 64 * 64, 56 * 56
+    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+
+
+def tiny_qwen_image_edit(model_path=None, dtype=torch.float32, device="cpu"):
+    from diffusers import QwenImageEditPipeline
+
+    return _tiny_qwen_edit(QwenImageEditPipeline, "tiny-qwen-image-edit", model_path, dtype, device)
+
+
+def tiny_qwen_image_edit_plus(model_path=None, dtype=torch.float32, device="cpu"):
+    from diffusers import QwenImageEditPlusPipeline
+
+    return _tiny_qwen_edit(QwenImageEditPlusPipeline, "tiny-qwen-image-edit-plus", model_path, dtype, device)
+
+
+def qwen_edit_dims(area, ratio):
+    """(width, height) of about `area` pixels at aspect `ratio` = width / height, each a multiple of 32
+    (calculate_dimensions of pipeline_qwenimage_edit.py)."""
+    width = math.sqrt(area * ratio)
+    return round(width / 32) * 32, round(width / ratio / 32) * 32
+
+
+def _qwen_edit_encode(pipe, prompts, negative_prompt, guidance_scale, tokens, images=None, size=None):
+    plus = type(pipe).__name__ == "QwenImageEditPlusPipeline"
+    name = "qwen-image-edit-plus" if plus else "qwen-image-edit"
+    if images is None:
+        raise ValueError(f"{name} edits source images: give each prompt row one under 'image' (data.py)")
+    refs = _reference_images(name, images, *size, most=None if plus else 1)
+    area = getattr(pipe, "reference_area", QWEN_EDIT_AREA)
+    vl_area = getattr(pipe, "condition_area", QWEN_EDIT_VL_AREA)
+    process = pipe.image_processor
+    shown, vae_images = [], []  # per prompt, what the VL encoder sees; per reference k, [B, 3, 1, h, w]
+    for k in range(len(refs[0])):
+        width, height = qwen_edit_dims(area, size[1] / size[0])
+        if plus:  # the VL encoder sees a smaller copy; the VAE the reference at `area`, from the source itself
+            vl = qwen_edit_dims(vl_area, size[1] / size[0])
+            vl_images = [process.resize(r[k], vl[1], vl[0]) for r in refs]
+            vae_images.append(torch.cat([process.preprocess(r[k], height, width) for r in refs]).unsqueeze(2))
+        else:  # one resized image serves both
+            vl_images = [process.resize(r[k], height, width) for r in refs]
+            vae_images.append(process.preprocess(vl_images, height, width).unsqueeze(2))
+        shown.append(vl_images)
+    shown = [list(per_prompt) for per_prompt in zip(*shown)]  # [prompt][k]
+
+    def encode(texts):  # one prompt at a time: each has its own images inside its text
+        parts = [pipe.encode_prompt(prompt=[t], image=s if plus else s[0], device=pipe._execution_device,
+                                    max_sequence_length=tokens) for t, s in zip(texts, shown)]
+        length = max(e.shape[1] for e, _ in parts)
+        masks = [torch.ones(e.shape[:2], dtype=torch.bool, device=e.device) if m is None else m.bool()
+                 for e, m in parts]
+        padded = [_pad_tokens(e, m, length) for (e, _), m in zip(parts, masks)]
+        return {"prompt_embeds": torch.cat([e for e, _ in padded]), "prompt_mask": torch.cat([m for _, m in padded])}
+
+    out = encode(prompts)
+    if guidance_scale > 1:  # the negative prompt sees each sample's own images, so it is encoded per sample
+        neg = encode([negative_prompt] * len(prompts))
+        length = max(out["prompt_embeds"].shape[1], neg["prompt_embeds"].shape[1])
+        out["prompt_embeds"], out["prompt_mask"] = _pad_tokens(out["prompt_embeds"], out["prompt_mask"], length)
+        out["neg_prompt_embeds"], out["neg_prompt_mask"] = _pad_tokens(neg["prompt_embeds"], neg["prompt_mask"],
+                                                                       length)
+    vae, parts = pipe.vae, []
+    for image in vae_images:
+        with torch.no_grad():
+            z = pipe._encode_vae_image(image.to(vae.device, vae.dtype), generator=None)  # [B, C, 1, h, w], normalised
+        parts.append((pipe._pack_latents(z, len(z), z.shape[1], *z.shape[3:]), (z.shape[3] // 2, z.shape[4] // 2)))
+    return dict(out, **_references(parts))
+
+
 # ----------------------------------------------------------------------------- published configs
 # Transcribed from the hub repos' config.json files (and diffusers' convert_wan_to_diffusers.py /
 # convert_flux2_to_diffusers.py, which write them); {} means the diffusers class defaults, which are the
@@ -879,6 +1190,10 @@ PUBLISHED = {
                            text_encoder=("Qwen3ForCausalLM", _QWEN3_8B), vae=("AutoencoderKLFlux2", {})),
     "z-image": dict(transformer=("ZImageTransformer2DModel", {}), text_encoder=("Qwen3Model", _QWEN3_4B),
                     vae=("AutoencoderKL", _KL_16)),
+    # FLUX.1 Kontext [dev]: FLUX.1-dev's MMDiT (the class defaults) with its guidance embedding, CLIP-L and T5-XXL
+    "flux1-kontext": dict(transformer=("FluxTransformer2DModel", dict(guidance_embeds=True)),
+                          text_encoder=("CLIPTextModel", _CLIP_L), text_encoder_2=("T5EncoderModel", _T5_XXL),
+                          vae=("AutoencoderKL", _KL_16)),
     "sd3.5-large": dict(transformer=("SD3Transformer2DModel", dict(
                             sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64,
                             num_attention_heads=38, joint_attention_dim=4096, caption_projection_dim=2432,
@@ -887,6 +1202,7 @@ PUBLISHED = {
                         text_encoder_2=("CLIPTextModelWithProjection", _CLIP_G),
                         text_encoder_3=("T5EncoderModel", _T5_XXL), vae=("AutoencoderKL", None)),  # SD35_VAE
 }
+PUBLISHED["qwen-image-edit"] = PUBLISHED["qwen-image"]  # Qwen-Image-Edit (and 2509 / 2511): Qwen-Image's components
 
 
 def build_published(name, component, device="meta"):
@@ -925,7 +1241,7 @@ FAMILIES = {
     "flux2-klein": dict(
         pipeline="Flux2KleinPipeline", video=False, tokens=512, shape=_packed_shape, noise=_klein_noise,
         encode=_klein_encode, velocity=_klein_velocity, decode=_klein_decode, sigmas=_klein_sigmas,
-        unused=lambda transformer: [],
+        unused=lambda transformer: [], references=True,
         # UniRL's flux2_klein recipes: every linear of the double-stream blocks, and the fused QKV + MLP
         # projection of the single-stream blocks (their attn.to_out shares a name with the double
         # blocks' to_out list, which peft cannot wrap)
@@ -939,4 +1255,21 @@ FAMILIES = {
         # Flow-Factory's z_image adapter: attention and SwiGLU MLP of every layer
         lora_targets=["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0",
                       "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]),
+    "flux-kontext": dict(
+        pipeline="FluxKontextPipeline", video=False, tokens=512, shape=_packed_shape, noise=_kontext_noise,
+        encode=_kontext_encode, velocity=_kontext_velocity, decode=_kontext_decode, sigmas=_qwen_sigmas,
+        unused=lambda transformer: [], references=True,
+        # Flow-GRPO's train_flux_kontext.py: the FLUX LoRA scripts' list and the single blocks' proj_mlp
+        lora_targets=["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                      "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+                      "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp"]),
+    "qwen-image-edit": dict(
+        pipeline="QwenImageEditPipeline", video=False, tokens=512, shape=_packed_shape, noise=_qwen_noise,
+        encode=_qwen_edit_encode, velocity=_qwen_velocity, decode=_qwen_decode, sigmas=_qwen_sigmas,
+        unused=_qwen_unused, references=True,
+        # Flow-GRPO's train_qwenimage_edit.py: Qwen-Image's list
+        lora_targets=["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                      "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+                      "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]),
 }
+FAMILIES["qwen-image-edit-plus"] = dict(FAMILIES["qwen-image-edit"], pipeline="QwenImageEditPlusPipeline")

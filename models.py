@@ -30,6 +30,8 @@ against their pipelines by `tests/test_families.py`.
 |               | in code, same weights every time; trains on a CPU at 64 px                        |
 | `tiny-flux`   | the same for the FLUX architecture (CLIP + tiny T5)                                |
 | `tiny-wan`, `tiny-qwen-image`, `tiny-flux2-klein`, `tiny-z-image` | the same for each family    |
+| `flux-kontext`, `qwen-image-edit`, `qwen-image-edit-plus` | edit models (source images; families.py), and   |
+|               | their `tiny-` twins                                                               |
 | `sd3-random`  | the SD3.5-medium transformer and VAE at full size with random weights and tiny   |
 |               | text encoders of the right widths, for `bench.py` (no download)                   |
 | `shapes`      | pretrained in this repository on scenes of coloured shapes (shapes.py): SD3        |
@@ -68,7 +70,14 @@ SD3_ID = "stabilityai/stable-diffusion-3.5-medium"
 # Image sides must be multiples of VAE down-sampling x transformer patch; checked before a model loads.
 RESOLUTION_MULTIPLE = {"tiny": 8, "tiny-flux": 8, "shapes": 4, "sd3": 16, "sd3-random": 16, "flux": 16,
                        "wan": 16, "tiny-wan": 16, "qwen-image": 16, "tiny-qwen-image": 8, "flux2-klein": 16,
-                       "tiny-flux2-klein": 8, "z-image": 16, "tiny-z-image": 8}
+                       "tiny-flux2-klein": 8, "z-image": 16, "tiny-z-image": 8, "flux-kontext": 16,
+                       "tiny-flux-kontext": 8, "qwen-image-edit": 16, "tiny-qwen-image-edit": 8,
+                       "qwen-image-edit-plus": 16, "tiny-qwen-image-edit-plus": 8}
+# Models that edit: they take a sample's source images (data.py) as reference tokens (families.py, "edit models");
+# the Qwen-Image-Edit pipelines cannot run without them. Read by name, before a model loads.
+SOURCE_IMAGES = {"flux-kontext": "optional", "tiny-flux-kontext": "optional", "qwen-image-edit": "required",
+                 "tiny-qwen-image-edit": "required", "qwen-image-edit-plus": "required",
+                 "tiny-qwen-image-edit-plus": "required", "flux2-klein": "optional", "tiny-flux2-klein": "optional"}
 FLUX_ID = "black-forest-labs/FLUX.1-dev"
 SD3_T5_TOKENS = 128  # Flow-GRPO's T5 context for SD3 (scripts/train_sd3.py; diffusers' default is 256)
 FLUX_T5_TOKENS = 512  # FLUX.1-dev's T5 context, the FluxPipeline default
@@ -152,6 +161,17 @@ def tiny_flux(model_path=None, dtype=torch.float32, device="cpu"):
         transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=text_encoder,
         tokenizer=families.clip_tokenizer(), text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
     )
+    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+
+
+def tiny_flux_kontext(model_path=None, dtype=torch.float32, device="cpu"):
+    """`tiny-flux` (FLUX.1's architecture at toy size, guidance embedding, seed 0) in a FluxKontextPipeline
+    (families.py, "edit models")."""
+    from diffusers import FluxKontextPipeline
+
+    families.check_no_path("tiny-flux-kontext", model_path)
+    pipe = tiny_flux(dtype=torch.float32, device=device)
+    pipe = FluxKontextPipeline(**{k: v for k, v in pipe.components.items() if v is not None})
     return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
 
 
@@ -420,20 +440,39 @@ def default_tokens(pipe):
 
 
 @torch.no_grad()
-def encode_prompts(pipe, prompts, *, negative_prompt="", guidance_scale=1.0, max_sequence_length=None):
+def encode_prompts(pipe, prompts, *, negative_prompt="", guidance_scale=1.0, max_sequence_length=None, images=None,
+                   resolution=None):
     """Text embeddings, batch first. sd3: `prompt_embeds` [B, 77 + T5 tokens, D], `pooled` [B, P],
     and for guidance_scale > 1 `neg_prompt_embeds`, `neg_pooled` (the negative prompt encoded
     once, expanded to B). flux: `prompt_embeds` [B, T5 tokens, D], `pooled` [B, P] (FLUX.1-dev
     has no negative prompt: guidance enters through its guidance embedding). The families in
     families.py: `prompt_embeds` (+ `prompt_mask` where prompts have their own lengths) and the
     `neg_` versions under CFG. max_sequence_length: text tokens (T5 for sd3 / flux); default
-    default_tokens(pipe)."""
+    default_tokens(pipe).
+
+    images: per prompt, the source images of an edit (uint8 [H, W, 3], data.source_images), for the
+    families that take references (families.FAMILIES[...]["references"]: flux-kontext, qwen-image-edit(-plus),
+    flux2-klein). They are resized to `resolution` and encoded into `ref_latents` / `ref_shapes` (families.py,
+    "edit models"), and for Qwen-Image-Edit also into the text; velocity() then conditions on them. None, or
+    only empty lists, for text-to-image: every other model refuses source images in one line."""
     device = pipe._execution_device
     prompts = list(prompts)
     kind = family(pipe)
     tokens = default_tokens(pipe) if max_sequence_length is None else max_sequence_length
+    if images is not None and not any(len(refs) for refs in images):
+        images = None  # prompts without source images: text-to-image
+    references = kind in families.FAMILIES and families.FAMILIES[kind].get("references", False)
+    if images is not None:
+        if not references:
+            takes = ", ".join(k for k, f in families.FAMILIES.items() if f.get("references"))
+            raise ValueError(f"model family {kind} generates from text alone and takes no source images; edit with "
+                             f"{takes}, or drop the 'image' field of the prompt rows")
+        if len(images) != len(prompts) or resolution is None:
+            raise ValueError(f"encode_prompts: give one list of source images per prompt ({len(images)} for "
+                             f"{len(prompts)} prompts) and the resolution to resize them to")
     if kind in families.FAMILIES:
-        return families.FAMILIES[kind]["encode"](pipe, prompts, negative_prompt, guidance_scale, tokens)
+        extra = dict(images=images, size=_hw(resolution) if images else None) if references else {}
+        return families.FAMILIES[kind]["encode"](pipe, prompts, negative_prompt, guidance_scale, tokens, **extra)
     if kind == "flux":
         embeds, pooled, _ = pipe.encode_prompt(prompts, prompt_2=None, device=device, max_sequence_length=tokens)
         return {"prompt_embeds": embeds, "pooled": pooled}
@@ -853,6 +892,12 @@ MODELS = {
     "tiny-flux2-klein": families.tiny_flux2_klein,
     "z-image": families.z_image,
     "tiny-z-image": families.tiny_z_image,
+    "flux-kontext": families.flux_kontext,
+    "tiny-flux-kontext": tiny_flux_kontext,
+    "qwen-image-edit": families.qwen_image_edit,
+    "tiny-qwen-image-edit": families.tiny_qwen_image_edit,
+    "qwen-image-edit-plus": families.qwen_image_edit_plus,
+    "tiny-qwen-image-edit-plus": families.tiny_qwen_image_edit_plus,
 }
 
 

@@ -25,9 +25,11 @@ from PIL import Image
 from tqdm import tqdm
 
 import checkpoints
+import data
 import distributed
 import eval as evaluation
 import flags
+import models
 import rewards
 from distributed import RANK, is_main, print0
 
@@ -278,7 +280,8 @@ class Run:
                                               num_steps=args.eval_steps, guidance_scale=args.guidance_scale,
                                               seed=args.seed, device=self.device, batch_size=args.sample_batch_size,
                                               negative_prompt=args.negative_prompt, shift=args.shift,
-                                              num_frames=args.num_frames, max_sequence_length=args.max_sequence_length)
+                                              num_frames=args.num_frames, max_sequence_length=args.max_sequence_length,
+                                              source_images=[data.source_images(m) for m in self.held_out[1]])
         if is_main:
             scores = evaluation.score(self.reward_fn, images, *self.held_out)
             evaluation.append_scores(os.path.join(args.out, "eval.jsonl"), step, scores)
@@ -381,6 +384,20 @@ def check_rm_types(path, prompts, metadata):
                 rewards.parse_spec(meta["rm_type"])
             except ValueError as e:
                 raise SystemExit(f"error: {path}, prompt {i + 1} ({prompts[i][:40]!r}): metadata rm_type: {e}")
+
+
+def check_sources(path, model, metadata):
+    """Source images (data.py) need a model that edits, and the Qwen-Image-Edit models need one on every row: said in
+    one line before a model loads."""
+    have = sum(data.SOURCE_KEY in m for m in metadata)
+    takes = models.SOURCE_IMAGES.get(model)
+    if have and takes is None:
+        raise SystemExit(f"error: {path}: {have} of {len(metadata)} rows name source images, but --model {model} "
+                         f"generates from text alone; edit with {', '.join(models.SOURCE_IMAGES)}, or drop the "
+                         "rows' 'image' field")
+    if takes == "required" and have < len(metadata):
+        raise SystemExit(f"error: {path}: --model {model} edits source images and {len(metadata) - have} of "
+                         f"{len(metadata)} rows have none; give every row one under 'image' (data.py)")
 
 
 def sample_captions(prompts, scores, reward_key, n):

@@ -102,7 +102,7 @@ import sde
 from distributed import RANK, WORLD, print0
 from flags import FRACTION, NONNEG_INT, POSITIVE, POSITIVE_INT, SEED, bounded
 from policy import Policy
-from run import Run, check_rm_types, mean_stats, setup_or_exit
+from run import Run, check_rm_types, check_sources, mean_stats, setup_or_exit
 
 # Settings that differ between the CPU model and hub models; anything given on the command line wins.
 # Hub settings are Flow-GRPO's SD3.5-M setup (arXiv:2505.05470, Sec. 5.1 and its config/grpo.py).
@@ -129,8 +129,11 @@ PRESETS["shapes"] = dict(PRESETS["tiny"], resolution=32, prompts="prompts/shapes
 PRESETS["tiny-flux"] = dict(PRESETS["tiny"], guidance_scale=3.5)
 PRESETS["tiny-wan"] = dict(PRESETS["tiny"], num_frames=5)  # 5 frames: 2 latent frames
 PRESETS["tiny-qwen-image"] = PRESETS["tiny-flux2-klein"] = PRESETS["tiny-z-image"] = PRESETS["tiny"]
+PRESETS["tiny-qwen-image-edit"] = PRESETS["tiny-qwen-image-edit-plus"] = PRESETS["tiny"]
+PRESETS["tiny-flux-kontext"] = PRESETS["tiny-flux"]
 FLUX_HUB = dict(guidance_scale=3.5, num_steps=16)  # FLUX.1-dev: distilled guidance, no CFG (MixGRPO uses 16 steps)
-GUIDANCE_EMBEDDED = ("flux", "tiny-flux")  # FLUX.1-dev takes its guidance scale through an embedding, not CFG
+GUIDANCE_EMBEDDED = ("flux", "tiny-flux", "flux-kontext", "tiny-flux-kontext")  # FLUX.1-dev and Kontext take their
+# guidance scale through an embedding, not CFG
 
 
 def preset(model):
@@ -190,7 +193,8 @@ def sample(policy, loss, args, prompts, sigmas, step, reward_fn, run):
     sample_guidance, train_guidance = guidance_scales(args)
     embeds = models.encode_prompts(policy.pipe, [texts[i] for i in unique], negative_prompt=args.negative_prompt,
                                    guidance_scale=max(sample_guidance, train_guidance),
-                                   max_sequence_length=args.max_sequence_length)
+                                   max_sequence_length=args.max_sequence_length, resolution=args.resolution,
+                                   images=[data.source_images(metadata[i]) for i in unique])  # edits: references
     row = torch.tensor([unique.index(i) for i in my_ids])
     embeds = {k: v[row.to(v.device)] for k, v in embeds.items()}  # [n, ...]
     batch = dict(embeds=embeds, prompts=[texts[i] for i in my_ids], trajectories=[])
@@ -473,6 +477,8 @@ def load_prompt_sets(args):
     prompts = setup_or_exit(data.load_prompts, args.prompts, **keys)
     check_rm_types(args.prompts, *prompts)
     held_out = setup_or_exit(data.load_prompts, args.eval_prompts, **keys) if args.eval_prompts else ([], [])
+    for path, (_, metadata) in ((args.prompts, prompts), (args.eval_prompts, held_out)):
+        check_sources(path, args.model, metadata)  # source images need an edit model, and some models need them
     if [name for name, _ in rewards.parse_spec(args.reward)] == ["ocr"] and \
             (missing := data.ocr_targets_missing(prompts[0])):
         print0(f"warning: {missing} of {len(prompts[0])} prompts in {args.prompts} have no quoted target; "

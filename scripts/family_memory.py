@@ -45,7 +45,18 @@ SETTINGS = {
                 False, 2),
     "sd3.5-large": ("sd3_ocr_grpo at 8B: 512 px, batch 8, CFG", "sd3", 32, 1024 + 205, 2432, 38, 4, False, 0, 16,
                     False, 2),
+    # Edit models: the references' tokens join every block's sequence (a 512 px source: 1024 tokens). Qwen-Image-Edit
+    # also reads the source in its VL text: a 1024^2 px image is 37 x 37 = 1369 tokens, a 384^2 px one 14 x 14 = 196.
+    "flux1-kontext": ("flux_kontext_counting_grpo: 512 px + a 512 px source, 128 text tokens, batch 3, no CFG",
+                      "flux-kontext", 64, 1024 + 1024 + 128, 3072, 57, 4, False, 0, 3, False, 2),
+    "qwen-image-edit": ("qwen_image_edit_counting_grpo: 512 px + its source at 1024^2 px, batch 4, CFG",
+                        "qwen-image-edit", 64, 1024 + 4096 + 1400, 3072, 60, 4, False, 0, 8, True, 2),
+    "qwen-image-edit-2509": ("Edit-Plus, two sources at 1024^2 px (VL 384^2), 512 px, batch 4, CFG",
+                             "qwen-image-edit-plus", 64, 1024 + 2 * 4096 + 450, 3072, 60, 4, False, 0, 8, True, 2),
+    "flux2-klein-4b-edit": ("klein 4B, one 512 px reference: 512 px, 512 text tokens, batch 1, no CFG", "flux2-klein",
+                            16, 1024 + 1024 + 512, 3072, 25, 3, True, 0, 1, False, 2),
 }
+PUBLISHED_AS = {"qwen-image-edit-2509": "qwen-image-edit", "flux2-klein-4b-edit": "flux2-klein-4b"}  # same weights
 
 
 def block_bytes(tokens, width, mlp_ratio, *, swiglu=False, text_tokens=0):
@@ -65,11 +76,12 @@ def lora_parameters(transformer, targets, rank):
 def estimate(name):
     setting, kind, rank, tokens, width, blocks, mlp, swiglu, text_tokens, batch, checkpointing, vae_bytes = \
         SETTINGS[name]
-    counts = {c: sum(p.numel() for p in families.build_published(name, c).parameters())
-              for c in families.PUBLISHED[name]}
+    published = PUBLISHED_AS.get(name, name)
+    counts = {c: sum(p.numel() for p in families.build_published(published, c).parameters())
+              for c in families.PUBLISHED[published]}
     text = sum(v for k, v in counts.items() if k.startswith("text_encoder"))
     targets = models.LORA_TARGETS.get(kind) or families.FAMILIES[kind]["lora_targets"]
-    lora = lora_parameters(families.build_published(name, "transformer"), targets, rank)
+    lora = lora_parameters(families.build_published(published, "transformer"), targets, rank)
     weights = 2 * (counts["transformer"] + text) + vae_bytes * counts["vae"]
     per_block = block_bytes(tokens, width, mlp, swiglu=swiglu, text_tokens=text_tokens) * batch
     activations = (2 * tokens * width * batch * blocks + per_block) if checkpointing else per_block * blocks
