@@ -51,6 +51,10 @@ Conventions shared by every scorer:
   scores `--<name>-num-frames` evenly spaced frames (every frame by default) each against the
   sample's prompt and averages them; ocr and the JPEG rewards average every frame; the judges
   openai_api and unifiedreward take images only; `remote` sends the frames.
+- Edits: a sample's source images reach every scorer the same way, in its metadata (data.py):
+  `metadata["source_images"]` lists their paths and `data.source_images(metadata)` reads them as uint8
+  [H, W, 3] arrays. `openai_api` shows the judge the source(s) before the edited image, `remote`
+  sends them beside the images, `custom` and `custom_api` hooks read them from the metadata.
 
 Reward services (`openai_api`, `custom_api`, `remote`) run on services.py: a thread pool of at
 most `max_concurrency` requests in flight (per process), one deadline per attempt for everything
@@ -68,7 +72,8 @@ NAME` the header `Authorization: <value of $NAME>`):
 
     request:  {"prompts":  ["a cat", ...],                       # B strings
                "metadata": [{...}, ...],                         # B JSON objects
-               "images":   ["<base64 PNG>", ...]}                # B strings; video: B lists of frames
+               "images":   ["<base64 PNG>", ...],                # B strings; video: B lists of frames
+               "source_images": [["<base64 PNG>", ...], ...]}    # B lists: each sample's sources ([] if none)
     response: {"scores":   [0.71, ...]}                          # B finite numbers, same order
 
 `custom` and `custom_api` import and run user code named by a dotted path: only point them at
@@ -96,6 +101,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+import data  # a sample's source images (edits): data.source_images(metadata)
 import flags
 import geneval  # light at import: its models load inside geneval.reward
 import reward_models
@@ -246,8 +252,22 @@ what the prompt asks for and how well it is made, on this scale:
 Reply with JSON only, exactly of the form {"score": <number>}."""
 
 
+EDIT_RUBRIC = """You grade an image edit. You see the source image(s), then the edited image, and the edit \
+instruction. Rate how well the edited image carries out the instruction while keeping everything the \
+instruction does not ask to change, on this scale:
+4: the instruction is carried out exactly and nothing else changed; no visible flaws.
+3: the instruction is carried out, with small unwanted changes or artifacts.
+2: the instruction is partly carried out, or carried out with clear unwanted changes.
+1: barely any of the instruction is carried out, or the image is badly distorted.
+0: the instruction is ignored, or the result is unrelated to the source.
+Reply with JSON only, exactly of the form {"score": <number>}."""
+
+
 class OpenAIJudge:
     """One image, one Chat Completions request: system rubric + generation prompt + PNG data URL;
+    for an edit (a sample with source images) the rubric is EDIT_RUBRIC unless the config gives one,
+    and the source images come first, each a PNG data URL after the text "Source image k:", then
+    "Edited image:" and the sample;
     the reply's message content must be JSON `{"score": <number>}` inside [score_min, score_max]
     (a ```json fence around it is tolerated). The key comes from the environment variable
     `api_key_env` and is kept out of repr, logs and errors. Requests go through the official
@@ -271,6 +291,7 @@ class OpenAIJudge:
             raise ValueError(f"model must name the judge model, got {flags.show(model)}")
         self.model, self.url = model, _http_url(base_url, "base_url").rstrip("/")
         self.prompt = DEFAULT_RUBRIC if prompt is None else prompt
+        self.edit_prompt = EDIT_RUBRIC if prompt is None else prompt
         self.score_min, self.score_max = flags.real(score_min, "score_min"), flags.real(score_max, "score_max")
         if self.score_min >= self.score_max:
             raise ValueError(f"score_min {score_min} must be below score_max {score_max}")
@@ -290,16 +311,23 @@ class OpenAIJudge:
     def build_request(self, image, prompt, metadata):
         if image.ndim != 3:
             raise ValueError(f"{type(self).__name__} scores images only, got frames of shape {image.shape}")
+
+        def png(a):
+            return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + png_base64(a)}}
+
+        content = [{"type": "text", "text": f"Prompt: {prompt}"}, png(image)]
+        sources = data.source_images(metadata)
+        if sources:  # an edit: the judge sees what it started from, then the result
+            content = [content[0]] + [part for k, source in enumerate(sources, 1)
+                                      for part in ({"type": "text", "text": f"Source image {k}:"}, png(source))]
+            content += [{"type": "text", "text": "Edited image:"}, png(image)]
         return {
             "model": self.model,
             "temperature": self.temperature,
             "max_tokens": self.max_tokens,
             "messages": [
-                {"role": "system", "content": self.prompt},
-                {"role": "user", "content": [
-                    {"type": "text", "text": f"Prompt: {prompt}"},
-                    {"type": "image_url", "image_url": {"url": "data:image/png;base64," + png_base64(image)}},
-                ]},
+                {"role": "system", "content": self.edit_prompt if sources else self.prompt},
+                {"role": "user", "content": content},
             ],
         }
 
@@ -453,7 +481,8 @@ def remote(*, rm_url, rm_auth_env, remote_batch_size, remote_max_concurrency, re
             pngs = [png_base64(images[i]) if images.ndim == 4 else [png_base64(f) for f in images[i]]
                     for i in units[u]]
             return {"prompts": [prompts[i] for i in units[u]], "metadata": [metadata[i] for i in units[u]],
-                    "images": pngs}
+                    "images": pngs,  # the samples; and each one's source images, [] for text-to-image
+                    "source_images": [[png_base64(a) for a in data.source_images(metadata[i])] for i in units[u]]}
 
         scores, failed = _serve("remote", units, prepare, lambda u, body: send(body), redact=redact, **loop)
         return {"reward": scores, "failed": failed}
@@ -487,7 +516,8 @@ def custom(*, custom_rm_path, custom_rm_args, **_):
     """Your function: `--custom-rm-path module.function` (or file.py:function). Runs user code.
 
     Called as fn(images uint8 tensor [B, H, W, 3] (or [B, F, H, W, 3]), prompts, metadata,
-    custom_rm_args) where `custom_rm_args` is the opaque `--custom-rm-args` string. Return B
+    custom_rm_args) where `custom_rm_args` is the opaque `--custom-rm-args` string; an edit's
+    source images are `data.source_images(metadata[i])` (uint8 [H, W, 3] each). Return B
     scores (list, array or tensor), or a dict of named [B] scores: its "reward" entry (or its only
     entry) is this component's score, an optional bool "failed" entry marks samples to skip, and
     every other entry is reported next to the components under its own name (NaN where it does

@@ -14,6 +14,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
+import data
 import models
 import rewards
 from reward_server import JsonServer, chat_reply
@@ -399,6 +400,82 @@ def test_remote_protocol(tmp_path):
         assert out["reward"][2:].tolist() == [0.0, 0.0] and out["reward"][0] == pytest.approx(float(images[0].mean()))
     with pytest.raises(ValueError, match="--rm-url"):
         build_reward("remote")
+
+
+# ----------------------------------------------------------------------------- edits: rewards that see the source
+
+def edit_rows(tmp_path, n=3, seed=7):
+    """n prompt rows with source images on disk, loaded as train.py loads them -> (prompts, metadata, sources)."""
+    sources = random_images(n, size=16, seed=seed)
+    lines = []
+    for i, source in enumerate(sources):
+        Image.fromarray(source).save(tmp_path / f"src{i}.png")
+        lines.append(json.dumps({"input": f"edit {i}", "image": f"src{i}.png"}))
+    (tmp_path / "edits.jsonl").write_text("\n".join(lines))
+    prompts, metadata = data.load_prompts(tmp_path / "edits.jsonl")
+    return prompts, metadata, sources
+
+
+def decode_png(text):
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(text.split(",", 1)[-1]))))
+
+
+def test_openai_api_shows_the_judge_the_source_first(tmp_path, monkeypatch):
+    monkeypatch.setenv("REWARD_TEST_KEY", KEY)
+    prompts, metadata, sources = edit_rows(tmp_path)
+    images = random_images(3, seed=8)
+    config = {"model": "judge-1", "api_key_env": "REWARD_TEST_KEY"}
+    with judge_server() as server:
+        config["base_url"] = server.url + "/v1"
+        reward = build_reward("openai_api", openai_api_rm_config=config, **FAST)
+        out = reward(images, prompts, metadata)
+        plain = reward(images[:1], ["a cat"], [{}])
+    assert out["openai_api"].tolist() == [len(p) % 5 for p in prompts] and plain["reward"].tolist() == [0.0]
+    edit = next(b for b in server.bodies if b["messages"][1]["content"][0]["text"] == "Prompt: edit 1")
+    content = edit["messages"][1]["content"]
+    assert [c["type"] for c in content] == ["text", "text", "image_url", "text", "image_url"]
+    assert content[1]["text"] == "Source image 1:" and content[3]["text"] == "Edited image:"
+    assert np.array_equal(decode_png(content[2]["image_url"]["url"]), sources[1])
+    assert np.array_equal(decode_png(content[4]["image_url"]["url"]), images[1])
+    assert edit["messages"][0]["content"] == rewards.EDIT_RUBRIC
+    text_only = next(b for b in server.bodies if b["messages"][1]["content"][0]["text"] == "Prompt: a cat")
+    assert text_only["messages"][0]["content"] == rewards.DEFAULT_RUBRIC
+    assert len(text_only["messages"][1]["content"]) == 2
+    with judge_server() as server:  # a rubric of the config serves edits too
+        reward = build_reward("openai_api", openai_api_rm_config=api_config(tmp_path, server.url), **FAST)
+        reward(images[:1], prompts[:1], metadata[:1])
+    assert server.bodies[0]["messages"][0]["content"] == "Grade it 0-4. Reply {\"score\": n}."
+
+
+def test_remote_sends_each_sample_its_source_images(tmp_path):
+    prompts, metadata, sources = edit_rows(tmp_path)
+
+    def respond(body, headers):  # score: how far each image is from its first source
+        got = [[decode_png(s) for s in per_sample] for per_sample in body["source_images"]]
+        images = [decode_png(i) for i in body["images"]]
+        return 200, {"scores": [float(np.abs(i.astype(int) - g[0]).mean()) if g else -1.0
+                                for i, g in zip(images, got)]}, 0.0
+
+    images = random_images(4, size=16, seed=9)
+    with JsonServer(respond) as server:
+        out = build_reward("remote", rm_url=server.url)(images, prompts + ["a cat"], metadata + [{}])
+    expected = [float(np.abs(images[i].astype(int) - sources[i]).mean()) for i in range(3)] + [-1.0]
+    assert out["remote"].tolist() == pytest.approx(expected, rel=1e-6)
+    assert [len(s) for s in server.bodies[0]["source_images"]] == [1, 1, 1, 0]  # text-to-image: []
+
+
+def source_distance(images, prompts, metadata, args):
+    """User reward: minus the mean absolute difference between each sample and its source (data.source_images)."""
+    return [-float(np.abs(image.numpy().astype(int) - data.source_images(m)[0]).mean())
+            for image, m in zip(images, metadata)]
+
+
+def test_custom_reads_the_source_images_from_the_metadata(tmp_path):
+    prompts, metadata, sources = edit_rows(tmp_path)
+    images = sources.copy()
+    images[1] = 255 - images[1]  # the second sample changed everything; the others kept their source
+    out = build_reward("custom", custom_rm_path="test_rewards.source_distance")(images, prompts, metadata)
+    assert out["custom"][0] == 0 and out["custom"][2] == 0 and out["custom"][1] < -50
 
 
 # ----------------------------------------------------------------------------- user code, mixtures, dispatch
