@@ -4,6 +4,9 @@ Sources (read at these commits):
   flow_grpo   github.com/yifan123/flow_grpo at 9745241 (Nov 2025, the merge of GRPO-Guard's pull request #175):
               config/base.py get_config (defaults), config/grpo.py, config/grpo_guard.py, scripts/train_sd3.py,
               scripts/train_sd3_fast.py, scripts/train_sd3_GRPO_Guard.py, flow_grpo/ema.py
+  flow_grpo   (edits) config/grpo.py counting_flux_kontext, counting_qwenimage_edit(_fast) at 31c71b9;
+              scripts/train_flux_kontext.py at 74db691; scripts/train_qwenimage_edit.py as the fork
+              github.com/andressrg/flow_grpo carries it at 600c14a
   MixGRPO     github.com/Tencent-Hunyuan/MixGRPO at e5cdd6a: scripts/finetune/finetune_flux_grpo_MixGRPO.sh,
               finetune_flux_grpo_MixGRPO_Flash.sh, fastvideo/train_grpo_flux.py, fastvideo/utils/sampling_utils.py
   DiffusionNFT github.com/NVlabs/DiffusionNFT at 24af555: config/base.py, config/nft.py, scripts/train_nft_sd3.py,
@@ -105,6 +108,29 @@ AWM_GENEVAL = dict(
     weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="fp16", ema_decay=0.99, ema_every=1, ema_repeat=1,
     eval_every=50, save_every=50, reward="geneval")
 
+# flow_grpo config/grpo.py counting_flux_kontext (scripts/train_flux_kontext.py): 28 GPUs x 12 rollout batches of 3
+# for 48 prompts x 21; gradient accumulation 6, so two optimizer steps and an EMA repeat of 6; LoRA r64 / alpha 128;
+# its compute_text_embeddings encodes 128 T5 tokens; no KL (beta 0). Reward: GenEval (its 0.5 image_similarity term
+# has no counterpart here).
+KONTEXT_COUNTING = dict(
+    model="flux-kontext", resolution=512, max_sequence_length=128, num_steps=6, eval_steps=28, guidance_scale=2.5,
+    train_cfg=False, sde="flow", eta=0.9, sde_window="all", timestep_fraction=0.99, group_size=21, prompts_per_step=48,
+    same_noise_per_group=False, sample_batch_size=3, train_batch_size=3, minibatches=2, updates_per_batch=1,
+    loss="grpo", clip_range=1e-4, adv_clip=5.0, kl_beta=0.0, global_std=True, lora_rank=64, lora_alpha=128.0, lr=3e-4,
+    weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="bf16", ema_decay=0.9, ema_every=8, ema_repeat=6,
+    eval_every=30, save_every=30, reward="geneval")
+# flow_grpo config/grpo.py counting_qwenimage_edit (scripts/train_qwenimage_edit.py): 32 GPUs x 4 rollout batches of 4
+# for 32 prompts x 16; true CFG 4 in rollout and training with the negative prompt " "; sde_window_size 0 trains
+# num_steps - 1 = 9 steps; EMA off; LoRA r64 / alpha 128; activation checkpointing. Reward: GenEval (its 0.2
+# image_similarity term has no counterpart here).
+QWEN_EDIT_COUNTING = dict(
+    model="qwen-image-edit", resolution=512, num_steps=10, eval_steps=50, guidance_scale=4.0, train_cfg=True,
+    negative_prompt=" ", sde="flow", eta=1.0, sde_window="all", timestep_fraction=1.0, group_size=16,
+    prompts_per_step=32, same_noise_per_group=False, sample_batch_size=4, train_batch_size=4, minibatches=2,
+    updates_per_batch=1, loss="grpo", clip_range=1e-4, adv_clip=5.0, kl_beta=0.0, global_std=True, lora_rank=64,
+    lora_alpha=128.0, lr=3e-4, weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="bf16", ema_decay=0.0,
+    gradient_checkpointing=True, eval_every=30, save_every=60, reward="geneval")
+
 TABLE = {
     "sd3_ocr_grpo.args": ("flow_grpo config/grpo.py general_ocr_sd3", FLOW_GRPO_OCR),
     "sd3_pickscore_grpo.args": ("flow_grpo config/grpo.py pickscore_sd3",
@@ -142,6 +168,13 @@ TABLE = {
         updates_per_batch=1, loss="grpo", clip_range=1e-4, adv_clip=5.0, kl_beta=0.0, global_std=True, lora_rank=64,
         lora_alpha=128.0, lr=3e-4, weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="bf16", ema_decay=0.0,
         gradient_checkpointing=True, eval_every=30, save_every=30, reward="pickscore")),
+    "flux_kontext_counting_grpo.args": ("flow_grpo config/grpo.py counting_flux_kontext (train_flux_kontext.py)",
+                                        KONTEXT_COUNTING),
+    "qwen_image_edit_counting_grpo.args": ("flow_grpo config/grpo.py counting_qwenimage_edit (train_qwenimage_edit.py)",
+                                           QWEN_EDIT_COUNTING),
+    "qwen_image_edit_counting_fast.args": ("flow_grpo config/grpo.py counting_qwenimage_edit_fast",
+                                           {**{k: v for k, v in QWEN_EDIT_COUNTING.items() if k != "timestep_fraction"},
+                                            **dict(eta=1.5, sde_window="fast", window_size=4, window_range=[0, 5])}),
     # Not published runs, but built on a published config whose every other setting they keep.
     # The GenEval rewards: DiffusionNFT's detects on the raw pixels (flow_grpo/rewards.py geneval_score L113-139), AWM's
     # on each image after a JPEG round trip at PIL's default quality (its flow_grpo/rewards.py L189-196).
@@ -186,8 +219,10 @@ OPTIMIZER = {
     "sd3_nft_geneval.args": (1, 1152), "sd3_nft_pickscore.args": (1, 1152), "sd3_nft_ocr.args": (2, 576),
     "sd3_awm_geneval.args": (1, 1728), "sd3_awm_ocr.args": (1, 1728), "sd3_awm_pickscore.args": (1, 576),
     "sd3_flowdppo_pickscore.args": (2, 384),  # 768 samples in 2 disjoint mini-batches
+    "flux_kontext_counting_grpo.args": (2, 504), "qwen_image_edit_counting_grpo.args": (2, 256),
+    "qwen_image_edit_counting_fast.args": (2, 256),
 }
-GPUS = {"wan_ocr_grpo.args": (1,), "sd3_flowdppo_pickscore.args": (8,),
+GPUS = {"wan_ocr_grpo.args": (1,), "sd3_flowdppo_pickscore.args": (8,), "flux_kontext_counting_grpo.args": (28,),
         **{f"sd3_{loss}_{task}.args": (8,) for loss in ("nft", "awm")
                                        for task in ("geneval", "pickscore", "ocr")}}  # where not 8, 16 and 32
 
