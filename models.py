@@ -36,6 +36,8 @@ against their pipelines by `tests/test_families.py`.
 |               | text encoders of the right widths, for `bench.py` (no download)                   |
 | `shapes`      | pretrained in this repository on scenes of coloured shapes (shapes.py): SD3        |
 |               | architecture in pixel space at 32 px, weights shipped in weights/                  |
+| `shapes-edit` | its edit model: FLUX.1 Kontext's pipeline in pixel space at 32 px, pretrained on   |
+|               | rendered edit pairs (shapes.py, "editing") by scripts/pretrain_shapes_edit.py      |
 
 Text length (max_sequence_length, the default of encode_prompts; capped by a tiny tokenizer's
 context): sd3 128 T5 tokens after the 77 CLIP ones, as Flow-GRPO encodes SD3 prompts
@@ -72,12 +74,13 @@ RESOLUTION_MULTIPLE = {"tiny": 8, "tiny-flux": 8, "shapes": 4, "sd3": 16, "sd3-r
                        "wan": 16, "tiny-wan": 16, "qwen-image": 16, "tiny-qwen-image": 8, "flux2-klein": 16,
                        "tiny-flux2-klein": 8, "z-image": 16, "tiny-z-image": 8, "flux-kontext": 16,
                        "tiny-flux-kontext": 8, "qwen-image-edit": 16, "tiny-qwen-image-edit": 8,
-                       "qwen-image-edit-plus": 16, "tiny-qwen-image-edit-plus": 8}
+                       "qwen-image-edit-plus": 16, "tiny-qwen-image-edit-plus": 8, "shapes-edit": 4}
 # Models that edit: they take a sample's source images (data.py) as reference tokens (families.py, "edit models");
 # the Qwen-Image-Edit pipelines cannot run without them. Read by name, before a model loads.
 SOURCE_IMAGES = {"flux-kontext": "optional", "tiny-flux-kontext": "optional", "qwen-image-edit": "required",
                  "tiny-qwen-image-edit": "required", "qwen-image-edit-plus": "required",
-                 "tiny-qwen-image-edit-plus": "required", "flux2-klein": "optional", "tiny-flux2-klein": "optional"}
+                 "tiny-qwen-image-edit-plus": "required", "flux2-klein": "optional", "tiny-flux2-klein": "optional",
+                 "shapes-edit": "required"}  # shapes-edit: Kontext's pipeline, trained on edits only
 FLUX_ID = "black-forest-labs/FLUX.1-dev"
 SD3_T5_TOKENS = 128  # Flow-GRPO's T5 context for SD3 (scripts/train_sd3.py; diffusers' default is 256)
 FLUX_T5_TOKENS = 512  # FLUX.1-dev's T5 context, the FluxPipeline default
@@ -261,6 +264,11 @@ def build_shapes(*, seed=0, device="cpu"):
 SHAPES_FROZEN = "text_model.embeddings.token_embedding"  # CLIP's 49408-row token table stays at its seeded values
 
 
+def _frozen(key):
+    """Whether a text encoder's parameter is its token table (CLIPTextModel names it without "text_model.")."""
+    return key.startswith(SHAPES_FROZEN) or key.startswith(SHAPES_FROZEN.removeprefix("text_model."))
+
+
 def shapes_trained_state(pipe):
     """The weights that pretraining trains, by component-prefixed name: the parameters of the transformer
     and both text encoders (buffers such as the sin-cos position table are rebuilt), except the token
@@ -268,7 +276,7 @@ def shapes_trained_state(pipe):
     this world's prompts get distinct random vectors that the encoder layers learn to read, and the
     file need not carry 49 382 rows that no prompt uses."""
     return {f"{name}.{key}": value for name in ("transformer", "text_encoder", "text_encoder_2")
-            for key, value in getattr(pipe, name).named_parameters() if not key.startswith(SHAPES_FROZEN)}
+            for key, value in getattr(pipe, name).named_parameters() if not _frozen(key)}
 
 
 def shapes_trainable_parameters(pipe):
@@ -276,7 +284,7 @@ def shapes_trainable_parameters(pipe):
     params = []
     for name in ("transformer", "text_encoder", "text_encoder_2"):
         for key, param in getattr(pipe, name).named_parameters():
-            param.requires_grad_(not key.startswith(SHAPES_FROZEN))
+            param.requires_grad_(not _frozen(key))
             if param.requires_grad:
                 params.append(param)
     return params
@@ -291,8 +299,9 @@ def save_shapes_weights(pipe, path):
     save_file(state, path)
 
 
-def load_shapes_weights(pipe, path):
-    """Copy weights written by save_shapes_weights into a pipeline from build_shapes (same seed)."""
+def load_shapes_weights(pipe, path, *, script="scripts/pretrain_shapes.py"):
+    """Copy weights written by save_shapes_weights into a pipeline from build_shapes (or build_shapes_edit, whose
+    weights `script` writes; same seed)."""
     from safetensors.torch import load_file
 
     if not os.path.isfile(path):
@@ -303,7 +312,7 @@ def load_shapes_weights(pipe, path):
     if set(state) != set(expected):
         raise ValueError(f"{path} does not hold shapes weights of this architecture "
                          f"({len(set(state) ^ set(expected))} names differ); "
-                         "write them with scripts/pretrain_shapes.py")
+                         f"write them with {script}")
     with torch.no_grad():
         for key, value in expected.items():
             value.copy_(state[key])
@@ -322,6 +331,72 @@ def shapes_model(model_path=None, dtype=torch.float32, device="cpu"):
     built from shapes.TRANSFORMER / TEXT_ENCODER with the shipped weights/shapes.safetensors, or the
     safetensors file given as --model-path (written by scripts/pretrain_shapes.py)."""
     pipe = _shapes_pipeline(model_path or shapes.WEIGHTS, device=device)
+    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+
+
+# The edit model of the shapes world (shapes.py, "editing"; its architecture there): FLUX.1 Kontext's pipeline in
+# pixel space. Its trained weights go through shapes_trained_state / save_shapes_weights / load_shapes_weights too.
+
+def _space_to_depth(device):
+    """The VAE slot of the edit pipeline: encode folds 2 x 2 pixels into channels, decode unfolds them (exact).
+    Config fields as the Kontext pipeline and models.decode read them (two blocks: vae_scale_factor 2; 12 latent
+    channels; scaling 1 and shift 0); a buffer so that .device and .dtype follow .to()."""
+    class SpaceToDepth(torch.nn.Module):
+        config = types.SimpleNamespace(block_out_channels=(12, 12), latent_channels=12, scaling_factor=1.0,
+                                       shift_factor=0.0)
+
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("anchor", torch.zeros(()), persistent=False)
+
+        device = property(lambda self: self.anchor.device)
+        dtype = property(lambda self: self.anchor.dtype)
+
+        def encode(self, images, return_dict=True):  # [B, 3, H, W] in [-1, 1] -> [B, 12, H/2, W/2]
+            latents = torch.nn.functional.pixel_unshuffle(images, 2)
+            return types.SimpleNamespace(latents=latents) if return_dict else (latents,)
+
+        def decode(self, latents, return_dict=True):
+            images = torch.nn.functional.pixel_shuffle(latents, 2)
+            return types.SimpleNamespace(sample=images) if return_dict else (images,)
+
+    return SpaceToDepth().to(device)
+
+
+def build_shapes_edit(*, seed=0, device="cpu"):
+    """The `shapes-edit` FluxKontextPipeline with weights drawn from `seed` (before any training): shapes.py's
+    EDIT_TRANSFORMER, two CLIP text encoders of the shapes model's size (pooled and sequence, in the CLIP and T5
+    slots), the space-to-depth VAE slot."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    def clip():
+        t = shapes.TEXT_ENCODER
+        return CLIPTextModel(CLIPTextConfig(
+            vocab_size=49408, hidden_size=t["hidden"], intermediate_size=t["ffn"], num_hidden_layers=t["layers"],
+            num_attention_heads=t["heads"], max_position_embeddings=shapes.TOKENS, bos_token_id=49406,
+            eos_token_id=49407, pad_token_id=49407)).eval()
+
+    with families.seeded_build(seed, device):
+        text_encoder, text_encoder_2 = clip(), clip()
+        transformer = FluxTransformer2DModel(**shapes.EDIT_TRANSFORMER).eval()
+    return FluxKontextPipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=_space_to_depth(device),
+        text_encoder=text_encoder, tokenizer=shapes_tokenizer(), text_encoder_2=text_encoder_2,
+        tokenizer_2=shapes_tokenizer())
+
+
+def shapes_edit_model(model_path=None, dtype=torch.float32, device="cpu"):
+    """The edit model of the shapes world (shapes.py, "editing"): FLUX.1 Kontext's pipeline in pixel space at 32 px,
+    built by build_shapes_edit with the weights of weights/shapes_edit.safetensors, or the safetensors file given as
+    --model-path (written by scripts/pretrain_shapes_edit.py)."""
+    weights = model_path or shapes.EDIT_WEIGHTS
+    if not os.path.isabs(weights) and not os.path.exists(weights):
+        weights = os.path.join(os.path.dirname(os.path.abspath(__file__)), weights)  # relative to the repository
+    if not os.path.isfile(weights):
+        raise FileNotFoundError(f"{weights}: no shapes-edit weights there; scripts/pretrain_shapes_edit.py writes "
+                                f"them (to {shapes.EDIT_WEIGHTS}, or to --out, then pass --model-path)")
+    pipe = load_shapes_weights(build_shapes_edit(device=device), weights, script="scripts/pretrain_shapes_edit.py")
     return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
 
 
@@ -898,6 +973,7 @@ MODELS = {
     "tiny-qwen-image-edit": families.tiny_qwen_image_edit,
     "qwen-image-edit-plus": families.qwen_image_edit_plus,
     "tiny-qwen-image-edit-plus": families.tiny_qwen_image_edit_plus,
+    "shapes-edit": shapes_edit_model,
 }
 
 

@@ -23,6 +23,7 @@
 | `remote`                 | a reward server you run, one POST per batch              | yours                    |
 | `custom`                 | your function (`--custom-rm-path module.function`)       | yours                    |
 | `geneval`                | GenEval verdict from detections (geneval.py)             | [0, 1]; partial <= 1     |
+| `shapes_edit`            | the shapes world's exact edit judge (shapes.judge_edit)  | 0/1, or partial in [0, 1]|
 
 Options. `add_arguments(parser)` declares every option `build_reward` takes (the argparse group
 "reward", shared by train.py, eval.py and bench.py) and is the only place they are defaulted:
@@ -841,6 +842,7 @@ def add_arguments(parser):
          "RUNS THAT CODE", default=None)
     flag("--custom-rm-args", "opaque string passed to --custom-rm-path", default=None)
     geneval.add_arguments(parser)  # the GenEval reward's own group
+    shapes.add_arguments(parser)  # the shapes world's edit reward
 
 
 def geneval_reward(*, geneval_detector, geneval_detector_path, device, **options):
@@ -913,6 +915,7 @@ REWARDS = {
     "remote": remote,
     "custom": custom,
     "geneval": geneval_reward,
+    "shapes_edit": shapes.edit_reward,
     "imagereward": reward_models.imagereward,
     "hpsv3": reward_models.hpsv3,
     "clipscore": reward_models.clipscore,
