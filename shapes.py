@@ -554,8 +554,8 @@ def edit_reward(*, shapes_edit_score, **_):
     (judge_edit). Returns {"reward": the `shapes_edit_score`, "edit_correct": 0/1, "edit_partial": the partial score,
     "edit_<kind>": 0/1 for the samples of that kind, NaN for the others (nanmean: accuracy per kind)}.
 
-    The 0/1 verdict is the default: trained on it, GRPO raised held-out accuracy where the partial score, whose
-    kept-object terms dominate, raised the partial score without it (README, "Editing in the shapes world")."""
+    The 0/1 verdict is the default, the held-out metric: the partial score's kept-object terms dominate it, so it
+    can rise while the edits themselves stay wrong."""
     import torch
 
     if shapes_edit_score not in EDIT_SCORES:
