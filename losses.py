@@ -564,7 +564,7 @@ def add_arguments(parser):
     """The loss flags, declared once (train.py, bench.py and scripts take them); None means the model's or the
     loss's preset."""
     g = parser.add_argument_group("loss")
-    g.add_argument("--loss", default="grpo", choices=list(LOSSES),
+    g.add_argument("--loss", default=None, choices=list(LOSSES),
                    help="GRPO (PPO clip), GRPO-Guard (RatioNorm), FlowDPPO (KL-ADV mask); forward process: "
                         "DiffusionNFT, Advantage Weighted Matching")
     g.add_argument("--clip-range", type=flags.POSITIVE, default=None,

@@ -59,6 +59,10 @@ def add_arguments(parser):
     g.add_argument("--eval-every", type=flags.NONNEG_INT, default=None,
                    help="steps between ODE evaluations on --eval-prompts (0: off)")
     g.add_argument("--eval-steps", type=flags.POSITIVE_INT, default=None, help="ODE steps of an evaluation")
+    g.add_argument("--eval-samples-per-prompt", type=flags.POSITIVE_INT, default=1,
+                   help="images per held-out prompt, each from its own fixed noise (copy c of prompt j takes noise "
+                        "index c N + j, so the first copy is the one-image evaluation): a smaller standard error at "
+                        "proportional cost")
     g.add_argument("--log-images-every", type=flags.NONNEG_INT, default=None,
                    help="steps between saved sample grids (0: never)")
     g.add_argument("--max-bad-steps", type=flags.POSITIVE_INT, default=5,
@@ -275,15 +279,16 @@ class Run:
         if not (is_main or args.fsdp):
             return
         policy.transformer.eval()
+        texts, metadata = (part * args.eval_samples_per_prompt for part in self.held_out)
         with policy.ema_weights():
-            images = evaluation.sample_images(policy.pipe, self.held_out[0], resolution=args.resolution,
+            images = evaluation.sample_images(policy.pipe, texts, resolution=args.resolution,
                                               num_steps=args.eval_steps, guidance_scale=args.guidance_scale,
                                               seed=args.seed, device=self.device, batch_size=args.sample_batch_size,
                                               negative_prompt=args.negative_prompt, shift=args.shift,
                                               num_frames=args.num_frames, max_sequence_length=args.max_sequence_length,
-                                              source_images=[data.source_images(m) for m in self.held_out[1]])
+                                              source_images=[data.source_images(m) for m in metadata])
         if is_main:
-            scores = evaluation.score(self.reward_fn, images, *self.held_out)
+            scores = evaluation.score(self.reward_fn, images, texts, metadata)
             evaluation.append_scores(os.path.join(args.out, "eval.jsonl"), step, scores)
             self._publish(scores, step, prefix="eval/")
             self.bar.write(f"eval  {step:5d} | " + evaluation.summary_line(scores))

@@ -31,9 +31,11 @@ removed unless `--keep-weights`); a run whose flags changed starts over. Runs go
 non-zero, naming the first failed run, when any run failed.
 
 Cost of the default league: 70 runs (10 entries x 4 lrs on seed 3, then seeds 0 1 2 at the chosen lr) of the
-default run's samples (40 steps x 32 = 1,280 with train.py's present defaults: 89,600 in all) and 5 held-out
-evaluations each; about 2 hours on 2 otherwise idle cores, several times that on a shared machine. `--sweep-seed 0`
-reuses the sweep's run as seed 0 (60 runs), at the price of a seed that flatters its entry.
+default run's samples (100 steps x 128 = 12,800 with train.py's present defaults: 896,000 in all) and 5 held-out
+evaluations each; at the default run's ~5 s per step (the windows less, the full-trajectory reverse losses more),
+about 10-15 hours on 2 otherwise idle cores. `--samples 3200` (a quarter) or `--only` and fewer `--lrs` make a
+shorter league. `--sweep-seed 0` reuses the sweep's run as seed 0 (60 runs), at the price of a seed that flatters its
+entry.
 """
 import argparse
 import collections
@@ -64,17 +66,20 @@ COMMON = []
 # name -> (what it is, flags over train.py's shapes defaults). Settings the papers tie to the algorithm
 # (window sizes, flash ratio, the forward-process losses' solvers and schedules) are train.py's or the recipes'.
 ENTRIES = {
-    "grpo": ("Flow-GRPO loss, coefficient-preserving steps, as the default run", ["--sde", "cps"]),
-    "flow": ("Flow-GRPO loss and SDE step", ["--sde", "flow"]),
-    "dance": ("DanceGRPO's SDE step", ["--sde", "dance"]),
+    "grpo": ("Flow-GRPO loss, coefficient-preserving steps", ["--loss", "grpo", "--sde", "cps"]),
+    "flow": ("Flow-GRPO loss and SDE step", ["--loss", "grpo", "--sde", "flow"]),
+    "dance": ("DanceGRPO's SDE step", ["--loss", "grpo", "--sde", "dance"]),
     "guard": ("GRPO-Guard: RatioNorm and gradient reweighting (Flow-GRPO's SDE)", ["--loss", "guard", "--sde", "flow"]),
     "flowdppo": ("FlowDPPO: KL-masked trust region", ["--loss", "flowdppo", "--sde", "cps"]),
-    "fast": ("Flow-GRPO-Fast: a window of 3 SDE steps", ["--sde", "cps", "--sde-window", "fast", "--window-size", "3"]),
+    "fast": ("Flow-GRPO-Fast: a window of 3 SDE steps",
+             ["--loss", "grpo", "--sde", "cps", "--sde-window", "fast", "--window-size", "3"]),
     "mix": ("MixGRPO: a sliding window of 3 SDE steps",
-            ["--sde", "cps", "--sde-window", "mix", "--window-size", "3", "--iters-per-window", "5"]),
+            ["--loss", "grpo", "--sde", "cps", "--sde-window", "mix", "--window-size", "3",
+             "--iters-per-window", "5"]),
     "mix-flash": ("MixGRPO-Flash: the sliding window, DPM-Solver++ after it",
-                  ["--sde", "cps", "--sde-window", "mix", "--window-size", "3", "--iters-per-window", "5", "--flash"]),
-    "nft": ("DiffusionNFT: forward process, ODE rollouts", ["--loss", "nft"]),
+                  ["--loss", "grpo", "--sde", "cps", "--sde-window", "mix", "--window-size", "3",
+                   "--iters-per-window", "5", "--flash"]),
+    "nft": ("DiffusionNFT: forward process, ODE rollouts, as the default run", ["--loss", "nft"]),
     "awm": ("Advantage Weighted Matching: forward process, ODE rollouts", ["--loss", "awm"]),
 }
 LRS = [5e-5, 1e-4, 2e-4, 4e-4]

@@ -1,6 +1,6 @@
 """How many samples a GRPO step needs on a model, reward and prompt set: the gradient noise scale.
 
-    python scripts/noise_scale.py                                   # train.py's default: the shapes world, GenEval
+    python scripts/noise_scale.py                                   # GRPO on train.py's default: the shapes world
     python scripts/noise_scale.py --batches 16 -- --reward jpeg_compressibility   # train.py flags after `--`
 
 McCandlish et al. 2018 (An Empirical Model of Large-Batch Training, arXiv:1812.06162, Sec. 2.2 and
@@ -96,7 +96,10 @@ def main(argv=None):
     own = p.parse_args(argv[:cut])
     if own.batches < 2:
         p.error("--batches must be at least 2")
-    train_parser, args = train.parse_args(["--out", os.devnull, *argv[cut + 1:]])
+    train_argv = argv[cut + 1:]
+    if not any(a == "--loss" or a.startswith("--loss=") for a in train_argv):  # a GRPO step, whatever train.py's default
+        train_argv = ["--loss", "grpo", *train_argv]
+    train_parser, args = train.parse_args(["--out", os.devnull, *train_argv])
     train.check_args(train_parser, args, 1)  # train.py's own refusals (--group-size 1, sizes that do not divide)
     loss = losses.LOSSES[args.loss]
     if loss.process != "reverse" or args.lora_rank:

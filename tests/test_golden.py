@@ -48,7 +48,8 @@ RUNS = {
     "grpo-mix-flash-same-noise": ["--loss", "grpo", "--sde-window", "mix", "--window-size", "2",
                                   "--iters-per-window", "1", "--flash", "--same-noise-per-group"],
     "grpo-bf16": ["--loss", "grpo", "--mixed-precision", "bf16"],
-    "shapes-geneval": ["--model", "shapes", "--eval-every", "0", "--resolution", "32"],
+    "shapes-geneval": ["--model", "shapes", "--loss", "grpo", "--eval-every", "0", "--resolution", "32"],
+    "shapes-default": ["--model", "shapes", "--eval-every", "0", "--resolution", "32"],  # the default run: nft
 }
 RESUME = "grpo-resume"  # grpo-lora-kl-ema stopped after step 1 and resumed from its checkpoint to step 2
 FSDP = "grpo-fsdp"  # two processes under torchrun, a sharded full fine-tune with two minibatches

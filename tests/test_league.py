@@ -18,6 +18,12 @@ import train  # noqa: E402
 TAGS = ["single_object", "two_object", "counting", "colors", "position", "color_attr"]
 
 
+@pytest.fixture(autouse=True)
+def small_steps(monkeypatch):
+    """Every league here runs steps of 4 prompts x 8 samples (COMMON), whatever train.py's default step holds."""
+    monkeypatch.setattr(league, "COMMON", ["--prompts-per-step", "4"])
+
+
 def eval_row(step, accuracy, tags=None):
     tags = tags or {t: accuracy for t in TAGS}
     return {"step": step, "geneval_overall": accuracy, **{f"geneval_{t}": v for t, v in tags.items()}}
@@ -71,7 +77,7 @@ def test_lr_is_the_best_final_accuracy_of_the_sweep_ties_to_the_smaller(tmp_path
 
 
 def test_equal_samples_budget_defaults_to_the_default_run_and_sets_the_steps(tmp_path, monkeypatch):
-    _, default = train.parse_args([])
+    _, default = train.parse_args(league.COMMON)
     per_step = default.prompts_per_step * default.group_size
     args = league.parse_args(["--out", str(tmp_path)])
     assert (args.samples, args.per_step, args.steps) == (default.steps * per_step, per_step, default.steps)
@@ -304,7 +310,7 @@ def test_a_terminated_league_stops_its_runs_and_exits_130(tmp_path, fake_train, 
     out = tmp_path / "league"
     argv = ["--out", str(out), "--samples", "128", "--poll", "0.05", "--only", "grpo", "--lrs", "1e-4", "2e-4"]
     code = (f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'scripts')!r}); import league; "
-            f"league.TRAIN = {league.TRAIN!r}; league.main({argv!r})")
+            f"league.TRAIN = {league.TRAIN!r}; league.COMMON = {league.COMMON!r}; league.main({argv!r})")
     process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     while len(fake_train()) < 2 and time.time() < deadline and process.poll() is None:
