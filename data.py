@@ -44,14 +44,19 @@ _EXAMPLE_ROW = '{"input": "a red apple on a table"}'
 SOURCE_KEY = "source_images"  # the metadata key under which a sample's source images travel (absolute paths)
 
 
+# Rows that are their own metadata, read whole when they have no metadata key: GenEval's (its evaluation_metadata.jsonl,
+# Flow-GRPO's train_metadata.jsonl) and the shapes world's edits (prompts/shapes_edit_*.jsonl).
+FLAT_ROWS = ({"tag", "include"}, {"edit", "source", "target"})
+
+
 def load_prompts(path, *, input_key="input", metadata_key="metadata", check=None, image_key="image"):
     """Read a `.jsonl` or `.txt` prompt file -> (prompts: list[str], metadata: list[dict]).
 
     Prompts are stripped of surrounding whitespace. A JSONL row's metadata is the object under
     `metadata_key` (missing or null gives {}), or the whole row when `metadata_key` is "" or when
-    the row has no `metadata_key` but GenEval's own keys `tag` and `include` beside its prompt (the
-    flat rows of GenEval's evaluation_metadata.jsonl and of the dataset/geneval/*_metadata.jsonl
-    files of Flow-GRPO, DiffusionNFT and AWM). Rows that are blank, not UTF-8, not valid JSON, not a
+    the row has no `metadata_key` but the keys of FLAT_ROWS beside its prompt: GenEval's `tag` and
+    `include` (the flat rows of GenEval's evaluation_metadata.jsonl and of the dataset/geneval/*_metadata.jsonl
+    files of Flow-GRPO, DiffusionNFT and AWM), the shapes edits' `edit`, `source` and `target`. Rows that are blank, not UTF-8, not valid JSON, not a
     JSON object, without a non-empty string under `input_key`, or with metadata that is not an
     object are skipped and reported in one warning (path, count per reason, first line number). A
     trailing newline does not make a blank row.
@@ -139,7 +144,7 @@ def _parse_row(line, ext, input_key, metadata_key, other_keys, image_key=None):
                 if isinstance(value, str) and value.strip():
                     other_keys[key] = other_keys.get(key, 0) + 1
         return f"no prompt under {input_key!r}", None, None
-    flat = not metadata_key or (metadata_key not in row and "tag" in row and "include" in row)  # GenEval's rows
+    flat = not metadata_key or (metadata_key not in row and any(k <= row.keys() for k in FLAT_ROWS))
     meta = row if flat else row.get(metadata_key)
     if meta is None:
         meta = {}

@@ -882,6 +882,8 @@ def rows_check(spec, geneval_detector, by_advantage=False):
                              "which --reward-combine advantage sums the advantages of: fix the row or the flags")
         if "geneval" in dict(row):
             geneval_check(metadata)
+        if "shapes_edit" in dict(row):
+            shapes.edit_row_check(metadata)
     return check
 
 

@@ -549,6 +549,13 @@ def add_arguments(parser):
     return group
 
 
+def edit_row_check(metadata):
+    """The check at load of a row the shapes_edit reward will judge: its source and target lists."""
+    if not isinstance(metadata.get("target"), list) or not isinstance(metadata.get("source"), list):
+        raise ValueError("shapes_edit judges rows of prompts/shapes_edit_*.jsonl (their source and target); "
+                         "read them with --input-key prompt --metadata-key ''")
+
+
 def edit_reward(*, shapes_edit_score, **_):
     """The `shapes_edit` reward (rewards.REWARDS): each image detected and judged against its row's target
     (judge_edit). Returns {"reward": the `shapes_edit_score`, "edit_correct": 0/1, "edit_partial": the partial score,
@@ -564,9 +571,7 @@ def edit_reward(*, shapes_edit_score, **_):
     def score(images, prompts, metadata):
         images = np.asarray(images)
         for m in metadata:
-            if not isinstance(m.get("target"), list) or not isinstance(m.get("source"), list):
-                raise ValueError("shapes_edit judges rows of prompts/shapes_edit_*.jsonl (their source and target); "
-                                 "read them with --input-key prompt --metadata-key ''")
+            edit_row_check(m)
         verdicts = [judge_edit(m, d) for m, d in zip(metadata, detect(images))]
         out = {"edit_correct": torch.tensor([v["correct"] for v in verdicts]),
                "edit_partial": torch.tensor([v["score"] for v in verdicts])}

@@ -131,7 +131,12 @@ PRESETS["shapes"] = dict(PRESETS["tiny"], loss="nft", resolution=32, prompts="pr
 # Settings measured for one model and one loss: they win over the loss's defaults (losses.LOSSES), which win over
 # the model's preset. DiffusionNFT on the shapes world: 6-step rollouts, 3 of their sigmas trained per sample
 # (docs/shapes.md: as fast a rise per sample as 10 steps with 3 sigmas, at 83 % of the time per step).
-LOSS_PRESETS = {("shapes", "nft"): dict(num_steps=6, timestep_fraction=0.5)}
+LOSS_PRESETS = {("shapes", "nft"): dict(num_steps=6, timestep_fraction=0.5),
+                ("shapes-edit", "nft"): dict(num_steps=6, timestep_fraction=0.5)}
+# Its editing task (shapes.py, "editing"): the same recipe on the edit prompts, judged by the exact edit judge (0/1).
+PRESETS["shapes-edit"] = dict(PRESETS["shapes"], prompts="prompts/shapes_edit_train.jsonl",
+                              eval_prompts="prompts/shapes_edit_test.jsonl", reward="shapes_edit", steps=40,
+                              eval_every=20, log_images_every=20)
 PRESETS["tiny-flux"] = dict(PRESETS["tiny"], guidance_scale=3.5)
 PRESETS["tiny-wan"] = dict(PRESETS["tiny"], num_frames=5)  # 5 frames: 2 latent frames
 PRESETS["tiny-qwen-image"] = PRESETS["tiny-flux2-klein"] = PRESETS["tiny-z-image"] = PRESETS["tiny"]

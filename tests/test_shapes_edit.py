@@ -138,6 +138,18 @@ def test_shapes_edit_reward():
         reward(images[:1], ["x"], [{"tag": "counting"}])
 
 
+def test_edit_rows_load_whole_and_other_rows_are_refused_at_load(tmp_path):
+    """The edit prompt files load as they are (their rows are their own metadata, data.FLAT_ROWS); trained with the
+    shapes_edit reward, a file of other rows is refused when it loads, naming the line, before any model."""
+    prompts, metadata = data.load_prompts(os.path.join(ROOT, "prompts", "shapes_edit_test.jsonl"), input_key="prompt",
+                                          check=rewards.rows_check("shapes_edit", None))
+    assert len(prompts) == 200 and {"edit", "source", "target", "source_images"} <= set(metadata[0])
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "add a red circle", "metadata": {"edit": "add"}}\n')
+    with pytest.raises(ValueError, match="line 1.*--metadata-key ''"):
+        data.load_prompts(str(path), input_key="prompt", check=rewards.rows_check("shapes_edit", None))
+
+
 # ----------------------------------------------------------------------------- the model
 
 def test_edit_model_is_a_step_of_the_kontext_pipeline():
