@@ -59,7 +59,7 @@ def add_arguments(parser):
     g.add_argument("--eval-every", type=flags.NONNEG_INT, default=None,
                    help="steps between ODE evaluations on --eval-prompts (0: off)")
     g.add_argument("--eval-steps", type=flags.POSITIVE_INT, default=None, help="ODE steps of an evaluation")
-    g.add_argument("--eval-samples-per-prompt", type=flags.POSITIVE_INT, default=1,
+    g.add_argument("--eval-samples-per-prompt", type=flags.POSITIVE_INT, default=None,
                    help="images per held-out prompt, each from its own fixed noise (copy c of prompt j takes noise "
                         "index c N + j, so the first copy is the one-image evaluation): a smaller standard error at "
                         "proportional cost")
