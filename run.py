@@ -12,6 +12,7 @@ A SIGTERM / SIGINT (preemption) lets every rank finish its step, save and exit 0
 service the wait is abandoned on every rank and the last complete step is saved. One line per step on rank 0, with
 a live bar on a terminal.
 """
+import math
 import os
 import signal
 import sys
@@ -127,6 +128,7 @@ class Run:
             self.tensorboard = SummaryWriter(os.path.join(args.out, "tensorboard"), purge_step=self.step + 1)
         self.handlers = {signum: signal.signal(signum, lambda n, frame: setattr(self, "signal", signal.Signals(n).name))
                          for signum in (signal.SIGTERM, signal.SIGINT)}  # preemption: finish the step, save, exit 0
+        self.early_grad_norms = []  # the first 10 logged steps' (warn_divergence)
         # A live bar on rank 0's terminal; none in log files, where the per-step lines already say everything.
         self.bar = tqdm(total=args.steps, initial=self.step, disable=not (is_main and sys.stderr.isatty()),
                         dynamic_ncols=True)
@@ -270,7 +272,9 @@ class Run:
                                                     batch["images"], captions, fps=args.fps, ids=shown)
                 if (self.wandb or self.tensorboard) and paths[0].endswith(".png"):
                     self._publish({}, step, image=np.asarray(Image.open(paths[0]).convert("RGB")))
-            warn_divergence(info)
+            if len(self.early_grad_norms) < 10 and math.isfinite(info.get("grad_norm", math.nan)):
+                self.early_grad_norms.append(info["grad_norm"])
+            warn_divergence(info, float(np.median(self.early_grad_norms)) if len(self.early_grad_norms) == 10 else None)
 
     def evaluate(self, step):
         """Held-out ODE samples, fixed noise, scored into eval.jsonl. Under FSDP every forward is collective: all
@@ -369,8 +373,10 @@ def step_line(step, info):
     return line + f" | {info['seconds']:.1f}s"
 
 
-def warn_divergence(info):
-    """One actionable line when the statistics say the policy is running away (FlowDPPO's debug checklist)."""
+def warn_divergence(info, early_grad_norm=None):
+    """One actionable line when the statistics say the policy is running away (FlowDPPO's debug checklist), and for
+    any loss when the gradient norm has grown to 10x early_grad_norm (the median of the run's first 10 steps): the
+    forward-process losses have no ratio to watch, and their runs collapse after such a rise (docs/shapes.md)."""
     if info.get("clipfrac", 0) > 0.8:
         print0(f"warning: clipfrac {info['clipfrac']:.2f} ~ 1: the policy moves too far per step; "
                "lower --lr or raise --clip-range")
@@ -379,6 +385,9 @@ def warn_divergence(info):
                "raise --kl-mask-threshold or lower --lr")
     if abs(info.get("ratio_mean", 1) - 1) > 0.5:
         print0(f"warning: ratio mean {info['ratio_mean']:.3f} far from 1; lower --lr")
+    if early_grad_norm and info.get("grad_norm", 0) > 10 * early_grad_norm:
+        print0(f"warning: gradient norm {info['grad_norm']:.3g} is {info['grad_norm'] / early_grad_norm:.0f}x its "
+               f"first steps' ({early_grad_norm:.3g}): the policy is running away; lower --lr or add --kl-beta")
 
 
 def check_rm_types(path, prompts, metadata):

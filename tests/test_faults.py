@@ -201,6 +201,12 @@ def test_divergence_warnings_name_the_knob(capsys):
     assert "--kl-mask-threshold" in lines[1]
     run.warn_divergence({"clipfrac": 0.1, "masked_fraction": 0.1, "ratio_mean": 1.0})
     assert capsys.readouterr().out == ""
+    run.warn_divergence({"grad_norm": 1.2}, early_grad_norm=0.1)  # any loss: the gradient norm grew 12x
+    line = capsys.readouterr().out.strip()
+    assert "12x" in line and "--lr" in line and "--kl-beta" in line
+    for info, early in (({"grad_norm": 0.9}, 0.1), ({"grad_norm": 5.0}, None), ({}, 0.1)):
+        run.warn_divergence(info, early_grad_norm=early)  # under 10x, no baseline yet, no gradient norm
+    assert capsys.readouterr().out == ""
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
