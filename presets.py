@@ -36,8 +36,8 @@ LOSS_PRESETS = {("shapes", "nft"): dict(num_steps=6, timestep_fraction=0.5),
 # Its editing task (shapes.py, "editing"): the same recipe on the edit prompts, judged by the exact edit judge (0/1);
 # 2 images per held-out edit (200 of them: one image each would leave a standard error of 0.035).
 PRESETS["shapes-edit"] = dict(PRESETS["shapes"], prompts="prompts/shapes_edit_train.jsonl",
-                              eval_prompts="prompts/shapes_edit_test.jsonl", reward="shapes_edit", steps=40,
-                              eval_every=10, eval_samples_per_prompt=2, log_images_every=20)
+                              eval_prompts="prompts/shapes_edit_test.jsonl", reward="shapes_edit", steps=20,
+                              eval_every=10, eval_samples_per_prompt=2, log_images_every=10)
 PRESETS["tiny-flux"] = dict(PRESETS["tiny"], guidance_scale=3.5)
 PRESETS["tiny-wan"] = dict(PRESETS["tiny"], num_frames=5)  # 5 frames: 2 latent frames
 PRESETS["tiny-qwen-image"] = PRESETS["tiny-flux2-klein"] = PRESETS["tiny-z-image"] = PRESETS["tiny"]
