@@ -299,6 +299,18 @@ def save_shapes_weights(pipe, path):
     save_file(state, path)
 
 
+def save_shapes_ema(pipe, params, ema, path):
+    """save_shapes_weights of the EMA `ema` of the trained `params` (pretraining's saved weights), leaving the trained
+    ones in place."""
+    with torch.no_grad():
+        trained = [q.detach().clone() for q in params]
+        for e, q in zip(ema, params):
+            q.copy_(e)
+        save_shapes_weights(pipe, path)
+        for t, q in zip(trained, params):
+            q.copy_(t)
+
+
 def load_shapes_weights(pipe, path, *, script="scripts/pretrain_shapes.py"):
     """Copy weights written by save_shapes_weights into a pipeline from build_shapes (or build_shapes_edit, whose
     weights `script` writes; same seed)."""

@@ -49,17 +49,6 @@ def pack(pipe, images):
     return pipe._pack_latents(z, len(z), z.shape[1], z.shape[2], z.shape[3])
 
 
-def save_ema(pipe, params, ema, path):
-    """Write the EMA weights with models.save_shapes_weights, leaving the trained ones in place."""
-    with torch.no_grad():
-        trained = [q.detach().clone() for q in params]
-        for e, q in zip(ema, params):
-            q.copy_(e)
-        models.save_shapes_weights(pipe, path)
-        for t, q in zip(trained, params):
-            q.copy_(t)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=4000, help="optimizer steps")
@@ -126,9 +115,9 @@ def main(argv=None):
                   f"eta {(args.steps - step - 1) * wall / (step + 1) / 60:.1f} min", flush=True)
             window = []
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-            save_ema(pipe, params, ema, f"{os.path.splitext(args.out)[0]}-{step + 1}.safetensors")
+            models.save_shapes_ema(pipe, params, ema, f"{os.path.splitext(args.out)[0]}-{step + 1}.safetensors")
 
-    save_ema(pipe, params, ema, args.out)
+    models.save_shapes_ema(pipe, params, ema, args.out)
     wall, cpu = time.time() - start_wall, time.process_time() - start_cpu
     print(f"wrote {args.out} ({os.path.getsize(args.out) / 1e6:.2f} MB) after {wall / 60:.1f} min wall, "
           f"{cpu / 60:.1f} min cpu", flush=True)
