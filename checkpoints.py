@@ -147,7 +147,7 @@ def prepare(args):
             raise SystemExit(f"error: --out {out} is not writable ({e.strerror or e}); pick a writable folder with "
                              "free space")
         lock(out)
-        used = [name for name in RUN_FILES + ("samples",) if os.path.exists(os.path.join(out, name))]
+        used = [name for name in RUN_FILES + ("samples", EVAL_BASE) if os.path.exists(os.path.join(out, name))]
         never_stepped = _count_rows(os.path.join(out, "metrics.jsonl")) == 0 and not checkpoint_dirs(out)
         if used and args.resume is None:
             if not (args.overwrite or never_stepped):  # a run that never completed a step leaves nothing to keep
@@ -167,6 +167,7 @@ def prepare(args):
 
 
 RUN_FILES = ("args.json", "metrics.jsonl", "eval.jsonl", "checkpoints")  # what marks a folder as holding a run
+EVAL_BASE = "eval_base.pt"  # the held-out reward outputs at step 0, per image: each later evaluation's "rise" is paired
 
 
 _LOCKS = {}  # folder -> the open file whose flock marks it as this process's run folder

@@ -67,9 +67,10 @@ def score(reward_fn, images, prompts, metadata):
     return means_of(reward_fn(images, prompts, metadata))
 
 
-def means_of(result):
+def means_of(result, base=None):
     """`score` of a reward output (dict of [N] tensors): each entry's mean, and beside it its standard error
-    (<key>_se, the sample std / sqrt(n) over the values that are not NaN) for error bars."""
+    (<key>_se, the sample std / sqrt(n) over the values that are not NaN) for error bars. With base (the reward
+    output of the same prompts and noise from another model): also `rise_of` the two."""
     means = {k: torch.nanmean(v.float()).item() for k, v in result.items() if k != "failed"}
     means.update({f"{k}_se": standard_error(v) for k, v in result.items() if k != "failed"})
     if "geneval_correct" in result:
@@ -78,7 +79,28 @@ def means_of(result):
         tags = [means[f"geneval_{t}_se"] for t in geneval.TAGS if t in overall]  # overall = the mean of these tags
         means.update(geneval_overall_se=math.sqrt(sum(se * se for se in tags)) / len(tags) if tags else float("nan"),
                      geneval_mean_over_images_se=means["geneval_correct_se"])
+    if base is not None:
+        means.update(rise_of(result, base))
     return means
+
+
+def rise_of(result, base):
+    """{"rise", "rise_se"}: the headline metric (GenEval's overall accuracy, else the reward) of `result` less that
+    of `base`, two reward outputs on the same prompts and noise, and the paired standard error of that difference.
+    The images pair one to one, so the error is that of the per-image differences: when the two models agree on
+    most images it is much smaller than either side's own, and a rise of two of it is unlikely to be noise.
+    GenEval: the overall accuracy is the mean over T tags of their accuracies, so its rise is the mean of the
+    tags' rises, with standard error sqrt(sum of their squared errors) / T."""
+    if "geneval_correct" in result:
+        diffs = [result[f"geneval_{t}"].float() - base[f"geneval_{t}"].float() for t in geneval.TAGS
+                 if f"geneval_{t}" in result and (~result[f"geneval_{t}"].float().isnan()).any()]
+        if not diffs:
+            return {"rise": float("nan"), "rise_se": float("nan")}
+        rises = [torch.nanmean(d).item() for d in diffs]
+        errors = [standard_error(d) for d in diffs]
+        return {"rise": sum(rises) / len(rises), "rise_se": math.sqrt(sum(e * e for e in errors)) / len(errors)}
+    d = result["reward"].float() - base["reward"].float()
+    return {"rise": torch.nanmean(d).item(), "rise_se": standard_error(d)}
 
 
 def standard_error(values):
@@ -162,11 +184,12 @@ def save_sample_grid(path, images, captions, n=8, fps=16, ids=None):
 def summary_line(scores):
     """One readable line of `score`'s means: for GenEval the official overall accuracy with the per-tag ones,
     then the trained reward; otherwise every entry."""
+    rise = f" | rise {scores['rise']:+.4f} +- {scores['rise_se']:.4f}" if "rise" in scores else ""
     if "geneval_overall" not in scores:
-        return " | ".join(f"{k} {v:+.4f}" for k, v in scores.items() if not k.endswith("_se"))
+        return " | ".join(f"{k} {v:+.4f}" for k, v in scores.items() if not k.endswith("_se") and k != "rise") + rise
     tags = ", ".join(f"{tag} {scores[f'geneval_{tag}']:.2f}" for tag in geneval.TAGS
                      if math.isfinite(scores.get(f"geneval_{tag}", float("nan"))))
-    return f"accuracy {scores['geneval_overall']:.3f} ({tags}) | reward {scores['reward']:+.4f}"
+    return f"accuracy {scores['geneval_overall']:.3f} ({tags}) | reward {scores['reward']:+.4f}" + rise
 
 
 def append_scores(path, step, scores):
@@ -322,8 +345,8 @@ def table_keys(tables):
     """[(short name, key)] of the summary's table and bars: GenEval's overall accuracy, the accuracy of each tag
     that has prompts and the mean reward; otherwise the reward and each other entry (not one equal to it)."""
     if "geneval_overall" not in tables[0]:
-        return [("reward", "reward")] + [(k, k) for k in tables[0] if k != "reward" and not k.endswith("_se")
-                                         and any(t.get(k) != t.get("reward") for t in tables)]
+        return [("reward", "reward")] + [(k, k) for k in tables[0] if k not in ("reward", "rise")
+                                         and not k.endswith("_se") and any(t.get(k) != t.get("reward") for t in tables)]
     tags = [t for t in geneval.TAGS if any(math.isfinite(table.get(f"geneval_{t}", math.nan)) for table in tables)]
     return [("accuracy", "geneval_overall")] + [(TAG_NAMES[t], f"geneval_{t}") for t in tags] + [("reward", "reward")]
 
@@ -463,7 +486,8 @@ def curve_panels(runs):
                 + [(f"geneval_{t}", f"held-out accuracy: {t}") for t in geneval.TAGS]
                 + [("reward", "held-out reward")])
     else:  # the reward entries, but not a component that is the reward itself
-        others = dict.fromkeys(k for r in held_out for k in r if k not in ("step", "reward") and not k.endswith("_se"))
+        others = dict.fromkeys(k for r in held_out for k in r if k not in ("step", "reward", "rise")
+                               and not k.endswith("_se"))
         keys = [("reward", "held-out reward")] + [(k, f"held-out {k}") for k in others
                                                   if any(r.get(k) != r.get("reward") for r in held_out)]
     panels = []
@@ -626,7 +650,7 @@ def main(argv=None):
         results.append(reward_fn(columns[-1], prompts, metadata))
 
     os.makedirs(args.out, exist_ok=True)
-    tables = [means_of(r) for r in results]
+    tables = [means_of(r, base=None if i == 0 else results[0]) for i, r in enumerate(results)]
     labels = ["base"] + [f"{s} ({weights[n]})" for s, n in zip(short_names(names[1:]), names[1:])]
     print("\n".join(summary_table(labels, tables)))
     summary = {"prompts": args.prompts, "num_prompts": len(prompts), "eval_steps": args.eval_steps,

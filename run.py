@@ -292,7 +292,14 @@ class Run:
                                               num_frames=args.num_frames, max_sequence_length=args.max_sequence_length,
                                               source_images=[data.source_images(m) for m in metadata])
         if is_main:
-            scores = evaluation.score(self.reward_fn, images, texts, metadata)
+            result = self.reward_fn(images, texts, metadata)
+            base_path = os.path.join(args.out, checkpoints.EVAL_BASE)
+            if step == 0:  # the model before training: what every later evaluation's rise is measured against
+                torch.save({k: v.detach().cpu() for k, v in result.items() if torch.is_tensor(v)}, base_path)
+            base = torch.load(base_path) if step > 0 and os.path.exists(base_path) else None
+            if base is not None and base["reward"].shape != result["reward"].shape:  # another held-out set
+                base = None
+            scores = evaluation.means_of(result, base=base)
             evaluation.append_scores(os.path.join(args.out, "eval.jsonl"), step, scores)
             self._publish(scores, step, prefix="eval/")
             self.bar.write(f"eval  {step:5d} | " + evaluation.summary_line(scores))

@@ -109,6 +109,33 @@ def test_standard_errors_are_written_beside_the_means():
     assert evaluation.summary_line({"reward": 0.5, "reward_se": 0.1}) == "reward +0.5000"
 
 
+def test_the_rise_over_the_base_has_the_paired_standard_error():
+    """Two models on the same prompts and noise: the rise is the mean per-image difference and its error that of
+    the differences, far below either side's when the models agree on most images (GenEval: per tag, then
+    combined as the overall accuracy combines the tags)."""
+    base = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0])
+    after = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0])  # one image flipped to correct
+    means = evaluation.means_of({"reward": after}, base={"reward": base})
+    assert means["rise"] == pytest.approx(1 / 8)
+    assert means["rise_se"] == pytest.approx(torch.tensor([0, 1.0, 0, 0, 0, 0, 0, 0]).std().item() / math.sqrt(8))
+    assert means["rise_se"] < 0.5 * math.hypot(means["reward_se"], evaluation.means_of({"reward": base})["reward_se"])
+    assert "rise" not in evaluation.means_of({"reward": after})  # no base, no rise
+    assert evaluation.summary_line(means).endswith(f"| rise +0.1250 +- {means['rise_se']:.4f}")
+
+    nan = math.nan
+    def run(correct, counting, colors):
+        return {"reward": torch.tensor(correct), "geneval_correct": torch.tensor(correct),
+                "geneval_counting": torch.tensor(counting + [nan] * 3),
+                "geneval_colors": torch.tensor([nan] * 3 + colors)}
+    before = run([1.0, 0.0, 0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0], [1.0, 0.0, 0.0])
+    trained = run([1.0, 1.0, 0.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0])
+    means = evaluation.means_of(trained, base=before)
+    overall = evaluation.means_of(before)["geneval_overall"]
+    assert means["rise"] == pytest.approx(means["geneval_overall"] - overall)  # (1/3 + 2/3) / 2
+    se = [torch.tensor(d).std().item() / math.sqrt(3) for d in ([0.0, 1.0, 0.0], [0.0, 1.0, 1.0])]
+    assert means["rise_se"] == pytest.approx(math.hypot(*se) / 2)
+
+
 # ----------------------------------------------------------------------------- before / after
 def fake_columns(n, k, size=32):
     """k columns of n images, each a flat colour that says (column, row)."""

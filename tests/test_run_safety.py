@@ -483,4 +483,9 @@ def test_a_resume_keeps_the_evaluation_of_the_model_before_training(tmp_path):
     main("--steps", "2", *flags, out=tmp_path / "run")
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "2")  # as if killed before checkpoint 2
     main("--steps", "3", "--resume", "auto", *flags, out=tmp_path / "run")
-    assert [r["step"] for r in strict_rows(tmp_path / "run", "eval.jsonl")] == [0, 1, 2, 3]
+    rows = strict_rows(tmp_path / "run", "eval.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    # every later row's rise is paired with the step-0 images, also after the resume (eval_base.pt)
+    assert "rise" not in rows[0] and (tmp_path / "run" / "eval_base.pt").exists()
+    for r in rows[1:]:
+        assert r["rise"] == pytest.approx(r["reward"] - rows[0]["reward"], abs=1e-6) and r["rise_se"] >= 0
