@@ -14,6 +14,7 @@ a live bar on a terminal.
 """
 import math
 import os
+import pickle
 import signal
 import sys
 import time
@@ -295,14 +296,27 @@ class Run:
             result = self.reward_fn(images, texts, metadata)
             base_path = os.path.join(args.out, checkpoints.EVAL_BASE)
             if step == 0:  # the model before training: what every later evaluation's rise is measured against
-                torch.save({k: v.detach().cpu() for k, v in result.items() if torch.is_tensor(v)}, base_path)
-            base = torch.load(base_path) if step > 0 and os.path.exists(base_path) else None
+                torch.save({k: v.detach().cpu() for k, v in result.items() if torch.is_tensor(v)}, base_path + ".tmp")
+                os.replace(base_path + ".tmp", base_path)  # whole or absent, even if the run is killed here
+            base = self.eval_base(base_path) if step > 0 else None
             if base is not None and base["reward"].shape != result["reward"].shape:  # another held-out set
                 base = None
             scores = evaluation.means_of(result, base=base)
             evaluation.append_scores(os.path.join(args.out, "eval.jsonl"), step, scores)
             self._publish(scores, step, prefix="eval/")
             self.bar.write(f"eval  {step:5d} | " + evaluation.summary_line(scores))
+
+    @staticmethod
+    def eval_base(path):
+        """The step-0 per-image scores of eval_base.pt, or None (a run folder from before it, or a damaged file:
+        the evaluation goes on without its rise)."""
+        if not os.path.exists(path):
+            return None
+        try:
+            return torch.load(path)
+        except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as e:
+            print0(f"warning: {path} is unreadable ({e}); eval.jsonl goes on without `rise`")
+            return None
 
     def _append(self, info):
         self.bar.update(1)

@@ -477,7 +477,7 @@ def test_a_checkpoint_in_the_earlier_layout_still_resumes(three_checkpoints, tmp
         assert a["reward_mean"] == b["reward_mean"] and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
 
 
-def test_a_resume_keeps_the_evaluation_of_the_model_before_training(tmp_path):
+def test_a_resume_keeps_the_evaluation_of_the_model_before_training(tmp_path, capsys):
     """eval.jsonl's step-0 row (the base model) survives a resume; rows past the checkpoint are redone."""
     flags = ["--eval-every", "1", "--eval-prompts", "prompts/tiny.txt", "--eval-steps", "2", "--save-every", "1"]
     main("--steps", "2", *flags, out=tmp_path / "run")
@@ -489,3 +489,9 @@ def test_a_resume_keeps_the_evaluation_of_the_model_before_training(tmp_path):
     assert "rise" not in rows[0] and (tmp_path / "run" / "eval_base.pt").exists()
     for r in rows[1:]:
         assert r["rise"] == pytest.approx(r["reward"] - rows[0]["reward"], abs=1e-6) and r["rise_se"] >= 0
+    # a damaged eval_base.pt (a disk error) costs the rise, with a warning, never the run
+    (tmp_path / "run" / "eval_base.pt").write_bytes(b"\x80\x02garbage")
+    capsys.readouterr()
+    main("--steps", "4", "--resume", "auto", *flags, out=tmp_path / "run")
+    assert "eval_base.pt is unreadable" in capsys.readouterr().out
+    assert "rise" not in strict_rows(tmp_path / "run", "eval.jsonl")[-1]
