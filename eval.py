@@ -58,18 +58,11 @@ def sample_images(pipe, prompts, *, resolution, num_steps, guidance_scale, seed=
     return torch.cat(out)
 
 
-def score(reward_fn, images, prompts, metadata):
-    """Mean of every reward entry (nan-aware: rm_type overrides leave other components NaN).
-
-    GenEval: the geneval_<tag> means are the per-tag accuracies; geneval_overall is their mean
-    (the official number) and geneval_mean_over_images the mean of geneval_correct.
-    """
-    return means_of(reward_fn(images, prompts, metadata))
-
-
 def means_of(result, base=None):
-    """`score` of a reward output (dict of [N] tensors): each entry's mean, and beside it its standard error
-    (<key>_se, the sample std / sqrt(n) over the values that are not NaN) for error bars. With base (the reward
+    """The held-out figures of a reward output (dict of [N] tensors): each entry's mean (nan-aware: rm_type overrides
+    leave other components NaN), and beside it its standard error (<key>_se, the sample std / sqrt(n) over the values
+    that are not NaN) for error bars. GenEval: the geneval_<tag> means are the per-tag accuracies, geneval_overall is
+    their mean (the official number) and geneval_mean_over_images the mean of geneval_correct. With base (the reward
     output of the same prompts and noise from another model): also `rise_of` the two."""
     means = {k: torch.nanmean(v.float()).item() for k, v in result.items() if k != "failed"}
     means.update({f"{k}_se": standard_error(v) for k, v in result.items() if k != "failed"})
@@ -182,7 +175,7 @@ def save_sample_grid(path, images, captions, n=8, fps=16, ids=None):
 
 
 def summary_line(scores):
-    """One readable line of `score`'s means: for GenEval the official overall accuracy with the per-tag ones,
+    """One readable line of `means_of`'s figures: for GenEval the official overall accuracy with the per-tag ones,
     then the trained reward; otherwise every entry."""
     rise = f" | rise {scores['rise']:+.4f} +- {scores['rise_se']:.4f}" if "rise" in scores else ""
     if "geneval_overall" not in scores:

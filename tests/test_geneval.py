@@ -1,6 +1,6 @@
 """geneval.py: the judge against verdicts derived by hand from GenEval's rules, the detector's
 post-processing against hand-built logits, tiny random Mask2Former / open_clip plumbing, and the
-reward end to end with a stubbed detector (also through train.py and eval.score)."""
+reward end to end with a stubbed detector (also through train.py's held-out evaluation)."""
 
 import json
 import math
@@ -715,7 +715,7 @@ def test_options_declared_once():
         rewards.geneval_reward(device="cpu")
 
 
-# ----------------------------------------------------------------------------- train.py and eval.score
+# ----------------------------------------------------------------------------- train.py's held-out evaluation
 
 def brightness_detector(path, device):
     """Bright images show one bench and two buses, dark ones nothing: rewards differ within a group."""
@@ -746,3 +746,5 @@ def test_train_two_steps_with_geneval_reward(tmp_path, monkeypatch):
     means = evals[-1]
     assert means["geneval_overall"] == pytest.approx((means["geneval_single_object"] + means["geneval_counting"]) / 2)
     assert means["geneval_mean_over_images"] == pytest.approx(means["geneval_correct"])
+    # the rise since step 0 is GenEval's: the change of the overall accuracy (the tags' rises, paired per image)
+    assert means["rise"] == pytest.approx(means["geneval_overall"] - evals[0]["geneval_overall"], abs=1e-6)
