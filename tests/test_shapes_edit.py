@@ -227,22 +227,23 @@ def test_shipped_edit_model_edits_some_held_out_scenes_right():
 
 @pytest.mark.slow
 def test_edit_rl_raises_held_out_edit_accuracy_on_three_seeds(tmp_path):
-    """`python train.py --model shapes-edit` as shipped on seeds 0, 1 and 2 (docs/shapes.md, "Editing": +0.065,
-    +0.055, +0.090 at step 60, measured on one thread each, as here: the thread count moves the last bits; about 30 s
-    a step with three seeds sharing 2 cores): every seed's held-out edit accuracy ends at least two paired standard
-    errors above step 0, and the rises average 0.05 or more."""
+    """`python train.py --model shapes-edit` as shipped on seeds 0, 1 and 2 (docs/shapes.md, "Editing": +0.148,
+    +0.125, +0.115 at step 100, measured on one thread each, as here: the thread count moves the last bits; 22-30 s
+    a step with two or three seeds sharing 2 cores): every seed's held-out edit accuracy ends at least four paired
+    standard errors above step 0 and within 0.03 of its best evaluation, and the rises average 0.10 or more."""
     import subprocess
     import sys
     rises = []
     for seed in (0, 1, 2):
         out = tmp_path / f"edit{seed}"
         subprocess.run([sys.executable, "train.py", "--model", "shapes-edit", "--seed", str(seed), "--out", str(out)],
-                       cwd=ROOT, check=True, timeout=3600, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                       cwd=ROOT, check=True, timeout=5400, env=dict(os.environ, OMP_NUM_THREADS="1"),
                        stdout=subprocess.DEVNULL)
         rows = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in rows] == list(range(0, 61, 10)), rows
+        assert [r["step"] for r in rows] == list(range(0, 101, 10)), rows
         last = rows[-1]
         assert last["rise"] == pytest.approx(last["edit_correct"] - rows[0]["edit_correct"], abs=1e-6)
-        assert last["rise"] >= 2 * last["rise_se"], (seed, last["rise"], last["rise_se"])
+        assert last["rise"] >= 4 * last["rise_se"], (seed, last["rise"], last["rise_se"])
+        assert last["edit_correct"] >= max(r["edit_correct"] for r in rows) - 0.03, (seed, rows)
         rises.append(last["rise"])
-    assert sum(rises) / 3 >= 0.05, rises
+    assert sum(rises) / 3 >= 0.10, rises
