@@ -296,18 +296,19 @@ def test_more_samples_per_held_out_prompt_repeat_the_prompts_with_fresh_noise(tm
     import eval as evaluation
     import train as train_module
     monkeypatch.chdir(ROOT)
-    scored = {}
+    scored, sample_images = {}, evaluation.sample_images
 
-    def record(reward_fn, images, texts, metadata):
-        scored[len(scored)] = (images.clone(), list(texts), list(metadata))
-        return {"reward": 0.0}
-    monkeypatch.setattr(evaluation, "score", record)
+    def record(pipe, texts, **kw):  # what each held-out evaluation samples: images, prompts, source images
+        images = sample_images(pipe, texts, **kw)
+        scored[len(scored)] = (images.clone(), list(texts), list(kw["source_images"]))
+        return images
+    monkeypatch.setattr(evaluation, "sample_images", record)
     base = [*SMALL, "--steps", "1", "--eval-every", "1", "--eval-prompts", "prompts/tiny.txt", "--eval-steps", "2",
             "--log-images-every", "0"]
     for k in (1, 2):
         train_module.main([*base, "--eval-samples-per-prompt", str(k), "--out", str(tmp_path / f"k{k}")])
-    (one, texts, meta), (two, texts2, meta2) = scored[0], scored[2]  # step 0 of each run
+    (one, texts, sources), (two, texts2, sources2) = scored[0], scored[2]  # step 0 of each run
     n = len(texts)
-    assert n > 1 and texts2 == texts * 2 and meta2 == meta * 2 and len(two) == 2 * n
+    assert n > 1 and texts2 == texts * 2 and sources2 == sources * 2 and len(two) == 2 * n
     assert torch.equal(two[:n], one)  # the first copy: the one-image evaluation, bit for bit
     assert all(not torch.equal(two[n + j], one[j]) for j in range(n))  # the second: other noise
