@@ -6,7 +6,6 @@ import math
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import textwrap
 import time
