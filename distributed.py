@@ -5,6 +5,8 @@
     print0(...)                          print on rank 0 only
     all_gather_cat(t)                    [n, ...] on every rank -> [WORLD * n, ...] in rank order
     any_rank(flag, device)               True everywhere when True anywhere (lockstep skips and stops)
+    union(names)                         the sorted union of every rank's names (the same collectives everywhere)
+    share(n), gather_share(t, n)         this rank's share of n items; the shares' [n, ...] back in item order
     broadcast(obj)                       rank 0's value of a small object, on every rank
     barrier(), finish()
     shard_transformer(transformer, device)                        FSDP2, one unit per transformer block
@@ -77,6 +79,36 @@ def any_rank(flag, device):
     t = torch.tensor([float(flag)], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def union(names):
+    """The sorted union of every rank's names (strings), on every rank: what each rank then gathers one by one is the
+    same list in the same order, whatever each happened to hold (a collective per name that one rank lacks would
+    pair with another call on the others: NCCL hangs or mixes data)."""
+    mine = sorted(set(names))
+    if WORLD == 1:
+        return mine
+    everyone = [None] * WORLD
+    dist.all_gather_object(everyone, mine)
+    return sorted(set().union(*everyone))
+
+
+def share(n):
+    """This rank's share of n items (the held-out images): items rank, rank + WORLD, ..., padded to ceil(n / WORLD)
+    by repeating its last (item 0 where it has none), so that every rank runs as many forwards (FSDP gathers in
+    each) and gathers as many rows. Strided, so that a file sorted by kind spreads each kind over the ranks.
+    -> [indices]"""
+    size = -(-n // WORLD)
+    mine = list(range(RANK, n, WORLD))
+    return mine + [mine[-1] if mine else 0] * (size - len(mine))
+
+
+def gather_share(t, n):
+    """Every rank's [ceil(n / WORLD), ...] rows of its share(n) -> [n, ...] in item order, on every rank (the
+    padding dropped)."""
+    size = -(-n // WORLD)
+    rows = all_gather_cat(t)  # [WORLD * size, ...]: rank r's k-th row is item r + k WORLD
+    return rows[[(i % WORLD) * size + i // WORLD for i in range(n)]]
 
 
 def transformer_blocks(transformer):

@@ -34,19 +34,22 @@ import models
 import rewards
 
 
-def seeded_noise(pipe, n, resolution, seed, num_frames=None):
-    """Noise for prompts 0..n-1, each from its own generator (seed, index): independent of batch size and order."""
+def seeded_noise(pipe, n, resolution, seed, num_frames=None, ids=None):
+    """Noise for prompts 0..n-1 (or for the indices `ids`), each from its own generator (seed, index): independent of
+    batch size, order and which process draws it."""
     return torch.cat([models.initial_noise(pipe, 1, resolution, num_frames=num_frames, generator=data.seeded(seed, i))
-                      for i in range(n)])
+                      for i in (range(n) if ids is None else ids)])
 
 
 def sample_images(pipe, prompts, *, resolution, num_steps, guidance_scale, seed=0, batch_size=8,
                   negative_prompt="", shift=None, num_frames=None, max_sequence_length=None, device="cpu",
-                  source_images=None):
+                  source_images=None, noise_ids=None, autocast=contextlib.nullcontext):
     """ODE samples of `prompts` on the model's own schedule (models.sigmas) -> uint8 [N, H, W, 3]
-    (videos [N, F, H, W, 3]). source_images: per prompt, the images an edit model starts from (data.source_images)."""
+    (videos [N, F, H, W, 3]). source_images: per prompt, the images an edit model starts from (data.source_images).
+    noise_ids: each prompt's noise index (default 0..N-1; a process sampling a share of a set passes the share's);
+    autocast: the forwards' (and decode's) context, as models.generate (train.py: the run's --mixed-precision)."""
     sigmas = models.sigmas(pipe, num_steps, resolution, shift=shift)
-    noise = seeded_noise(pipe, len(prompts), resolution, seed, num_frames)
+    noise = seeded_noise(pipe, len(prompts), resolution, seed, num_frames, ids=noise_ids)
     out = []
     for i in range(0, len(prompts), batch_size):
         embeds = models.encode_prompts(pipe, prompts[i:i + batch_size], negative_prompt=negative_prompt,
@@ -54,7 +57,7 @@ def sample_images(pipe, prompts, *, resolution, num_steps, guidance_scale, seed=
                                        images=source_images[i:i + batch_size] if source_images else None,
                                        resolution=resolution)
         out.append(models.generate(pipe, noise[i:i + batch_size].to(device), sigmas, embeds,
-                                   guidance_scale=guidance_scale, solver="euler")[1])
+                                   guidance_scale=guidance_scale, solver="euler", autocast=autocast)[1])
     return torch.cat(out)
 
 

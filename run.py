@@ -151,7 +151,7 @@ class Run:
         wait saves the last complete step and exits 0 on every rank at once."""
         args, device = self.args, self.device
         self.lap("sampling")
-        scores, failed, skip, fatal, interrupted = {}, None, None, None, False
+        scores, failed, skip, fatal, interrupted, names = {}, None, None, None, False, []
         try:
             results = []
             for b, (future, prompts) in enumerate(pending):
@@ -161,11 +161,7 @@ class Run:
                 results.append(result)
             failed = torch.cat([r.get("failed", torch.zeros(len(r["reward"]), dtype=torch.bool))
                                 for r in results]).bool()
-            names = sorted({k for r in results for k in r} - {"failed"})  # rm_type overrides may leave one out
-            scores = {k: torch.cat([r[k].float() if k in r else torch.full((len(r["reward"]),), float("nan"))
-                                    for r in results]) for k in names}  # each [per_rank]
-            if not torch.isfinite(scores[args.reward_key][~failed]).all():
-                skip = f"--reward-key {args.reward_key} is NaN for some samples (an rm_type override without it?)"
+            names = {k for r in results for k in r} - {"failed"}  # rm_type overrides may leave one out
         except rewards.NonFiniteReward as e:
             skip = str(e)
         except rewards.RewardServiceError as e:  # after the retries, with --reward-on-error raise
@@ -180,6 +176,16 @@ class Run:
         if distributed.any_rank(fatal is not None, device):  # every rank stops, not only the one whose reward failed
             self.pool.shutdown(wait=False, cancel_futures=True)  # later batches' requests are not sent
             raise SystemExit(f"error: {fatal or 'the reward failed on another rank'}")
+        # A row's rm_type may name components that --reward does not, and a scorer's extra entries (GenEval's tags, a
+        # custom scorer's) exist only where it scored: the ranks' names differ. Every rank takes the union, in one
+        # order, NaN where it has no value (NaN already means "does not apply"; every statistic is nan-aware), so that
+        # train.advantages gathers the same components everywhere. Agreed each step, not fixed at start-up: the extra
+        # entries are only known once a scorer has run, and a custom scorer may return other ones per batch.
+        names = distributed.union(names)
+        if skip is None:
+            scores = stacked(results, names)  # each [per_rank]
+            if not torch.isfinite(scores[args.reward_key][~failed]).all():
+                skip = f"--reward-key {args.reward_key} is NaN for some samples (an rm_type override without it?)"
         if distributed.any_rank(skip is not None, device):
             return Rewards(skip=skip or "non-finite reward on another rank")
         # Groups with a sample whose reward service gave up are dropped whole (departure 4).
@@ -278,22 +284,37 @@ class Run:
             warn_divergence(info, float(np.median(self.early_grad_norms)) if len(self.early_grad_norms) == 10 else None)
 
     def evaluate(self, step):
-        """Held-out ODE samples, fixed noise, scored into eval.jsonl. Under FSDP every forward is collective: all
-        ranks sample, rank 0 scores. With --ema-decay the EMA weights are evaluated, as Flow-GRPO does."""
-        args, policy = self.args, self.policy
-        if not (is_main or args.fsdp):
-            return
+        """Held-out ODE samples, fixed noise, scored into eval.jsonl. Every rank samples and scores its share of the
+        held-out images (distributed.share), under the run's autocast as the rollouts, and the scores are gathered in
+        image order: image i takes noise i on whichever rank draws it, so the figures are a single process's. With
+        --ema-decay the EMA weights are evaluated, as Flow-GRPO does."""
+        args, policy, device = self.args, self.policy, self.device
         policy.transformer.eval()
         texts, metadata = (part * args.eval_samples_per_prompt for part in self.held_out)
+        mine = distributed.share(len(texts))  # copy c of prompt j is image c N + j, its noise index
+        my_texts, my_metadata = [texts[i] for i in mine], [metadata[i] for i in mine]
         with policy.ema_weights():
-            images = evaluation.sample_images(policy.pipe, texts, resolution=args.resolution,
+            images = evaluation.sample_images(policy.pipe, my_texts, resolution=args.resolution,
                                               num_steps=args.eval_steps, guidance_scale=args.guidance_scale,
-                                              seed=args.seed, device=self.device, batch_size=args.sample_batch_size,
+                                              seed=args.seed, device=device, batch_size=args.sample_batch_size,
                                               negative_prompt=args.negative_prompt, shift=args.shift,
                                               num_frames=args.num_frames, max_sequence_length=args.max_sequence_length,
-                                              source_images=[data.source_images(m) for m in metadata])
+                                              source_images=[data.source_images(m) for m in my_metadata],
+                                              noise_ids=mine, autocast=policy.autocast)
+        result, error = {}, None
+        try:
+            result = self.reward_fn(images, my_texts, my_metadata)
+        except (rewards.RewardServiceError, ValueError, TypeError) as e:  # NonFiniteReward is a ValueError
+            error = " ".join(str(e).split())
+        if distributed.any_rank(error is not None, device):  # every rank stops, not only the one whose reward failed
+            raise SystemExit(f"error: the held-out evaluation at step {step}: "
+                             f"{error or 'the reward failed on another rank'}")
+        # The same entries on every rank (wait_for_rewards says why), gathered into image order.
+        result = {k: distributed.gather_share(v.to(device), len(texts)).cpu()
+                  for k, v in stacked([result], distributed.union(result)).items()}
+        if "failed" in result:
+            result["failed"] = result["failed"] > 0  # back to bool (stacked made it float to gather)
         if is_main:
-            result = self.reward_fn(images, texts, metadata)
             base_path = os.path.join(args.out, checkpoints.EVAL_BASE)
             if step == 0:  # the model before training: what every later evaluation's rise is measured against
                 torch.save({k: v.detach().cpu() for k, v in result.items() if torch.is_tensor(v)}, base_path + ".tmp")
@@ -433,6 +454,12 @@ def check_sources(path, model, metadata):
     if takes == "required" and have < len(metadata):
         raise SystemExit(f"error: {path}: --model {model} edits source images and {len(metadata) - have} of "
                          f"{len(metadata)} rows have none; give every row one under 'image' (data.py)")
+
+
+def stacked(results, names):
+    """Reward outputs (a list of dicts of [b] tensors) -> {name: [sum of b] float}, NaN where an output lacks it."""
+    return {k: torch.cat([r[k].float() if k in r else torch.full((len(r["reward"]),), float("nan")) for r in results])
+            for k in names}
 
 
 def sample_captions(prompts, scores, reward_key, n):

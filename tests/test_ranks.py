@@ -1,0 +1,176 @@
+"""What NCCL would hang on, run on 2 CPU processes (gloo): every rank must make the same collectives in the same order.
+
+One 2-rank run and one single-process run share a prompt file whose rows pick their own reward components
+(metadata rm_type) so that the two ranks hold different ones, and a held-out file spread so that each rank's share of
+the evaluation scores other components. The reward is a custom scorer that records, per rank, the prompts it scored.
+"""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import distributed
+from test_train import ROOT, metrics
+
+# A "custom" scorer: the brightness of each image in [0, 1] and its complement as an extra entry; it records the
+# prompts it scored in <custom-rm-args>/rank<RANK>.txt.
+SCORER = '''
+import os
+
+def brightness(images, prompts, metadata, folder):
+    with open(os.path.join(folder, "rank" + os.environ.get("RANK", "0") + ".txt"), "a") as f:
+        f.writelines(p + "\\n" for p in prompts)
+    value = images.float().mean(dim=tuple(range(1, images.dim()))) / 255
+    return {"reward": value, "darkness": 1 - value, "failed": [bool(m.get("fail")) for m in metadata]}
+'''
+# --no-shuffle, 2 prompts per step, each prompt's group of 2 on one rank: rank 0 gets rows 0, 2, 4, rank 1 rows 1, 3, 5.
+TRAIN_ROWS = [
+    ("a red circle", {"rm_type": "jpeg_compressibility"}),  # step 1: the ranks hold as many components, other ones
+    ("a blue square", {"rm_type": "jpeg_incompressibility"}),
+    ("a green triangle", {}),  # step 2: rank 1 holds one component more (--reward's, and its own)
+    ("a white star", {"rm_type": "jpeg_incompressibility"}),
+    ("a black moon", {"fail": True}),  # step 3: every sample of rank 0 fails (a reward service that gave up)
+    ("a yellow sun", {}),
+]
+# Held-out: images 0, 2, 4 on rank 0 (jpeg_compressibility only), 1, 3 and a padding copy of 3 on rank 1 (custom).
+HELD_OUT = [("held-out red", {"rm_type": "jpeg_compressibility"}), ("held-out blue", {}),
+            ("held-out green", {"rm_type": "jpeg_compressibility"}), ("held-out white", {}),
+            ("held-out black", {"rm_type": "jpeg_compressibility"})]
+FLAGS = ["--model", "tiny", "--resolution", "32", "--num-steps", "2", "--group-size", "2", "--prompts-per-step", "2",
+         "--sample-batch-size", "1", "--train-batch-size", "1", "--no-shuffle", "--log-images-every", "0",
+         "--reward", "custom", "--eval-every", "3", "--eval-steps", "2",
+         "--mixed-precision", "bf16"]  # evaluation samples under the run's autocast (bf16 runs on CPUs too)
+
+
+def write_rows(path, rows):
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"input": text, "metadata": meta}) + "\n" for text, meta in rows)
+    return str(path)
+
+
+def torchrun(tmp_path, flags, timeout=400):
+    """2 processes under torchrun; a run that outlives `timeout` (collectives that never pair up) is killed."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *flags]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    with open(tmp_path / "torchrun.log", "w+") as log:  # a file, not a pipe: a full pipe would stall a rank
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + timeout
+        while proc.poll() is None and time.time() < deadline:
+            time.sleep(0.5)
+        if proc.poll() is None:  # the agent and its workers share a process group
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.seek(0)
+        text = log.read()
+    assert proc.returncode == 0, f"torchrun exited {proc.returncode} (-9: hung past {timeout} s):\n{text[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same flags on 2 ranks (3 steps) and in one process (the step-0 evaluation is what they share)."""
+    root = tmp_path_factory.mktemp("ranks")
+    (root / "scorer.py").write_text(SCORER)
+    prompts, held_out = write_rows(root / "train.jsonl", TRAIN_ROWS), write_rows(root / "held_out.jsonl", HELD_OUT)
+    flags = FLAGS + ["--prompts", prompts, "--eval-prompts", held_out, "--custom-rm-path", f"{root / 'scorer.py'}:brightness"]
+    for name in ("two", "one"):
+        (root / name / "scored").mkdir(parents=True)
+    torchrun(root / "two", flags + ["--steps", "3", "--out", str(root / "two" / "run"),
+                                    "--custom-rm-args", str(root / "two" / "scored")])
+    one = subprocess.run([sys.executable, "train.py", *flags, "--steps", "1", "--out", str(root / "one" / "run"),
+                          "--custom-rm-args", str(root / "one" / "scored")], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"), timeout=300)
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    return root
+
+
+def test_ranks_holding_different_reward_components_gather_each_one_in_place(runs):
+    """Rows that choose their own components leave the ranks with different ones: each is gathered on every rank,
+    NaN where a rank has none, so the logged means are those of the samples that have it (before, the ranks paired
+    different components in one gather, then made different numbers of gathers and hung)."""
+    rows = metrics(runs / "two" / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3] and not any(r.get("skipped") for r in rows), rows
+    first, second, third = rows
+    # Step 1: jpeg_compressibility (-kB) only on rank 0, jpeg_incompressibility (+kB) only on rank 1, no custom.
+    assert first["reward/jpeg_compressibility_mean"] < 0 < first["reward/jpeg_incompressibility_mean"], first
+    assert first["reward/custom_mean"] is None and first.get("reward/darkness_mean") is None, first  # no rank has it
+    assert first["reward_mean"] == pytest.approx(
+        (first["reward/jpeg_compressibility_mean"] + first["reward/jpeg_incompressibility_mean"]) / 2, rel=1e-5)
+    # Step 2: custom and its extra entry only on rank 0, jpeg_incompressibility only on rank 1.
+    assert 0 < second["reward/custom_mean"] < 1 and second.get("reward/jpeg_compressibility_mean") is None, second
+    assert second["reward/darkness_mean"] == pytest.approx(1 - second["reward/custom_mean"], rel=1e-5)
+    assert second["reward_mean"] == pytest.approx(
+        (second["reward/custom_mean"] + second["reward/jpeg_incompressibility_mean"]) / 2, rel=1e-5)
+    # Step 3: rank 0's group lost its reward (--reward-on-error skip's marks): dropped, rank 1's trains.
+    assert third["dropped_groups"] == 1 and third["grad_norm"] > 0, third
+    assert third["reward/custom_mean"] == pytest.approx(third["reward_mean"], rel=1e-5), third  # rank 1's only
+
+
+def test_evaluation_is_split_over_the_ranks_and_equals_one_process(runs):
+    """Each rank samples and scores its share of the held-out images (rank 1 scores held-out prompts), and the
+    step-0 figures (means, standard errors, every component's) and eval_base.pt equal the single process's."""
+    two, one = (runs / name / "run" for name in ("two", "one"))
+    scored = (runs / "two" / "scored" / "rank1.txt").read_text().splitlines()
+    assert {"held-out blue", "held-out white"} <= set(scored), scored  # rank 1 evaluated its share
+    rows = {name: [json.loads(line) for line in open(path / "eval.jsonl")] for name, path in (("two", two), ("one", one))}
+    assert [r["step"] for r in rows["two"]] == [0, 3] and [r["step"] for r in rows["one"]] == [0]
+    assert rows["two"][0] == rows["one"][0]  # bit for bit: each image has its own noise and forward of batch 1
+    assert rows["two"][0]["jpeg_compressibility"] < 0 < rows["two"][0]["custom"] < 1, rows["two"][0]
+    assert math.isfinite(rows["two"][1]["rise"]) and math.isfinite(rows["two"][1]["rise_se"]), rows["two"][1]
+    base = {name: torch.load(path / "eval_base.pt") for name, path in (("two", two), ("one", one))}
+    assert sorted(base["two"]) == sorted(base["one"]) == ["custom", "darkness", "failed", "jpeg_compressibility",
+                                                          "reward"]
+    for key in base["one"]:  # per image, in held-out order (NaN where the image's row does not use the entry)
+        torch.testing.assert_close(base["two"][key], base["one"][key], rtol=0, atol=0, equal_nan=True)
+    assert base["one"]["jpeg_compressibility"][[0, 2, 4]].lt(0).all() and base["one"]["custom"][[1, 3]].gt(0).all()
+
+
+def test_evaluation_samples_under_the_run_autocast(tmp_path, monkeypatch):
+    """--mixed-precision bf16: the held-out images are sampled under bf16 autocast, as the rollouts (before: float32)."""
+    import eval as evaluation
+    import models
+    import train as train_module
+    monkeypatch.chdir(ROOT)
+    seen, velocity, sample_images = [], models.velocity, evaluation.sample_images
+    inside = []
+
+    def record_velocity(*a, **k):
+        if inside:
+            seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32)
+        return velocity(*a, **k)
+
+    def record_sampling(*a, **k):
+        inside.append(1)
+        try:
+            return sample_images(*a, **k)
+        finally:
+            inside.pop()
+    monkeypatch.setattr(models, "velocity", record_velocity)
+    monkeypatch.setattr(evaluation, "sample_images", record_sampling)
+    train_module.main(["--model", "tiny", "--resolution", "32", "--num-steps", "2", "--group-size", "2",
+                       "--prompts-per-step", "1", "--sample-batch-size", "2", "--train-batch-size", "2", "--steps", "1",
+                       "--eval-every", "1", "--eval-prompts", "prompts/tiny.txt", "--eval-steps", "2",
+                       "--log-images-every", "0", "--mixed-precision", "bf16", "--out", str(tmp_path / "run")])
+    assert seen and set(seen) == {torch.bfloat16}, seen
+
+
+@pytest.mark.parametrize("n", [1, 4, 5, 7])
+def test_shares_cover_every_item_once_and_gather_back_in_order(n, monkeypatch):
+    """distributed.share over 3 ranks: strided, padded to one size (the same forwards on every rank); gather_share
+    puts the shares' rows back in item order and drops the padding."""
+    world, shares = 3, []
+    monkeypatch.setattr(distributed, "WORLD", world)
+    for rank in range(world):
+        monkeypatch.setattr(distributed, "RANK", rank)
+        shares.append(distributed.share(n))
+    assert len({len(s) for s in shares}) == 1  # one size: the same forwards on every rank
+    assert all(s[:len(range(r, n, world))] == list(range(r, n, world)) for r, s in enumerate(shares)), shares
+    assert sorted({i for s in shares for i in s}) == list(range(n))  # every item, padding repeats one of them
+    rows = torch.tensor([i * 10.0 for s in shares for i in s])  # what all_gather_cat returns: rank 0's rows first
+    monkeypatch.setattr(distributed, "all_gather_cat", lambda t: rows)
+    assert distributed.gather_share(None, n).tolist() == [i * 10.0 for i in range(n)]
