@@ -214,8 +214,9 @@ class Run:
 
     def _stop_while_waiting(self, step):
         """A signal arrived while waiting: keep the last complete step, redo this one on resume, exit 0 at once."""
-        if not os.path.isfile(os.path.join(self.args.out, "checkpoints", str(step), "state.json")):
-            self.policy.checkpoint(self.args, step, self._state())
+        saved = os.path.isfile(os.path.join(self.args.out, "checkpoints", str(step), "state.json"))
+        if not distributed.broadcast(saved):  # rank 0 wrote it: its view decides the collective save for every rank
+            self.policy.checkpoint(self.args, step, self._state())  # (another node may see the file late, or never)
         print0(f"stopped by {self.signal or 'a signal on another rank'} while waiting for rewards in step "
                f"{step + 1}; checkpoint {step} saved, continue with --resume auto --out {self.args.out}")
         self._exit_now()  # a reward request may still be blocked on the network: do not wait for its thread

@@ -54,10 +54,10 @@ def write_rows(path, rows):
     return str(path)
 
 
-def torchrun(tmp_path, flags, timeout=400):
+def torchrun(tmp_path, flags, timeout=400, script="train.py"):
     """2 processes under torchrun; a run that outlives `timeout` (collectives that never pair up) is killed."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *flags]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script, *flags]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     with open(tmp_path / "torchrun.log", "w+") as log:  # a file, not a pipe: a full pipe would stall a rank
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + timeout
@@ -157,6 +157,51 @@ def test_evaluation_samples_under_the_run_autocast(tmp_path, monkeypatch):
                        "--eval-every", "1", "--eval-prompts", "prompts/tiny.txt", "--eval-steps", "2",
                        "--log-images-every", "0", "--mixed-precision", "bf16", "--out", str(tmp_path / "run")])
     assert seen and set(seen) == {torch.bfloat16}, seen
+
+
+# A signal during the reward wait, on 2 ranks where rank 1 does not see the checkpoint rank 0 wrote (another node's
+# disk, or a network file system's stale cache). Each rank records the saves it took part in, then exits.
+STOP_WORKER = """
+import json, os, sys, types
+import torch.distributed as dist
+import distributed, run
+
+out = sys.argv[1]
+distributed.init()
+if distributed.RANK == 0:
+    os.makedirs(os.path.join(out, "checkpoints", "3"))
+    open(os.path.join(out, "checkpoints", "3", "state.json"), "w").write("{}")
+distributed.barrier()
+if distributed.RANK == 1:
+    isfile = os.path.isfile
+    os.path.isfile = lambda path: False if path.endswith("state.json") else isfile(path)
+saves = []
+
+
+class Policy:
+    def checkpoint(self, args, step, state):
+        dist.barrier()  # collective, as checkpoints.write
+        saves.append(step)
+
+
+def exit_now():
+    json.dump(saves, open(os.path.join(out, f"rank{distributed.RANK}.json"), "w"))
+    distributed.finish()
+    os._exit(0)
+
+
+r = run.Run.__new__(run.Run)
+r.args, r.policy, r.signal, r.bad_in_a_row, r._exit_now = types.SimpleNamespace(out=out), Policy(), "SIGTERM", 0, exit_now
+r._stop_while_waiting(3)
+"""
+
+
+def test_a_signal_during_the_reward_wait_saves_on_every_rank_or_on_none(tmp_path):
+    """Whether the last complete step is still to be saved is rank 0's view, on every rank: the save is collective,
+    and a rank that does not see rank 0's file would otherwise enter it alone and hang."""
+    (tmp_path / "worker.py").write_text(STOP_WORKER)
+    torchrun(tmp_path, [str(tmp_path)], timeout=120, script=str(tmp_path / "worker.py"))
+    assert [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)] == [[], []]  # step 3 was saved already
 
 
 @pytest.mark.parametrize("n", [1, 4, 5, 7])
