@@ -196,12 +196,59 @@ r._stop_while_waiting(3)
 """
 
 
+# The held-out evaluation whose reward fails on rank 1 only; each rank records how its evaluation ended.
+EVAL_ERROR_WORKER = """
+import contextlib, os, sys, types
+import torch
+import distributed, run, eval as evaluation
+
+out = sys.argv[1]
+device = distributed.init()
+evaluation.sample_images = lambda pipe, texts, **k: torch.zeros(len(texts), 8, 8, 3, dtype=torch.uint8)
+
+
+def reward_fn(images, prompts, metadata):
+    if distributed.RANK == 1:
+        raise ValueError("reward 'custom' returned 1 scores for 2 samples")
+    return {"reward": torch.zeros(len(prompts))}
+
+
+r = run.Run.__new__(run.Run)
+r.args = types.SimpleNamespace(eval_samples_per_prompt=1, resolution=8, eval_steps=2, guidance_scale=1.0, seed=0,
+                               sample_batch_size=2, negative_prompt="", shift=None, num_frames=None,
+                               max_sequence_length=None, out=out)
+r.policy = types.SimpleNamespace(transformer=torch.nn.Linear(1, 1), ema_weights=contextlib.nullcontext, pipe=None,
+                                 autocast=contextlib.nullcontext)
+r.device, r.held_out, r.reward_fn = device, (["a", "b", "c"], [{}, {}, {}]), reward_fn
+try:
+    r.evaluate(0)
+    ended = "evaluated"
+except SystemExit as e:
+    ended = str(e)
+open(os.path.join(out, f"rank{distributed.RANK}.txt"), "w").write(ended)
+distributed.finish()
+"""
+
+
+def worker(tmp_path, source):
+    (tmp_path / "worker.py").write_text(source)
+    torchrun(tmp_path, [str(tmp_path)], timeout=120, script=str(tmp_path / "worker.py"))
+
+
 def test_a_signal_during_the_reward_wait_saves_on_every_rank_or_on_none(tmp_path):
     """Whether the last complete step is still to be saved is rank 0's view, on every rank: the save is collective,
     and a rank that does not see rank 0's file would otherwise enter it alone and hang."""
-    (tmp_path / "worker.py").write_text(STOP_WORKER)
-    torchrun(tmp_path, [str(tmp_path)], timeout=120, script=str(tmp_path / "worker.py"))
+    worker(tmp_path, STOP_WORKER)
     assert [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)] == [[], []]  # step 3 was saved already
+
+
+def test_a_reward_failing_in_the_evaluation_of_one_rank_stops_every_rank_in_one_line(tmp_path):
+    """The held-out reward fails on rank 1 only: both ranks stop with one line (rank 0 is told it failed elsewhere)
+    instead of rank 0 waiting in the gather of the scores."""
+    worker(tmp_path, EVAL_ERROR_WORKER)
+    ended = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
+    assert ended == ["error: the held-out evaluation at step 0: the reward failed on another rank",
+                     "error: the held-out evaluation at step 0: reward 'custom' returned 1 scores for 2 samples"]
 
 
 @pytest.mark.parametrize("n", [1, 4, 5, 7])
