@@ -61,6 +61,12 @@ def sample_images(pipe, prompts, *, resolution, num_steps, guidance_scale, seed=
     return torch.cat(out)
 
 
+def autocast(device, mixed_precision):
+    """The autocast context factory of --mixed-precision ("no": none), as policy.Policy.autocast."""
+    dtype = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision]
+    return contextlib.nullcontext if dtype is None else (lambda: torch.autocast(device.type, dtype=dtype))
+
+
 def means_of(result, base=None):
     """The held-out figures of a reward output (dict of [N] tensors): each entry's mean (nan-aware: rm_type overrides
     leave other components NaN), and beside it its standard error (<key>_se, the sample std / sqrt(n) over the values
@@ -581,6 +587,8 @@ def main(argv=None):
     p.add_argument("--eval-steps", type=int, default=40, help="ODE steps")
     p.add_argument("--guidance-scale", type=float, default=1.0, help="CFG scale")
     p.add_argument("--batch-size", type=int, default=8, help="images per forward")
+    p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"],
+                   help="autocast dtype of the forwards and the decode: the training run's, to score what it sampled")
     p.add_argument("--seed", type=int, default=0, help="noise seed (per prompt)")
     p.add_argument("--out", default=None, help="folder for summary.json, grid.png (pages grid-2.png, ...) and "
                    "bars.png (default: runs/eval); with --plot, for curves.png (default: the first run's folder)")
@@ -631,7 +639,8 @@ def main(argv=None):
     kw = dict(resolution=args.resolution, num_steps=args.eval_steps, guidance_scale=args.guidance_scale,
               seed=args.seed, batch_size=args.batch_size, device=device, shift=args.shift,
               num_frames=args.num_frames, max_sequence_length=args.max_sequence_length,
-              source_images=[data.source_images(m) for m in metadata])  # edit models: what each prompt edits
+              source_images=[data.source_images(m) for m in metadata],  # edit models: what each prompt edits
+              autocast=autocast(device, args.mixed_precision))
     names, columns, results, weights = ["base"], [], [], {}
     with models.reference(pipe) if rank else contextlib.nullcontext():
         columns.append(sample_images(pipe, prompts, **kw))

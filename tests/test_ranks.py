@@ -159,6 +159,24 @@ def test_evaluation_samples_under_the_run_autocast(tmp_path, monkeypatch):
     assert seen and set(seen) == {torch.bfloat16}, seen
 
 
+def test_eval_py_samples_under_the_autocast_asked_for(tmp_path, monkeypatch):
+    """eval.py --mixed-precision bf16 scores a bf16 run's checkpoints as it sampled; the default stays float32."""
+    import eval as evaluation
+    import models
+    seen, velocity = [], models.velocity
+
+    def record_velocity(*a, **k):
+        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32)
+        return velocity(*a, **k)
+    monkeypatch.setattr(models, "velocity", record_velocity)
+    monkeypatch.chdir(ROOT)
+    common = ["--model", "tiny", "--max-prompts", "2", "--eval-steps", "2", "--resolution", "32", "--grid-rows", "2"]
+    for precision, dtype in (("bf16", torch.bfloat16), ("no", torch.float32)):
+        seen.clear()
+        evaluation.main([*common, "--mixed-precision", precision, "--out", str(tmp_path / precision)])
+        assert seen and set(seen) == {dtype}, (precision, seen)
+
+
 # A signal during the reward wait, on 2 ranks where rank 1 does not see the checkpoint rank 0 wrote (another node's
 # disk, or a network file system's stale cache). Each rank records the saves it took part in, then exits.
 STOP_WORKER = """
