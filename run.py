@@ -37,9 +37,10 @@ from distributed import RANK, is_main, print0
 
 
 class Rewards(NamedTuple):
-    """The outcome of a step's reward wait: `scores` {name: [per_rank]}; `dropped` [prompts_per_step] bool, the groups
-    with a sample whose reward service gave up (--reward-on-error skip); `skip` a reason to skip the update, or None.
-    (A signal during the wait ends the process there, the last complete step saved.)"""
+    """The outcome of a step's reward wait: `scores` {name: [per_rank]}, the same names on every rank; `dropped`
+    [prompts_per_step] bool, the groups with a sample whose reward service gave up (--reward-on-error skip); `skip` a
+    reason to skip the update, or None. (A signal during the wait ends the process there, the last complete step
+    saved.)"""
     scores: dict = None
     dropped: torch.Tensor = None
     skip: str = None

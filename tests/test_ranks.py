@@ -77,7 +77,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ranks")
     (root / "scorer.py").write_text(SCORER)
     prompts, held_out = write_rows(root / "train.jsonl", TRAIN_ROWS), write_rows(root / "held_out.jsonl", HELD_OUT)
-    flags = FLAGS + ["--prompts", prompts, "--eval-prompts", held_out, "--custom-rm-path", f"{root / 'scorer.py'}:brightness"]
+    flags = FLAGS + ["--prompts", prompts, "--eval-prompts", held_out,
+                     "--custom-rm-path", f"{root / 'scorer.py'}:brightness"]
     for name in ("two", "one"):
         (root / name / "scored").mkdir(parents=True)
     torchrun(root / "two", flags + ["--steps", "3", "--out", str(root / "two" / "run"),
@@ -117,7 +118,8 @@ def test_evaluation_is_split_over_the_ranks_and_equals_one_process(runs):
     two, one = (runs / name / "run" for name in ("two", "one"))
     scored = (runs / "two" / "scored" / "rank1.txt").read_text().splitlines()
     assert {"held-out blue", "held-out white"} <= set(scored), scored  # rank 1 evaluated its share
-    rows = {name: [json.loads(line) for line in open(path / "eval.jsonl")] for name, path in (("two", two), ("one", one))}
+    rows = {name: [json.loads(line) for line in open(path / "eval.jsonl")]
+            for name, path in (("two", two), ("one", one))}
     assert [r["step"] for r in rows["two"]] == [0, 3] and [r["step"] for r in rows["one"]] == [0]
     assert rows["two"][0] == rows["one"][0]  # bit for bit: each image has its own noise and forward of batch 1
     assert rows["two"][0]["jpeg_compressibility"] < 0 < rows["two"][0]["custom"] < 1, rows["two"][0]
@@ -131,7 +133,8 @@ def test_evaluation_is_split_over_the_ranks_and_equals_one_process(runs):
 
 
 def test_evaluation_samples_under_the_run_autocast(tmp_path, monkeypatch):
-    """--mixed-precision bf16: the held-out images are sampled under bf16 autocast, as the rollouts (before: float32)."""
+    """--mixed-precision bf16: the held-out images are sampled under bf16 autocast, as the rollouts (before:
+    float32)."""
     import eval as evaluation
     import models
     import train as train_module
@@ -209,7 +212,8 @@ def exit_now():
 
 
 r = run.Run.__new__(run.Run)
-r.args, r.policy, r.signal, r.bad_in_a_row, r._exit_now = types.SimpleNamespace(out=out), Policy(), "SIGTERM", 0, exit_now
+r.args, r.policy, r.signal, r.bad_in_a_row = types.SimpleNamespace(out=out), Policy(), "SIGTERM", 0
+r._exit_now = exit_now
 r._stop_while_waiting(3)
 """
 
