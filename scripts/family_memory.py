@@ -225,7 +225,6 @@ def recipe_terms(name, fixed=()):
     text encoders off the GPU between encodings (a prompt-embedding cache), 7 FSDP2 all-gathering bf16 weights and
     reduce-scattering each micro-batch's gradients (no unsharded float32 gradients kept over an accumulation), 8 DDP
     with gradient_as_bucket_view. On paper: what this formula gives, not a measurement."""
-    import losses
     model, recipe, extra, world, reward_kinds = RECIPES[name]
     args = recipe_args(recipe, extra)
     kind = "sd3" if model.startswith("sd3") else "flux"
