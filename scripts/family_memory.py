@@ -215,9 +215,9 @@ def recipe_args(recipe, extra):
     return args
 
 
-FIXES = {6: "text encoders off the GPU, prompt embeddings cached",
-         7: "FSDP2 in bf16 (MixedPrecisionPolicy), accumulation into sharded gradients",
-         8: "DDP's gradients as bucket views"}
+# The memory changes of issue 30 (its item numbers): 6 the text encoders off the GPU, 7 FSDP2 in bf16 with sharded
+# gradient accumulation, 8 DDP's gradients as bucket views. -> a column header of recipe_table
+FIXES = {6: "encoders off the GPU", 7: "FSDP2 bf16, sharded accumulation", 8: "DDP bucket view"}
 
 
 def recipe_terms(name, fixed=()):
@@ -291,7 +291,7 @@ def recipe_table():
         print(f"| {key} | " + " | ".join(f"{terms[n][key] / gb:.1f}" for n in RECIPES) + " |")
     print("| total | " + " | ".join(f"{sum(terms[n].values()) / gb:.1f}" for n in RECIPES) + " |")
     print()
-    print("| recipe | before | " + " | ".join(f"item {k} saves" for k in FIXES) + " | after |")
+    print("| recipe | before | " + " | ".join(f"{label} saves" for label in FIXES.values()) + " | after all |")
     print("| --- | ---: |" + " ---: |" * (len(FIXES) + 1))
     for name in RECIPES:
         total = sum(terms[name].values())
