@@ -297,7 +297,8 @@ def recipe_table():
         total = sum(terms[name].values())
         saved = [total - sum(recipe_terms(name, fixed=(k,)).values()) for k in FIXES]
         after = sum(recipe_terms(name, fixed=tuple(FIXES)).values())
-        print(f"| `{name}` | {total / gb:.1f} | " + " | ".join(f"{v / gb:.1f}" for v in saved) + f" | {after / gb:.1f} |")
+        print(f"| `{name}` | {total / gb:.1f} | " + " | ".join(f"{v / gb:.1f}" for v in saved)
+              + f" | {after / gb:.1f} |")
 
 
 def main():

@@ -34,8 +34,11 @@ GC_MIN_S=${GC_MIN_S:-150}
 STEPS=${STEPS:-2}
 WARMUP=${WARMUP:-1}
 MODEL=${MODEL:-sd3-random}
-BENCH_ARGS=${BENCH_ARGS:-@recipes/sd3_bench.args -- --prompts-per-step 2 --group-size 8 --sample-batch-size 8 --train-batch-size 8}
-RESUME_ARGS=${RESUME_ARGS:---resolution 512 --prompts prompts/pickscore_train.txt --num-steps 10 --group-size 4 --prompts-per-step 2 --sample-batch-size 4 --train-batch-size 4 --minibatches 1 --lora-rank 32 --lora-alpha 64 --mixed-precision bf16}
+small="--prompts-per-step 2 --group-size 8 --sample-batch-size 8 --train-batch-size 8"  # 16 samples, not 128
+BENCH_ARGS=${BENCH_ARGS:-@recipes/sd3_bench.args -- $small}
+small="--resolution 512 --prompts prompts/pickscore_train.txt --num-steps 10 --group-size 4 --prompts-per-step 2"
+small+=" --sample-batch-size 4 --train-batch-size 4 --minibatches 1 --lora-rank 32 --lora-alpha 64 --mixed-precision bf16"
+RESUME_ARGS=${RESUME_ARGS:-$small}
 WHEELS=${WHEELS:-wheels}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -58,8 +61,9 @@ if ! python -c "import diffusers, transformers, peft" 2>/dev/null; then
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 if [ "${ALLOW_CPU:-0}" != 1 ]; then
-    python -c "import torch; assert torch.cuda.is_available(); print('torch', torch.__version__, '|', torch.cuda.get_device_name())" \
-        || { echo "error: torch sees no CUDA GPU; this script measures GPU figures (CPU: python bench.py --model tiny)"; exit 1; }
+    python -c "import torch; assert torch.cuda.is_available(); print('torch', torch.__version__, torch.cuda.get_device_name())" \
+        || { echo "error: torch sees no CUDA GPU; this script measures GPU figures (CPU: python bench.py --model tiny)"
+             exit 1; }
 fi
 
 bench() {  # name, seconds allowed, extra train.py flags...

@@ -80,7 +80,8 @@ def resume_verdict(out):
                                                                                ("straight", straight))}
     missing = [name for name, by_step in rows.items() if 2 not in by_step]
     if missing:
-        return (f"resume: FAILED, no step 2 in {' and '.join(missing)} (see resumed_1.log, resumed_2.log, straight.log)", [])
+        return (f"resume: FAILED, no step 2 in {' and '.join(missing)} "
+                "(see resumed_1.log, resumed_2.log, straight.log)", [])
     figures = differences(rows["resumed"][2], rows["straight"][2])
     tensors = tensor_differences(resumed, straight)
     if not tensors:

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-spec = importlib.util.spec_from_file_location("gpu_bench_summary", os.path.join(ROOT, "scripts", "gpu_bench_summary.py"))
+spec = importlib.util.spec_from_file_location("gpu_bench_summary",
+                                              os.path.join(ROOT, "scripts", "gpu_bench_summary.py"))
 summary = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(summary)
 
@@ -31,10 +32,12 @@ def weights(scale=1.0):
 ROWS = [{"step": 1, "loss": 0.5, "seconds": 3.0}, {"step": 2, "loss": 0.25, "reward_mean": 0.1, "seconds": 2.0}]
 
 
-@pytest.mark.parametrize("case,verdict", [("identical", "resume: identical"), ("rounding", "same up to kernel rounding"),
-                                          ("lost", "resume: DIFFERS"), ("missing", "resume: FAILED, no step 2 in resumed")])
+@pytest.mark.parametrize("case,verdict", [
+    ("identical", "resume: identical"), ("rounding", "same up to kernel rounding"), ("lost", "resume: DIFFERS"),
+    ("missing", "resume: FAILED, no step 2 in resumed")])
 def test_resume_verdict(tmp_path, case, verdict):
-    """Times differ freely; a figure or tensor within 1e-3 is kernel rounding; a reset copy or an unresumed run is not."""
+    """Times differ freely; a figure or tensor within 1e-3 is kernel rounding; a reset copy or an unresumed run is
+    not."""
     straight = [dict(r, seconds=r["seconds"] + 1) for r in ROWS]
     fake_run(tmp_path / "straight", straight, weights())
     resumed_rows = {"identical": ROWS, "rounding": [ROWS[0], dict(ROWS[1], loss=0.25 * (1 + 1e-5))],
@@ -67,6 +70,30 @@ def test_bench_rows(tmp_path):
         f.write(json.dumps({"step": 1, "seconds": 151.25}) + "\n")
     assert summary.bench_row(str(tmp_path), "sd3_bench_gc").startswith(
         "| sd3_bench_gc | cut: 1 step(s) logged, seconds 151.2")
+
+
+def test_default_phases_parse(tmp_path, monkeypatch):
+    """The GPU defaults of the bench and resume phases pass bench.py's and train.py's checks (before a GPU is spent)."""
+    import re
+    import bench
+    import train
+    monkeypatch.chdir(ROOT)
+    text = open(os.path.join(ROOT, "scripts", "gpu_bench.sh")).read()
+    small = re.findall(r'^small\+?="([^"]*)"', text, re.M)
+    bench_small, resume_small = small[0].split(), (small[1] + small[2]).split()
+    assert bench_small[:2] == ["--prompts-per-step", "2"] and "--resolution" in resume_small
+    args = bench.parse_args(["--model", "sd3-random", "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "b"),
+                             "--json", str(tmp_path / "b.json"), "@recipes/sd3_bench.args", "--", *bench_small])
+    p, targs = train.parse_args(args.train_args + ["--model", "sd3-random", "--reward", args.reward, "--steps", "3"])
+    train.check_args(p, targs, 1)
+    assert (targs.prompts_per_step * targs.group_size, targs.mixed_precision, targs.lora_rank) == (16, "bf16", 32)
+    for tail in (["--steps", "1"], ["--steps", "2", "--resume", "auto"]):
+        p, targs = train.parse_args(["--model", "sd3-random", "--reward", "jpeg_compressibility", "--loss", "nft",
+                                     "--ema-decay", "0.9", "--ema-every", "1", "--ema-repeat", "1", "--save-every", "1",
+                                     "--eval-every", "0", "--log-images-every", "0", *resume_small,
+                                     "--out", str(tmp_path / "r"), *tail])
+        train.check_args(p, targs, 1)
+        assert targs.resolution == 512 and targs.ema_decay == 0.9
 
 
 @pytest.mark.slow

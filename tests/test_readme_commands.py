@@ -1,15 +1,16 @@
 """Every command the README and train.py's Launch section show parses and passes its script's own checks.
 
 Commands are read from README.md (its bash blocks, and backticked commands in its prose) and from the Launch
-sections of train.py's and bench.py's docstrings, then run in this process through the script's own parser and checks (train.py:
-parse_args and check_args at the launch's world size; bench.py: its parse_args, then train.py's on the argv it would
-run; eval.py, shapes.py and scripts without a parse_args: their parser, stopped as it returns). Nothing loads a model.
-Stand-ins: `@recipes/...` is every recipe, HOST is localhost, R and N are 0, `$s` is 0, a lone `...` (the flags of
-the line above) is dropped, and a --model-path is a folder name that is never opened.
+sections of train.py's and bench.py's docstrings, then run in this process through the script's own parser and
+checks (train.py: parse_args and check_args at the launch's world size; bench.py: its parse_args, then train.py's on
+the argv it would run; eval.py, shapes.py and scripts without a parse_args: their parser, stopped as it returns).
+Nothing loads a model. Stand-ins: `@recipes/...` is every recipe (but those shown launched on one GPU), HOST is
+localhost, R and N are 0, `$s` is 0, a lone `...` (the flags of the line above) is dropped, and a --model-path is a
+folder name that is never opened.
 
 A second test runs every recipe with each tail of flags that the commands add after a recipe (`--resume auto`,
-`--lora-rank 0 --kl-beta 0 --mixed-precision bf16 --fsdp`, ...), at that command's world size, so that a flag
-added to a recipe later cannot break a command the README shows with another recipe.
+`--lora-rank 0 --kl-beta 0 --mixed-precision bf16 --fsdp`, ...), so that a flag added to a recipe later cannot break
+a command the README shows with another recipe.
 """
 import argparse
 import contextlib
@@ -31,8 +32,8 @@ SCRIPTS = ("train.py", "eval.py", "bench.py", "shapes.py")  # and scripts/*.py
 PLACEHOLDERS = {"N": "0", "R": "0", "$s": "0"}  # --seed N, --node-rank R, the seed loop's $s
 # Commands shown for something other than running as written, each with the reason; every one must still be found.
 NOT_RUN = {
-    "python train.py --loss reinforce": "the README's example of adding a loss, defined in its text (tests/test_registry.py "
-                                        "defines and runs it)",
+    "python train.py --loss reinforce": "the README's example of adding a loss, defined in its text "
+                                        "(tests/test_registry.py defines and runs it)",
 }
 
 
@@ -127,6 +128,11 @@ def commands():
 COMMANDS = commands()
 
 
+@pytest.fixture(autouse=True)
+def at_the_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the commands name recipes and prompt files relative to the repository
+
+
 class Parsed(Exception):
     """Raised in place of returning from ArgumentParser.parse_args: the parse is done, nothing after it runs."""
 
@@ -198,7 +204,8 @@ def test_commands_are_found():
     assert {s for _, s, *_ in COMMANDS} >= {"train.py", "eval.py", "bench.py", "scripts/league.py", "shapes.py"}
     worlds = {label: w for label, _, argv, w in COMMANDS if argv is not None}
     assert max(worlds.values()) == 16 and min(worlds.values()) == 1  # two nodes of 8; python
-    assert sum("[recipes/" in label for label in labels) >= 2 * (len(RECIPES) - len(ONE_GPU))  # the Launch lines' @recipes/...
+    # the Launch section's two @recipes/... lines, each on every recipe but the one-GPU ones
+    assert sum("[recipes/" in label for label in labels) >= 2 * (len(RECIPES) - len(ONE_GPU))
 
 
 @pytest.mark.parametrize("label,script,argv,world", COMMANDS, ids=[c[0] for c in COMMANDS])
