@@ -42,7 +42,10 @@ and defaults to jpeg_compressibility, which costs almost nothing, so that the st
 pass --reward to time another. FLOPs come from torch.utils.flop_counter.FlopCounterMode on one sample of
 each kind of call, times its batch (gradient checkpointing off while counting: recomputation is not useful work);
 MFU = FLOPs of the step / (step seconds x --peak-tflops), reported on a GPU (the default peak is the
-H200's dense bf16 spec, 989 TFLOP/s) or when --peak-tflops is given.
+H200's dense bf16 spec, 989 TFLOP/s) or when --peak-tflops is given. Memory: the peak allocated by tensors
+(`peak_mem_mib`) and the peak reserved by the caching allocator (`peak_reserved_mib`, what has to fit on the GPU);
+on a CPU both are the peak RSS. `first_ratio_dev` is |ratio - 1| on the first update of each batch (train.py
+departure 2), the rounding of --mixed-precision between the rollout's forward and the update's.
 
 --windows runs the recipe four times, each in its own process: --sde-window all, fast and mix (window of
 --window-size steps, 2 as in Flow-GRPO-Fast and MixGRPO arXiv:2507.21802), and mix --flash. Its speed-up
@@ -361,9 +364,13 @@ def median_of(rows, key):
 
 
 def peak_memory_mib(device):
+    """(allocated, reserved) peak MiB. On a GPU the allocated peak is what tensors held; the reserved one what the
+    caching allocator took from the device, fragmentation included: the figure that must fit (an out-of-memory error
+    comes when it cannot grow). On a CPU both are the process's peak RSS."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB -> MiB (the process's peak RSS)
+        return torch.cuda.max_memory_allocated(device) / 2**20, torch.cuda.max_memory_reserved(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB -> MiB (the process's peak RSS)
+    return rss, rss
 
 
 def run(args):
@@ -387,7 +394,7 @@ def run(args):
             wall = time.time() - t
         pipe = recorder.pipe
         device = pipe.transformer.device
-        peak_mib = peak_memory_mib(device)
+        peak_mib, peak_reserved_mib = peak_memory_mib(device)
         with open(os.path.join(out, "args.json")) as f:
             targs = json.load(f)["args"]
         with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -444,7 +451,10 @@ def run(args):
         rollout_overhead=median_of(ratios, "rollout"),
         train_overhead=median_of(ratios, "train"),
         overhead_ratio_per_step=[r["step"] for r in ratios], bare_timed_between_steps=interleaved,
-        peak_mem_mib=peak_mib,
+        peak_mem_mib=peak_mib, peak_reserved_mib=peak_reserved_mib,
+        # |ratio - 1| on the first update of each batch, warm-up included (train.py departure 2): 0 up to the
+        # rounding of --mixed-precision, which the update's forward repeats at another batch shape
+        first_ratio_dev=max((abs(r["first_ratio_dev"]) for r in lines if "first_ratio_dev" in r), default=math.nan),
         reward_images_per_s=len(images) / statistics.median(reward_times),
         samples_per_step=samples, measured_steps=len(measured), warmup_steps=args.warmup,
         seconds=step_s, seconds_sampling=median_of(measured, "seconds_sampling"),
@@ -475,7 +485,8 @@ def report(r):
         f"  update     {r['train_samples_per_s']:.3f} samples/s ({r['seconds_training']:.2f} s; pure {r['pure_train_seconds']:.2f} s; x{r['train_overhead']:.3f})",
         f"  reward     {r['reward_images_per_s']:.1f} images/s alone ({r['reward']}); waited {r['seconds_reward_wait']:.2f} s/step",
         f"  overhead ratio {r['overhead_ratio']:.3f} (median over steps of step / pure compute; medians {r['seconds']:.2f} s / {r['pure_seconds']:.2f} s)",
-        f"  peak memory {r['peak_mem_mib']:.0f} MiB | {r['tflop_per_step']:.3f} TFLOP/step, {r['achieved_tflops']:.3f} TFLOP/s"
+        f"  peak memory {r['peak_mem_mib']:.0f} MiB allocated, {r['peak_reserved_mib']:.0f} MiB reserved | "
+        f"first-update |ratio - 1| {r['first_ratio_dev']:.2e} | {r['tflop_per_step']:.3f} TFLOP/step, {r['achieved_tflops']:.3f} TFLOP/s"
         + (f" | MFU {100 * r['mfu']:.1f} % of {r['peak_tflops']:g} (pure compute {100 * r['pure_mfu']:.1f} %)" if "mfu" in r else ""),
     ]
     for c in r["calls"]:

@@ -10,7 +10,9 @@ Launch
     torchrun --nnodes 2 --nproc_per_node 8 --node-rank R --rdzv-backend c10d \
         --rdzv-endpoint HOST:29500 train.py @recipes/sd3_pickscore_grpo.args      # two nodes (R = 0, 1)
     torchrun --standalone --nproc_per_node=8 --max-restarts 3 train.py @recipes/... --resume auto   # preemptible
-    torchrun --standalone --nproc_per_node=8 train.py @recipes/... --lora-rank 0 --fsdp   # full fine-tune, FSDP2
+    torchrun --standalone --nproc_per_node=8 train.py @recipes/... --lora-rank 0 --kl-beta 0 --mixed-precision bf16 \
+        --fsdp                                                     # full fine-tune, FSDP2 (no KL reference, no fp16)
+    python train.py @recipes/wan_ocr_grpo.args                     # the one recipe sized for one GPU (its authors')
 
 One step = SAMPLING (SDE rollouts of `--group-size` images for each of `--prompts-per-step` prompts,
 spread over all ranks) -> REWARDS -> ADVANTAGES (group-relative, after gathering every rank's rewards)
@@ -578,8 +580,13 @@ def check_args(p, args, world_size):
                 f"(cps scores -mean(delta^2)): use --sde {' or '.join(loss.sde_kinds)}")
     if args.eval_every and not args.eval_prompts:
         p.error("--eval-every needs --eval-prompts (a held-out prompt file)")
+    # fp16 needs a loss scale whose overflow check agrees across the shards of every rank (FSDP1's ShardedGradScaler);
+    # policy.py's GradScaler sees its own shard only. bf16 needs no scale, and Flow-GRPO's FSDP configs use it
+    # (config/grpo.py pickscore_qwenimage, counting_qwenimage_edit: mixed_precision "bf16"); the SD3.5 recipes keep
+    # the fp16 of its LoRA runs (config/base.py), so a full fine-tune from them adds --mixed-precision bf16.
     if args.fsdp and args.mixed_precision == "fp16":
-        p.error("--mixed-precision fp16 needs loss scaling, which is not wired for --fsdp: use bf16")
+        p.error("--mixed-precision fp16 needs loss scaling, which is not wired for --fsdp: add --mixed-precision bf16 "
+                "after the recipe")
     if args.fsdp and (args.lora_rank > 0 or world_size == 1):
         p.error("--fsdp shards a full fine-tune over processes: use it with --lora-rank 0 under torchrun "
                 "--nproc_per_node N > 1 (LoRA runs use DDP)")

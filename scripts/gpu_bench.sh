@@ -1,74 +1,113 @@
 #!/usr/bin/env bash
-# GPU throughput of the README: bench.py on the SD3.5-medium architecture with random weights (no hub access)
-# and the anchor recipe recipes/sd3_bench.args (512 px, 10 steps, CFG 4.5, 8 prompts x 16 samples, LoRA r32),
-# without and with --gradient-checkpointing. About 10 minutes on one H200.
+# The first run on a GPU, in one command of under 10 minutes on one H200: throughput, memory, MFU and the bf16
+# on-policy ratio of the README's anchor recipe, and a resume of a 2-step run (the EMA and old-copy path) on the GPU.
+# Random SD3.5-medium weights (--model sd3-random): no hub access.
 #
 #   scripts/gpu_bench.sh                   # figures in ./bench_out (or $OUT): *.json, *.log, summary.md
-#   STEPS=1 scripts/gpu_bench.sh           # 1 warm-up + 1 measured step per run (default 1 + 2)
 #
-# Offline machines: put wheels of diffusers, transformers, peft, open_clip_torch (and their dependencies)
-# in wheels/ and they are installed from there when missing. The reward is jpeg_compressibility (about free),
-# so the step time is the model's; bench.py times the reward on its own.
+# Phases, each under its own time limit; a phase cut at its limit still reports the steps it logged (from its
+# run folder's metrics.jsonl), and the phases after it run:
+#   bench   bench.py @recipes/sd3_bench.args (512 px, 10 steps, CFG 4.5, LoRA r32, bf16) at 2 prompts x 8 samples
+#           instead of 8 x 16: a step 8x smaller than the recipe's (about 20-30 s on an H200 where the recipe's takes
+#           150-200 s), so 1 warm-up + 2 measured steps fit BENCH_S even at 2-3x the expected time. Reports samples/s,
+#           MFU, the peak allocated and reserved memory, and |ratio - 1| on the first update (bf16 rounding).
+#   resume  train.py --loss nft with an EMA on sd3-random (the EMA and the old copy live beside the weights on the GPU):
+#           a 1-step run that checkpoints, the same run continued with --resume auto --steps 2, and an uninterrupted
+#           2-step run; step 2's metrics and checkpoint (weights, EMA, old copy) of the two are compared.
+#   gc      the bench phase with --gradient-checkpointing, when at least GC_MIN_S of BUDGET_S are left.
+#
+# Offline machines: wheels of the pinned diffusers, transformers, tokenizers, huggingface_hub, peft and
+# importlib_metadata (requirements.txt) in $WHEELS (default wheels/) are installed, without their dependencies, into a
+# folder on PYTHONPATH when diffusers, transformers or peft cannot be imported. The reward is jpeg_compressibility
+# (about free), so the step time is the model's; bench.py times the reward on its own.
+#
+# Knobs (environment): BUDGET_S (540: the whole script), BENCH_S (240), RESUME_S (210: the three runs together),
+# GC_MIN_S (150), STEPS (2 measured) and WARMUP (1) of the bench runs, MODEL / BENCH_ARGS / RESUME_ARGS (the model and
+# the flags of each phase; the test suite runs the script on the CPU model with ALLOW_CPU=1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./bench_out}
-STEPS=${STEPS:-2}      # measured steps per run
-WARMUP=${WARMUP:-1}    # discarded steps per run
-BUDGET_S=${BUDGET_S:-570}  # the whole script; the second run is cut to 1 measured step when the first says it would not fit
+BUDGET_S=${BUDGET_S:-540}
+BENCH_S=${BENCH_S:-240}
+RESUME_S=${RESUME_S:-210}
+GC_MIN_S=${GC_MIN_S:-150}
+STEPS=${STEPS:-2}
+WARMUP=${WARMUP:-1}
+MODEL=${MODEL:-sd3-random}
+small="--prompts-per-step 2 --group-size 8 --sample-batch-size 8 --train-batch-size 8"  # 16 samples, not 128
+BENCH_ARGS=${BENCH_ARGS:-@recipes/sd3_bench.args -- $small}
+small="--resolution 512 --prompts prompts/pickscore_train.txt --num-steps 10 --group-size 4 --prompts-per-step 2"
+small+=" --sample-batch-size 4 --train-batch-size 4 --minibatches 1 --lora-rank 32 --lora-alpha 64 --mixed-precision bf16"
+RESUME_ARGS=${RESUME_ARGS:-$small}
+WHEELS=${WHEELS:-wheels}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt" \
-    || echo "nvidia-smi not found" | tee "$OUT/gpu.txt"
-if ! python -c "import diffusers, transformers, peft, open_clip" 2>/dev/null; then
-    if [ ! -d wheels ]; then
-        echo "error: diffusers / transformers / peft / open_clip missing and no wheels/ folder: pip download them into wheels/ on a connected machine"
+left() { echo $((BUDGET_S - SECONDS)); }
+limit() { local want=$1 l; l=$(left); [ "$l" -lt 1 ] && l=1; [ "$want" -lt "$l" ] && echo "$want" || echo "$l"; }
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>/dev/null \
+    || echo "nvidia-smi not found" > "$OUT/gpu.txt"
+cat "$OUT/gpu.txt"
+if ! python -c "import diffusers, transformers, peft" 2>/dev/null; then
+    if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+        echo "error: diffusers / transformers / peft missing and no wheels in $WHEELS/: pip download the pinned ones" \
+             "(requirements.txt) into it on a connected machine"
         exit 1
     fi
-    python -m pip install -q --no-index --find-links wheels diffusers transformers peft open_clip_torch safetensors tqdm || exit 1
+    site=$(mktemp -d)
+    python -m pip install -q --no-index --no-deps --no-compile --target "$site" "$WHEELS"/*.whl || exit 1
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, '|', torch.cuda.get_device_name())" \
-    || { echo "error: torch sees no CUDA GPU; this script measures GPU figures (CPU: python bench.py --model tiny)"; exit 1; }
+if [ "${ALLOW_CPU:-0}" != 1 ]; then
+    python -c "import torch; assert torch.cuda.is_available(); print('torch', torch.__version__, torch.cuda.get_device_name())" \
+        || { echo "error: torch sees no CUDA GPU; this script measures GPU figures (CPU: python bench.py --model tiny)"
+             exit 1; }
+fi
 
-run() {  # name, measured steps, seconds allowed, extra train.py flags...
-    local name=$1 steps=$2 limit=$3
-    shift 3
-    echo "== $name: $WARMUP warm-up + $steps measured steps, at most ${limit}s"
-    timeout --signal=KILL "$limit" \
-        python bench.py --model sd3-random @recipes/sd3_bench.args --steps "$steps" --warmup "$WARMUP" --repeats 3 \
-        --json "$OUT/$name.json" -- "$@" 2>&1 | tee "$OUT/$name.log"
-    local rc=${PIPESTATUS[0]}
-    [ "$rc" = 0 ] || echo "$name: failed (exit $rc; 137 = killed after ${limit}s); see $OUT/$name.log"
+bench() {  # name, seconds allowed, extra train.py flags...
+    local name=$1 seconds=$2
+    shift 2
+    rm -rf "$OUT/$name" "$OUT/$name.json"
+    echo "== $name: $WARMUP warm-up + $STEPS measured steps, at most ${seconds}s"
+    # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
+    timeout --signal=KILL "$seconds" python bench.py --model "$MODEL" --steps "$STEPS" --warmup "$WARMUP" --repeats 3 \
+        --out "$OUT/$name" --json "$OUT/$name.json" $BENCH_ARGS "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    tail -n 30 "$OUT/$name.log"
+    [ "$rc" = 0 ] || echo "$name: failed (exit $rc; 137 = cut at ${seconds}s); see $OUT/$name.log"
 }
 
-rm -f "$OUT/sd3_bench.json" "$OUT/sd3_bench_gc.json"
-run sd3_bench "$STEPS" $((BUDGET_S - 60))
-first=$SECONDS
-left=$((BUDGET_S - SECONDS))
-gc_steps=$STEPS
-if [ $((first * 13 / 10)) -gt "$left" ] && [ "$STEPS" -gt 1 ]; then  # checkpointing recomputes ~30% more
-    gc_steps=1
-    echo "note: the first run took ${first}s; the --gradient-checkpointing run measures 1 step to stay within ${BUDGET_S}s"
-fi
-if [ "$left" -gt 60 ]; then
-    run sd3_bench_gc "$gc_steps" "$left" --gradient-checkpointing
+train() {  # log name, seconds allowed, train.py flags...
+    local name=$1 seconds=$2
+    shift 2
+    echo "== $name: at most ${seconds}s"
+    # shellcheck disable=SC2086
+    timeout --signal=KILL "$seconds" python train.py --model "$MODEL" --reward jpeg_compressibility --loss nft \
+        --ema-decay 0.9 --ema-every 1 --ema-repeat 1 --save-every 1 --eval-every 0 --log-images-every 0 $RESUME_ARGS \
+        "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    tail -n 5 "$OUT/$name.log"
+    [ "$rc" = 0 ] || echo "$name: failed (exit $rc; 137 = cut at ${seconds}s); see $OUT/$name.log"
+}
+
+# ---------------------------------------------------------------------------------------------------- bench
+bench sd3_bench "$(limit "$BENCH_S")"
+
+# ---------------------------------------------------------------------------------------------------- resume
+rm -rf "$OUT/resumed" "$OUT/straight"
+resume_end=$((SECONDS + $(limit "$RESUME_S")))
+train resumed_1 $(((resume_end - SECONDS) / 3)) --out "$OUT/resumed" --steps 1  # stops after step 1's checkpoint
+train resumed_2 $(((resume_end - SECONDS) / 2)) --out "$OUT/resumed" --steps 2 --resume auto
+train straight $((resume_end - SECONDS)) --out "$OUT/straight" --steps 2
+
+# ---------------------------------------------------------------------------------------------------- gc
+if [ "$(left)" -ge "$GC_MIN_S" ]; then
+    bench sd3_bench_gc "$(limit $(($(left) - 20)))" --gradient-checkpointing
 else
-    echo "sd3_bench_gc: skipped, ${left}s left of BUDGET_S=${BUDGET_S}"
+    echo "sd3_bench_gc: skipped, $(left)s left of BUDGET_S=${BUDGET_S} (GC_MIN_S=${GC_MIN_S})"
 fi
 
-python - "$OUT" <<'EOF' | tee "$OUT/summary.md"
-import json, os, sys
-out = sys.argv[1]
-print("| run | device | end-to-end samples/s | rollout samples/s | update samples/s | reward images/s | overhead ratio | peak GiB | MFU |")
-print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-for name in ("sd3_bench", "sd3_bench_gc"):
-    path = os.path.join(out, name + ".json")
-    if not os.path.exists(path):
-        print(f"| {name} | failed or skipped (see {name}.log) | | | | | | | |")
-        continue
-    r = json.load(open(path))
-    print(f"| {name} | {r['device']} | {r['end_to_end_samples_per_s']:.3f} | {r['rollout_samples_per_s']:.3f} | "
-          f"{r['train_samples_per_s']:.3f} | {r['reward_images_per_s']:.1f} | {r['overhead_ratio']:.3f} | "
-          f"{r['peak_mem_mib'] / 1024:.1f} | {100 * r.get('mfu', float('nan')):.1f} % |")
-EOF
+python scripts/gpu_bench_summary.py "$OUT" | tee "$OUT/summary.md"
 echo "wrote $OUT/ in ${SECONDS}s"

@@ -1,0 +1,117 @@
+"""The summary of scripts/gpu_bench.sh: a markdown table of its bench runs and the verdict of its resume check.
+
+    python scripts/gpu_bench_summary.py OUT     # OUT: the folder gpu_bench.sh wrote
+
+A bench run that was cut at its time limit has no JSON: its row then gives what its run folder's metrics.jsonl logged
+(steps completed, seconds per step). The resume check compares step 2 of the run stopped after step 1 and resumed with
+step 2 of the uninterrupted run: every logged figure that is not a time, and every tensor of the step-2 checkpoint
+(trainable weights, EMA, old copy). On a GPU the two can differ by the rounding of kernels that are not deterministic
+(atomics in some backward passes); a resume that lost or misplaced state differs by far more.
+"""
+import json
+import math
+import os
+import sys
+
+TOLERANCE = 1e-3  # relative: beyond kernel rounding of one step, short of any lost state (a reset EMA, a fresh Adam)
+RUNS = ("sd3_bench", "sd3_bench_gc")
+COPIES = ("trainable", "ema", "old")
+
+
+def metrics(folder):
+    path = os.path.join(folder, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def bench_row(out, name):
+    path = os.path.join(out, name + ".json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            r = json.load(f)
+        return (f"| {name} | {r['device']} | {r['end_to_end_samples_per_s']:.3f} | {r['rollout_samples_per_s']:.3f} | "
+                f"{r['train_samples_per_s']:.3f} | {r['seconds']:.1f} | {r['peak_mem_mib'] / 1024:.1f} | "
+                f"{r.get('peak_reserved_mib', math.nan) / 1024:.1f} | {100 * r.get('mfu', math.nan):.1f} % | "
+                f"{r.get('first_ratio_dev', math.nan):.2e} | {r['overhead_ratio']:.3f} |")
+    steps = [r for r in metrics(os.path.join(out, name)) if "seconds" in r]
+    if not steps:
+        return f"| {name} | failed, cut or skipped before a step was logged (see {name}.log) |" + " |" * 9
+    seconds = ", ".join(f"{r['seconds']:.1f}" for r in steps)
+    return f"| {name} | cut: {len(steps)} step(s) logged, seconds {seconds} (see {name}.log) |" + " |" * 9
+
+
+def differences(a, b):
+    """{figure: relative difference} over the figures both rows log that are numbers and not times."""
+    out = {}
+    for key in sorted(set(a) & set(b)):
+        x, y = a[key], b[key]
+        if key.startswith("seconds") or "time" in key or isinstance(x, bool) or not isinstance(x, (int, float)) \
+                or not isinstance(y, (int, float)):
+            continue
+        out[key] = 0.0 if x == y else abs(x - y) / max(abs(x), abs(y), 1e-12)
+    return out
+
+
+def tensor_differences(resumed, straight):
+    """{copy: relative max-abs difference of its tensors} over the copies the step-2 checkpoints hold."""
+    import torch
+    from safetensors.torch import load_file
+    out = {}
+    for copy in COPIES:
+        paths = [os.path.join(folder, "checkpoints", "2", copy + ".safetensors") for folder in (resumed, straight)]
+        if not all(os.path.isfile(p) for p in paths):
+            continue
+        a, b = (load_file(p) for p in paths)
+        if set(a) != set(b):
+            out[copy] = math.inf
+            continue
+        diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+        scale = max(a[k].float().abs().max().item() for k in a)
+        out[copy] = diff / max(scale, 1e-12)
+    return out
+
+
+def resume_verdict(out):
+    """(verdict line, detail lines) of the resume check."""
+    resumed, straight = os.path.join(out, "resumed"), os.path.join(out, "straight")
+    rows = {name: {r["step"]: r for r in metrics(folder)} for name, folder in (("resumed", resumed),
+                                                                               ("straight", straight))}
+    missing = [name for name, by_step in rows.items() if 2 not in by_step]
+    if missing:
+        return (f"resume: FAILED, no step 2 in {' and '.join(missing)} "
+                "(see resumed_1.log, resumed_2.log, straight.log)", [])
+    figures = differences(rows["resumed"][2], rows["straight"][2])
+    tensors = tensor_differences(resumed, straight)
+    if not tensors:
+        return ("resume: FAILED, no step-2 checkpoint to compare", [])
+    worst = max(list(figures.values()) + list(tensors.values()))
+    detail = [f"  step 2 {k}: relative difference {v:.1e}" for k, v in figures.items() if v > 0]
+    detail += [f"  checkpoint 2 {k}: relative max difference {v:.1e}" for k, v in tensors.items()]
+    if worst == 0:
+        verdict = "resume: identical (step 2's figures and checkpoint equal the uninterrupted run's, bit for bit)"
+    elif worst <= TOLERANCE:
+        verdict = f"resume: same up to kernel rounding (largest relative difference {worst:.1e} <= {TOLERANCE:g})"
+    else:
+        verdict = f"resume: DIFFERS (largest relative difference {worst:.1e} > {TOLERANCE:g})"
+    return verdict, [f"  copies compared: {', '.join(tensors)}"] + detail
+
+
+def main(out):
+    print("| run | device | end-to-end samples/s | rollout samples/s | update samples/s | s/step | peak allocated GiB "
+          "| peak reserved GiB | MFU | first-update abs(ratio - 1) | overhead ratio |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name in RUNS:
+        print(bench_row(out, name))
+    verdict, detail = resume_verdict(out)
+    print()
+    print(verdict)
+    print("\n".join(detail))
+    return verdict
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or not os.path.isdir(sys.argv[1]):
+        sys.exit("error: give the folder scripts/gpu_bench.sh wrote: python scripts/gpu_bench_summary.py bench_out")
+    main(sys.argv[1])
