@@ -92,6 +92,7 @@ import torch
 
 import data
 import distributed
+import diversity
 import flags
 import losses
 import models
@@ -120,6 +121,7 @@ def main(argv=None, *, on_step=None):
     prompts, held_out = load_prompt_sets(args)
     reward_fn = setup_or_exit(rewards.build_reward, args.reward, device=device,
                               **{name: getattr(args, name) for name in rewards.option_defaults()})  # reward flags
+    setup_or_exit(diversity.featurizer, args.diversity, args.diversity_path, device)  # its weights, or one line
     policy = setup_or_exit(Policy, args, device, old_copy=bool(loss.old_copy and loss.old_copy(vars(args))))
     setup_or_exit(models.latent_shape, policy.pipe, args.resolution, num_frames=args.num_frames)  # one line if not
     sigmas = setup_or_exit(models.sigmas, policy.pipe, args.num_steps, args.resolution, shift=args.shift)  # [T+1]
@@ -494,6 +496,7 @@ def add_arguments(p):
     p.add_argument("--reward-key", default="reward",
                    help="which reward entry trains (a component name or the weighted total 'reward')")
     rewards.add_arguments(p)  # the reward options, declared and defaulted in rewards.py
+    diversity.add_arguments(p)  # --diversity: feature diversity per step and evaluation
     losses.add_arguments(p)  # the loss flags, declared in losses.py: --loss takes choices=LOSSES
     # the update's batching
     p.add_argument("--train-batch-size", type=POSITIVE_INT, default=None, help="samples per training forward, per GPU")
