@@ -293,9 +293,9 @@ ASPECT_RANGE = (0.5, 0.75)
 IOU_RANGE = (0.6, 0.85)
 MARGIN_FULL = 0.08
 MIN_AREA = 0.02  # components under this fraction of the image are specks, not objects (the smallest object is ~0.045)
-SPECK_AREA = 0.005  # ... and under this one (5 px of 1024) noise: a speck from here to MIN_AREA is reported as unknown
-UNKNOWN = geneval.UNKNOWN  # the class of a component the detector cannot name (a speck, or a fit scoring <= UNEXPLAINED)
-UNEXPLAINED = geneval.THRESHOLD  # the lowest score any rule keeps (GenEval's 0.3): a component at or under it is unknown
+SPECK_AREA = 0.005  # under this (5 px of 1024) noise; from here to MIN_AREA a speck, reported as unknown
+UNKNOWN = geneval.UNKNOWN  # the class of a component the detector cannot name (a speck, a fit scoring <= UNEXPLAINED)
+UNEXPLAINED = geneval.THRESHOLD  # the lowest score any rule keeps (GenEval's 0.3): a fit at or under it is unknown
 
 
 def _dilate(mask):

@@ -5,8 +5,8 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
-    ("flags", "sde", "data", "distributed", "geneval", "presets"),  # the math and the plumbing below everything:
-    # torch only; the flag defaults per model and loss
+    ("flags", "sde", "data", "distributed", "geneval", "presets", "regularizers"),  # the math and the plumbing below
+    # everything: torch only; the flag defaults per model and loss; GARDO's rules
     ("losses", "checkpoints", "families", "shapes", "services", "reward_models"),  # losses and their registry; run
     # folders; the model-family adapters; the shapes world; reward-service HTTP; the neural reward models
     ("models", "rewards", "diversity"),  # the model interface over every family; REWARDS; diversity
