@@ -394,7 +394,8 @@ def summary_table(names, tables):
 # ----------------------------------------------------------------------------- curves of runs (--plot)
 MOVING = (("grad_norm", "gradient norm"), ("kl", "KL to the base (kl)"), ("approx_kl", "approx. KL to the old policy"),
           ("clipfrac", "clip fraction"), ("masked_fraction", "FlowDPPO masked fraction"), ("ratio_mean", "ratio mean"),
-          ("loss", "loss"), ("zero_adv_fraction", "share of zero-advantage samples"))  # metrics.jsonl, as they move
+          ("loss", "loss"), ("zero_adv_fraction", "share of zero-advantage samples"),
+          ("diversity_features", "feature diversity within groups (--diversity)"))  # metrics.jsonl, as they move
 
 
 def is_number(value):
@@ -478,7 +479,8 @@ def curve_panels(runs):
     if any("geneval_overall" in r for r in held_out):
         keys = ([("geneval_overall", "held-out accuracy (GenEval overall)")]
                 + [(f"geneval_{t}", f"held-out accuracy: {t}") for t in geneval.TAGS]
-                + [("reward", "held-out reward")])
+                + [("reward", "held-out reward"), ("diversity_color", "held-out colour diversity (free colours)"),
+                   ("diversity_position", "held-out position spread (free positions)")])
     else:  # the reward entries, but not a component that is the reward itself
         others = dict.fromkeys(k for r in held_out for k in r if k not in ("step", "reward", "rise")
                                and not k.endswith("_se"))

@@ -143,3 +143,20 @@ def test_train_logs_diversity_per_step_and_per_evaluation(tmp_path):
     evals = [json.loads(line) for line in open(out / "eval.jsonl")]
     assert [e["step"] for e in evals] == [0, 1]
     assert all(e["diversity_groups"] == 4 and 0 <= e["diversity_features"] <= 2 for e in evals)
+
+
+def test_curves_show_diversity_beside_accuracy(tmp_path):
+    import json
+
+    import eval as evaluation
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "eval.jsonl").write_text("".join(json.dumps({"step": s, "geneval_overall": 0.3, "reward": 0.5,
+                                                        "diversity_color": c, "diversity_color_se": 0.02}) + "\n"
+                                            for s, c in ((0, 0.9), (25, 0.7))))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward_mean": 0.4, "diversity_features": f})
+                                               + "\n" for s, f in ((1, 0.5), (2, 0.4))))
+    panels = {t: c for t, _, c in evaluation.curve_panels([evaluation.read_run(str(run), [str(run)])])}
+    assert list(panels["held-out colour diversity (free colours)"].values())[0] == ([0, 25], [0.9, 0.7], [0.02, 0.02])
+    assert list(panels["feature diversity within groups (--diversity)"].values())[0][1] == [0.5, 0.4]
+    assert "held-out position spread (free positions)" not in panels  # not in this eval.jsonl
