@@ -119,16 +119,35 @@ def nearest_distances(features, groups):
     return out
 
 
-def diversity_advantages(rewards, features, groups):
-    """GARDO's diversity-aware advantage (S L110-135, type "gardo"): (r - group mean) x w, w = 1 below the group mean
-    and d_i / mean over the group of d (d: `nearest_distances`) at or above it; not divided by the std."""
-    r = torch.as_tensor(rewards, dtype=torch.float64)
+def diversity_weights(adv, features, groups):
+    """GARDO's weight of each advantage (S L127): 1 where adv < 0, else d_i / the mean of d over the group (d:
+    `nearest_distances`). A group whose distances are all 0 (identical images, up to rounding) keeps weight 1, where
+    GARDO's division is 0 / 0."""
+    adv = torch.as_tensor(adv, dtype=torch.float64)
     d = nearest_distances(features, groups)
-    adv = torch.zeros_like(r)
+    scale = torch.zeros_like(d)
     for g in torch.unique(groups):
         members = groups == g
-        centred = r[members] - r[members].mean()
-        scale = d[members].mean()
-        weight = torch.where(centred < 0, torch.ones_like(centred), d[members] / scale)
-        adv[members] = centred * weight
-    return adv
+        scale[members] = d[members].mean()
+    novelty = torch.where(scale > 1e-9, d / scale.clamp(min=1e-9), torch.ones_like(d))  # 1e-9: float rounding
+    return torch.where(adv < 0, torch.ones_like(d), novelty)
+
+
+def diversity_advantages(rewards, features, groups):
+    """GARDO's diversity-aware advantage (S L110-135, type "gardo"): (r - group mean) x `diversity_weights`; not
+    divided by the std."""
+    r = torch.as_tensor(rewards, dtype=torch.float64)
+    centred = r.clone()
+    for g in torch.unique(groups):
+        members = groups == g
+        centred[members] = r[members] - r[members].mean()
+    return centred * diversity_weights(centred, features, groups)
+
+
+def add_arguments(parser):
+    """GARDO's flags (train.py composes them with every loss)."""
+    group = parser.add_argument_group("GARDO (regularizers.py)")
+    group.add_argument("--gardo-diversity", action="store_true",
+                       help="diversity-aware advantage (GARDO): each positive advantage times its sample's nearest "
+                            "feature distance in its group over the group's mean; the features of --diversity")
+    return group
