@@ -29,6 +29,7 @@ import torch
 
 import checkpoints
 import data
+import diversity
 import geneval
 import models
 import rewards
@@ -402,7 +403,8 @@ def summary_table(names, tables):
 # ----------------------------------------------------------------------------- curves of runs (--plot)
 MOVING = (("grad_norm", "gradient norm"), ("kl", "KL to the base (kl)"), ("approx_kl", "approx. KL to the old policy"),
           ("clipfrac", "clip fraction"), ("masked_fraction", "FlowDPPO masked fraction"), ("ratio_mean", "ratio mean"),
-          ("loss", "loss"), ("zero_adv_fraction", "share of zero-advantage samples"))  # metrics.jsonl, as they move
+          ("loss", "loss"), ("zero_adv_fraction", "share of zero-advantage samples"),
+          ("diversity_features", "feature diversity within groups (--diversity)"))  # metrics.jsonl, as they move
 
 
 def is_number(value):
@@ -486,7 +488,8 @@ def curve_panels(runs):
     if any("geneval_overall" in r for r in held_out):
         keys = ([("geneval_overall", "held-out accuracy (GenEval overall)")]
                 + [(f"geneval_{t}", f"held-out accuracy: {t}") for t in geneval.TAGS]
-                + [("reward", "held-out reward")])
+                + [("reward", "held-out reward"), ("diversity_color", "held-out colour diversity (free colours)"),
+                   ("diversity_position", "held-out position spread (free positions)")])
     else:  # the reward entries, but not a component that is the reward itself
         others = dict.fromkeys(k for r in held_out for k in r if k not in ("step", "reward", "rise")
                                and not k.endswith("_se"))
@@ -597,6 +600,7 @@ def main(argv=None):
     p.add_argument("--grid-all", action="store_true", help="every prompt in the grid, in pages of at most 2000 px")
     p.add_argument("--fps", type=int, default=16, help="video models: frames per second of the grid's GIFs")
     rewards.add_arguments(p)
+    diversity.add_arguments(p)
     args = p.parse_args(argv)
     for flag, value in (("--grid-rows", args.grid_rows), ("--fps", args.fps)):
         if value < 1:
@@ -628,6 +632,7 @@ def main(argv=None):
     try:  # an unknown reward, a bad option or config, a model missing offline: one line naming the flag
         options = {k: getattr(args, k) for k in rewards.option_defaults()}  # the reward group's flags
         reward_fn = rewards.build_reward(args.reward, device=device, **options)
+        diversity.featurizer(args.diversity, args.diversity_path, device)
         pipe = models.load_pipeline(args.model, args.model_path, device=device)
     except (ValueError, OSError, RuntimeError, ImportError) as e:
         raise SystemExit(f"error: {e}")
@@ -656,6 +661,8 @@ def main(argv=None):
 
     os.makedirs(args.out, exist_ok=True)
     tables = [means_of(r, base=None if i == 0 else results[0]) for i, r in enumerate(results)]
+    for table, images in zip(tables, columns):  # within each prompt's images: free colours, positions, features
+        table.update(diversity.measure(images, prompts, metadata, device=device, **diversity.options(args)))
     labels = ["base"] + [f"{s} ({weights[n]})" for s, n in zip(short_names(names[1:]), names[1:])]
     print("\n".join(summary_table(labels, tables)))
     summary = {"prompts": args.prompts, "num_prompts": len(prompts), "eval_steps": args.eval_steps,

@@ -28,7 +28,12 @@ Rules of the official judge (`geneval_judge(...)["correct"]`)
   it has a position [relation, i], clause i must have matched and every pair (object, target
   object) must satisfy `relative_position`. A failed clause leaves no target for later clauses.
 - Exclude clauses (eval L215-219): fail when the class has >= count kept detections. Counting
-  prompts exclude count + 1, so counting is exact.
+  prompts exclude count + 1, so counting is exact. Departure: detections of class UNKNOWN (a detector
+  that splits the image into components, as the shapes world's, reports so what it cannot name: a
+  deformed object, a speck) count too, whatever their score, as possibly the excluded object; the
+  official rule ignores what scores under the threshold, so an extra object deformed past recognition
+  would pass as absent. Only the `correct` and `corrected` verdicts read them (`partial` and `strict`
+  stay the reward server's); `unexplained` in the verdict says how many there were.
 - `relative_position(A, B)` (eval L140-157): centre offset minus 0.1 x (size A + size B) per axis,
   clipped at 0 (keeps its sign); no relation if both parts < 1e-3; otherwise the clipped offset
   divided by the length of the raw offset gives (dx, dy), and dx < -0.5 "left of", dx > 0.5
@@ -101,6 +106,7 @@ TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_
 RELATIONS = ("left of", "right of", "above", "below")  # create_prompts.py L104
 
 THRESHOLD = 0.3  # keep detections with score > this (eval L286)
+UNKNOWN = "unknown"  # the class of a detection its detector could not name: never kept, counted by exclude clauses
 COUNTING_THRESHOLD = 0.9  # ... > this for the "counting" tag (eval L287)
 MAX_OBJECTS = 16  # per class, best first (eval L288)
 POSITION_MARGIN = 0.1  # x (size A + size B), subtracted from the centre offset (eval L290)
@@ -229,8 +235,9 @@ def _colours(objects, name):
     return out
 
 
-def _official(metadata, objects):
-    """evaluate() of eval L160-220 -> (correct, reasons, matched groups)."""
+def _official(metadata, objects, unexplained=0):
+    """evaluate() of eval L160-220 -> (correct, reasons, matched groups); `unexplained` UNKNOWN detections count
+    towards every exclude clause (module docstring)."""
     reasons, groups = [], []  # groups[i]: the objects of include clause i if it matched, else None
     for clause in metadata["include"]:
         name, count = clause["class"], clause["count"]
@@ -260,9 +267,10 @@ def _official(metadata, objects):
                             break
         groups.append(found if matched else None)
     for clause in metadata.get("exclude", []):
-        n = len(objects.get(clause["class"], []))
+        n = len(objects.get(clause["class"], [])) + unexplained  # an unnamed component may be one more
         if n >= clause["count"]:
-            reasons.append(f"expected {clause['class']}<{clause['count']}, found {n}")
+            what = f" ({unexplained} unexplained)" if unexplained else ""
+            reasons.append(f"expected {clause['class']}<{clause['count']}, found {n}{what}")
     return not reasons, reasons, groups
 
 
@@ -300,7 +308,7 @@ def _partial(metadata, objects):
     return strict, (sum(terms) / len(terms) if terms else 0.0)  # quirk 6, server L263
 
 
-def _corrected(metadata, objects, official_groups):
+def _corrected(metadata, objects, official_groups, unexplained=0):
     """This module's dense form of the official rules (module docstring): in [0, 1], 1 iff correct."""
     terms = []
     for clause in metadata["include"]:
@@ -319,7 +327,7 @@ def _corrected(metadata, objects, official_groups):
                 terms.append(hits / (count * len(targets)))
     penalty = 1.0
     for clause in metadata.get("exclude", []):
-        n, k = len(objects.get(clause["class"], [])), clause["count"]
+        n, k = len(objects.get(clause["class"], [])) + unexplained, clause["count"]
         if n >= k:
             penalty *= (k - 1) / n
     return min(max(sum(terms) / len(terms) * penalty, 0.0), 1.0)
@@ -337,19 +345,21 @@ def geneval_judge(metadata, detections, *, score="partial"):
     Returns {"correct": official 0/1 (eval L160-220), "strict": the reward server's exact 0/1,
     "partial": its partial score with its quirks (server L201-264), "score_corrected": the corrected
     score, "score": the one named by `score` (partial | strict | correct | corrected), "reason":
-    the first failed official rule ("" when correct), "counts": {class: kept detections}}.
+    the first failed official rule ("" when correct), "counts": {class: kept detections}, "unexplained": the
+    detections of class UNKNOWN, which the exclude clauses of `correct` and `corrected` count}.
     """
     if score not in SCORES:
         raise ValueError(f"score must be one of {', '.join(SCORES)}, got {score!r}")
     check_metadata(metadata)
     objects = kept_detections(detections, metadata["tag"])
-    correct, reasons, groups = _official(metadata, objects)
+    unexplained = sum(d["class"] == UNKNOWN for d in detections)
+    correct, reasons, groups = _official(metadata, objects, unexplained)
     strict, partial = _partial(metadata, objects)
-    corrected = _corrected(metadata, objects, groups)
+    corrected = _corrected(metadata, objects, groups, unexplained)
     values = {"partial": partial, "strict": float(strict), "correct": float(correct), "corrected": corrected}
     return {"correct": float(correct), "strict": float(strict), "partial": partial, "score_corrected": corrected,
             "score": values[score], "reason": reasons[0] if reasons else "",
-            "counts": {name: len(dets) for name, dets in objects.items()}}
+            "counts": {name: len(dets) for name, dets in objects.items()}, "unexplained": unexplained}
 
 
 # ----------------------------------------------------------------------------- aggregation

@@ -29,6 +29,7 @@ from tqdm import tqdm
 import checkpoints
 import data
 import distributed
+import diversity
 import eval as evaluation
 import flags
 import models
@@ -259,6 +260,9 @@ class Run:
                     **{f"seconds_{k}": v for k, v in self.marks.items() if k not in ("start", "last")})
         if "updates" in info:
             info["seconds_training"] = time.time() - self.marks["last"]
+        if getattr(args, "diversity", "off") != "off" and "images" in batch:  # feature diversity of the groups
+            info.update(diversity.measure(batch["images"], batch["prompts"], [], device=self.device, exact=False,
+                                          **diversity.options(args)))
         self._append(info)
         if is_main:
             self._show(step, info, batch, got.scores)
@@ -325,6 +329,7 @@ class Run:
             if base is not None and base["reward"].shape != result["reward"].shape:  # another held-out set
                 base = None
             scores = evaluation.means_of(result, base=base)
+            scores.update(diversity.measure(images, texts, metadata, device=self.device, **diversity.options(args)))
             evaluation.append_scores(os.path.join(args.out, "eval.jsonl"), step, scores)
             self._publish(scores, step, prefix="eval/")
             self.bar.write(f"eval  {step:5d} | " + evaluation.summary_line(scores))

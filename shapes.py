@@ -293,6 +293,9 @@ ASPECT_RANGE = (0.5, 0.75)
 IOU_RANGE = (0.6, 0.85)
 MARGIN_FULL = 0.08
 MIN_AREA = 0.02  # components under this fraction of the image are specks, not objects (the smallest object is ~0.045)
+SPECK_AREA = 0.005  # under this (5 px of 1024) noise; from here to MIN_AREA a speck, reported as unknown
+UNKNOWN = geneval.UNKNOWN  # the class of a component the detector cannot name (a speck, a fit scoring <= UNEXPLAINED)
+UNEXPLAINED = geneval.THRESHOLD  # the lowest score any rule keeps (GenEval's 0.3): a fit at or under it is unknown
 
 
 def _dilate(mask):
@@ -309,7 +312,14 @@ def detect(images):
     unmixed into palette colour + coverage (`unmix`); pixels covered at least half form 8-connected
     components of one colour (the masks); each component's coverage, over its mask grown by a pixel,
     is matched against the three shapes (`fit_templates`, `classify`). Components under MIN_AREA of
-    the image are dropped and those up to twice that scaled down, so a speck of noise is no object.
+    the image are no object and those up to twice that are scaled down, so a speck of noise is no object.
+
+    Every component of SPECK_AREA or more is reported, though: one that fits no template (scoring at most
+    UNEXPLAINED, e.g. a square squashed into a bar) or is under MIN_AREA comes back as class UNKNOWN (its best
+    guess under "guess"; a speck scores 0). No rule keeps it as an object, but the rules that need a scene to be
+    empty of an object or to hold exactly N count it as possibly that object (geneval's exclude clauses,
+    `judge_edit`'s extra objects): a component the detector cannot name is still something there, and a judge
+    that dropped it could be satisfied by deforming an object instead of removing it.
     """
     images = np.asarray(images)
     if images.ndim == 3:
@@ -329,13 +339,21 @@ def detect(images):
             for cid in range(1, n + 1):
                 mask = ids == cid
                 area = mask.sum()
-                if area < MIN_AREA * h * w:
+                if area < SPECK_AREA * h * w:
+                    continue  # noise: a stray pixel or two
+                ys, xs = np.nonzero(mask)
+                box = [int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1]
+                if area < MIN_AREA * h * w:  # a speck: too small to name, big enough to be something
+                    found.append({"class": UNKNOWN, "score": 0.0, "box": box, "mask": mask, "color": color,
+                                  "guess": None})
                     continue
                 soft = np.where(_dilate(mask) & (best[i] == k), alpha[i], 0.0)
                 name, score = classify(fit_templates(soft))
                 score *= min((area / (h * w) - MIN_AREA) / MIN_AREA, 1.0)
-                ys, xs = np.nonzero(mask)
-                box = [int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1]
+                if score <= UNEXPLAINED:
+                    found.append({"class": UNKNOWN, "score": score, "box": box, "mask": mask, "color": color,
+                                  "guess": name})
+                    continue
                 found.append({"class": name, "score": score, "box": box, "mask": mask, "color": color})
         out.append(sorted(found, key=lambda d: -d["score"]))
     return out
@@ -495,8 +513,12 @@ def judge_edit(metadata, detections, *, threshold=EDIT_THRESHOLD):
     its class and colour that overlaps its source box most, if by EDIT_PLACE_IOU; then each new clause the best
     unused detection of its class (and colour, if given). Terms: one per clause (matched), one per position
     clause (matched, anchor matched, and the relation holds by geneval.relative_position). The score is their
-    mean times target / (target + extra objects); correct means every term holds and no object is extra."""
+    mean times target / (target + extra objects); correct means every term holds and no object is extra.
+    Extra is every component the detector reports and no clause took, whatever its score: one that fits no
+    template (UNKNOWN, e.g. the removed square squashed into a bar), a speck, an object scoring under
+    `threshold`: each is something where the target has nothing."""
     found = sorted((d for d in detections if d["score"] > threshold), key=lambda d: -d["score"])
+    unnamed = sum(d["score"] <= threshold for d in detections)  # components no clause can take
     source, target = metadata["source"], metadata["target"]
     match, used = [None] * len(target), set()
 
@@ -530,9 +552,9 @@ def judge_edit(metadata, detections, *, threshold=EDIT_THRESHOLD):
             terms.append(float(holds))
             if not holds and match[i] is not None:
                 reasons.append(f"the {what} is not {rel} its anchor")
-    extra = len(found) - len(used)
+    extra = len(found) - len(used) + unnamed
     if extra:
-        reasons.append(f"{extra} object(s) too many")
+        reasons.append(f"{extra} object(s) too many" + (f" ({unnamed} unexplained)" if unnamed else ""))
     score = sum(terms) / len(terms) * len(target) / (len(target) + extra) if target else float(extra == 0)
     return {"correct": float(not reasons), "score": score, "reason": reasons[0] if reasons else ""}
 

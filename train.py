@@ -85,6 +85,11 @@ Where this departs from the papers, and why
    training noise in fp16 (L1215-1220), here float32. Both draw each step's prompts as a fresh random subset
    (DistributedKRepeatSampler), here every prompt once per epoch (data.step_prompt_ids); both group advantages by the
    prompt's text, here by its place in the step, so duplicate lines of a prompt file stay separate groups.
+13. --gardo-diversity scales this project's advantages (normalised by the group's std and clipped) where GARDO's
+   tracker scales the raw centred reward, undivided (flow_grpo/stat_tracking.py L135), so its size stays that of
+   every other loss's advantages; features come from --diversity (DINOv2 or CLIP through transformers), GARDO's
+   from DINOv3 ViT-L/16 through timm; a group of identical images keeps weight 1 where GARDO divides 0 by 0.
+   GARDO's gated KL and adaptive reference are functions of regularizers.py, not yet flags.
 """
 import argparse
 import math
@@ -94,10 +99,12 @@ import torch
 
 import data
 import distributed
+import diversity
 import flags
 import losses
 import models
 import policy as policy_mod
+import regularizers
 import rewards
 import run as run_mod
 import sde
@@ -122,6 +129,7 @@ def main(argv=None, *, on_step=None):
     prompts, held_out = load_prompt_sets(args)
     reward_fn = setup_or_exit(rewards.build_reward, args.reward, device=device,
                               **{name: getattr(args, name) for name in rewards.option_defaults()})  # reward flags
+    setup_or_exit(diversity.featurizer, args.diversity, args.diversity_path, device)  # its weights, or one line
     policy = setup_or_exit(Policy, args, device, old_copy=bool(loss.old_copy and loss.old_copy(vars(args))))
     setup_or_exit(models.latent_shape, policy.pipe, args.resolution, num_frames=args.num_frames)  # one line if not
     sigmas = setup_or_exit(models.sigmas, policy.pipe, args.num_steps, args.resolution, shift=args.shift)  # [T+1]
@@ -136,7 +144,7 @@ def main(argv=None, *, on_step=None):
         info = {"skip_reason": got.skip} if got.skip else {}
         if not got.skip:
             # ================================================================= ADVANTAGES
-            adv, info = advantages(got, loss, args, step, per_rank)
+            adv, info = advantages(got, loss, args, step, per_rank, batch)
             # ================================================================= TRAINING
             info |= train_on_batch(policy, loss, batch, adv, sigmas, args, step, run)
         # ===================================================================== LOG / EVAL / SAVE
@@ -219,9 +227,10 @@ def guidance_scales(args):
 
 
 # ----------------------------------------------------------------------------- ADVANTAGES
-def advantages(got, loss, args, step, per_rank):
+def advantages(got, loss, args, step, per_rank, batch):
     """Group-relative advantages over every rank's rewards (each group normalised over all its members, then this
-    rank's slice) -> ({adv [per_rank], ids: the samples to train, rank_weight}, the step's reward statistics)."""
+    rank's slice; with --gardo-diversity the positive ones scaled by their images' novelty in the group, from
+    batch["images"]) -> ({adv [per_rank], ids: the samples to train, rank_weight}, the step's reward statistics)."""
     device = got.dropped.device
     all_rewards = distributed.all_gather_cat(got.scores[args.reward_key].to(device))  # [samples]
     groups = torch.arange(args.prompts_per_step, device=device).repeat_interleave(args.group_size)  # [samples]
@@ -236,6 +245,12 @@ def advantages(got, loss, args, step, per_rank):
     else:
         all_adv[keep] = losses.group_advantages(all_rewards[keep], groups[keep], global_std=args.global_std,
                                                 clip=args.adv_clip)
+    if args.gardo_diversity:  # GARDO: a positive advantage grows with how unlike its group's others the image is
+        featurize = diversity.featurizer(args.diversity, args.diversity_path, device)
+        features = distributed.all_gather_cat(featurize(batch["images"]).to(device))  # [samples, D]
+        weight = regularizers.diversity_weights(all_adv[keep], features[keep], groups[keep]).to(all_adv)
+        all_adv[keep] = all_adv[keep] * weight
+        info["gardo_weight_max"] = weight.max().item()
     mine = slice(RANK * per_rank, (RANK + 1) * per_rank)
     # Samples with advantage 0 (saturated groups, dropped groups) carry no policy gradient and leave the update
     # (departure 4); each rank keeps its micro-batch count and trains its kept samples in smaller micro-batches.
@@ -496,6 +511,8 @@ def add_arguments(p):
     p.add_argument("--reward-key", default="reward",
                    help="which reward entry trains (a component name or the weighted total 'reward')")
     rewards.add_arguments(p)  # the reward options, declared and defaulted in rewards.py
+    diversity.add_arguments(p)  # --diversity: feature diversity per step and evaluation
+    regularizers.add_arguments(p)  # GARDO's rules, for every loss
     losses.add_arguments(p)  # the loss flags, declared in losses.py: --loss takes choices=LOSSES
     # the update's batching
     p.add_argument("--train-batch-size", type=POSITIVE_INT, default=None, help="samples per training forward, per GPU")
@@ -558,6 +575,9 @@ def add_sampling_arguments(p):
 
 def check_args(p, args, world_size):
     """Refuse flag combinations that cannot work, before any model is loaded."""
+    if args.gardo_diversity and args.diversity == "off":
+        p.error("--gardo-diversity scales advantages by image-feature distances: choose the features with "
+                "--diversity dinov2 or --diversity clip")
     if args.group_size < 2:  # every loss here is group-relative
         p.error(f"--group-size {args.group_size}: each sample would be its own group mean, so every advantage is 0 and "
                 "nothing trains; use --group-size 2 or more")

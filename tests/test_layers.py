@@ -5,11 +5,11 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
-    ("flags", "sde", "data", "distributed", "geneval", "presets"),  # the math and the plumbing below everything:
-    # torch only; the flag defaults per model and loss
+    ("flags", "sde", "data", "distributed", "geneval", "presets", "regularizers"),  # the math and the plumbing below
+    # everything: torch only; the flag defaults per model and loss; GARDO's rules
     ("losses", "checkpoints", "families", "shapes", "services", "reward_models"),  # losses and their registry; run
     # folders; the model-family adapters; the shapes world; reward-service HTTP; the neural reward models
-    ("models", "rewards"),  # the model interface over every family; REWARDS
+    ("models", "rewards", "diversity"),  # the model interface over every family; REWARDS; diversity
     ("policy", "eval"),  # the trained weights, their optimizer and copies; ODE evaluation, grids, curves
     ("run",),  # the life of a run: resume, logs, the reward wait, checkpoints, signals
     ("train",),  # the algorithm

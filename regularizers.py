@@ -1,0 +1,153 @@
+"""What is not a loss but changes what any loss sees: GARDO's three rules (Gated and Adaptive Regularization with
+Diversity-aware Optimization, arXiv:2512.24138; code tinnerhrhe/GARDO at 1cc77fb), as pure functions of tensors.
+
+    u = uncertainty(main_reward, [aux_reward, ...])         # per sample: rank under the trained reward - mean aux rank
+    fraction, history = gate_fraction(fraction, history, u)  # the share of samples the KL is applied to, adapted
+    flagged = kl_gate(u, fraction)                           # [B] bool: the samples whose KL counts
+    kl = gated_kl(kl_per_sample, flagged)                    # the KL term, over the flagged samples only
+    due = reference_due(step, last_reset, max_kl, reset_freq=15, kl_thres=3e-4)  # reset the KL anchor now?
+    adv = diversity_advantages(rewards, features, groups)    # positive advantages scaled by feature novelty
+
+Sources (file:line at 1cc77fb): G = scripts/train_sd3_grpo_gardo.py, N = scripts/train_sd3_nft_gardo.py,
+S = flow_grpo/stat_tracking.py, C = config/gardo.py. What they do, and where this module departs:
+
+- Uncertainty (G L827-834, N L815-822): each of the auxiliary rewards (aesthetic, ImageReward) and the trained one
+  ranked over the whole gathered batch, 1 = the highest (torch.sort descending); u = rank under the trained reward
+  minus the mean of the auxiliary ranks. As written, u is large where the trained reward ranks a sample LOWER than
+  the auxiliary rewards do; the KL goes on those (G L837, L954). Kept as written.
+- Adaptive share (G L219-238, class RiskCompensator; N L81-): fraction starts at 0.1; each step the mean of the
+  non-negative u is compared with the last 20 steps' means: above their maximum, fraction x 1.1; below their
+  minimum, x 0.9; clipped to [0.02, 0.2]. The gate (G L835-837): u > the (100 - 100 fraction)th percentile of the
+  non-negative u (numpy's linear interpolation; N L823-825 the same).
+- Gated KL (G L982-991): Flow-GRPO's KL, mean((mean - ref_mean)^2 / (2 std^2)) over the flagged samples only,
+  times beta; no flagged sample, no KL term. DiffusionNFT (N L1049-1056): the squared velocity difference to the
+  reference over the flagged samples, or over every sample when none is flagged (`empty="all"`).
+- Adaptive reference (G L789-799, L1042-1043; C `reset_freq` 15, `kl_thres` 3e-4): the reference (the "old"
+  adapter, a copy of the trained LoRA weights, not the base model) is set to the current weights at the start of an
+  epoch when an optimizer step of the previous epoch had a KL above kl_thres, or when more than reset_freq epochs
+  passed since the last reset. N L771-781: the same with reset_freq fixed at 15 and kl_thres starting at 0.15
+  (N L616), nudged after each reset (-0.01 down to 0.1 after a long interval, +0.01 up to 0.05 after a short one;
+  the two bounds cross, as written). Not reproduced here: the nudging. The reference starts as a copy of
+  the trained weights (G L636-641).
+- Diversity-aware advantage (S L101-135, type "gardo"; N uses PerPromptStatTrackerNFT, S L11-49, the same rule):
+  features (DINOv3 ViT-L/16 of the images, G L625-631, L714) L2-normalised; within a prompt's group each sample's
+  distance is the MINIMUM of 1 - cos to the others (S L120-124, named avg_distances); samples at or above the group
+  mean reward get (r - mean) x d_i / mean_group(d), those below it (r - mean) x 1 (S L127); NOT divided by the
+  group's std (S L135). Kept as written, without the std.
+"""
+
+import torch
+
+
+def ranks(x):
+    """Ranks of a [N] tensor, 1 for the largest (G L828-830: torch.sort descending, ranks[indices] = 1..N); ties in
+    the sort's stable order."""
+    order = torch.sort(x, descending=True, stable=True).indices
+    out = torch.empty(len(x), dtype=torch.float64)
+    out[order] = torch.arange(1, len(x) + 1, dtype=torch.float64)
+    return out
+
+
+def uncertainty(main, aux):
+    """GARDO's per-sample uncertainty (G L834): rank under the trained reward `main` [N] minus the mean rank under the
+    auxiliary rewards `aux` (a list of [N]); ranks over the whole batch."""
+    if not aux:
+        raise ValueError("GARDO's gate needs at least one auxiliary reward beside the trained one")
+    return ranks(main) - sum(ranks(a) for a in aux) / len(aux)
+
+
+GATE = dict(base=0.1, rate=0.1, low=0.02, high=0.2, window=20)  # RiskCompensator's defaults (G L220-226)
+
+
+def gate_fraction(fraction, history, u, *, base=GATE["base"], rate=GATE["rate"], low=GATE["low"],
+                  high=GATE["high"], window=GATE["window"]):
+    """One update of the share of samples the KL applies to (G L227-238): -> (fraction, history). `history` holds the
+    last `window` means of the non-negative u; the first update sets `base`."""
+    u = torch.as_tensor(u, dtype=torch.float64)
+    level = u[u >= 0].mean().item() if (u >= 0).any() else float("nan")
+    if not history:
+        fraction = base
+    elif level > max(history):
+        fraction = fraction * (1 + rate)
+    elif level < min(history):
+        fraction = fraction * (1 - rate)
+    fraction = min(max(fraction, low), high)
+    return fraction, (list(history) + [level])[-window:]
+
+
+def kl_gate(u, fraction):
+    """[N] bool: the samples whose KL counts (G L836-837): u above the (100 - 100 fraction)th percentile of the
+    non-negative u; none when no u is non-negative (where numpy's percentile would raise)."""
+    u = torch.as_tensor(u, dtype=torch.float64)
+    pool = u[u >= 0]
+    if len(pool) == 0:
+        return torch.zeros(len(u), dtype=torch.bool)
+    threshold = torch.quantile(pool, 1 - fraction)  # linear interpolation, as np.percentile's default
+    return u > threshold
+
+
+def gated_kl(kl, flagged, *, empty="zero"):
+    """The KL term over the flagged samples only: kl [N] per sample, flagged [N] bool -> scalar mean over them.
+    No flagged sample: 0 (GRPO, G L988-989) or the mean over all (`empty="all"`, DiffusionNFT, N L1054-1056)."""
+    if flagged.any():
+        return kl[flagged].mean()
+    if empty == "all":
+        return kl.mean()
+    return kl.sum() * 0.0  # keeps the graph and the dtype
+
+
+def reference_due(step, last_reset, max_kl, *, reset_freq, kl_thres):
+    """Whether the KL anchor is reset to the current weights at the start of `step` (G L789): when an optimizer step
+    since the last reset had a KL (the gated term's mean) above kl_thres (`max_kl`, G L1042-1043), or when more than
+    reset_freq steps have passed since `last_reset`. Never at step 0."""
+    return step != 0 and (max_kl > kl_thres or step - last_reset > reset_freq)
+
+
+def nearest_distances(features, groups):
+    """Per sample, the minimum cosine distance 1 - cos to another member of its group (S L117-124); 0 for a sample
+    alone in its group. features [N, D], groups [N] ints."""
+    f = torch.as_tensor(features, dtype=torch.float64)
+    f = f / f.norm(dim=1, keepdim=True)
+    out = torch.zeros(len(f), dtype=torch.float64)
+    for g in torch.unique(groups):
+        members = (groups == g).nonzero().flatten()
+        if len(members) < 2:
+            continue
+        d = 1 - (f[members] @ f[members].T).clamp(-1, 1)  # [m, m]
+        d.fill_diagonal_(float("inf"))
+        out[members] = d.min(dim=1).values
+    return out
+
+
+def diversity_weights(adv, features, groups):
+    """GARDO's weight of each advantage (S L127): 1 where adv < 0, else d_i / the mean of d over the group (d:
+    `nearest_distances`). A group whose distances are all 0 (identical images, up to rounding) keeps weight 1, where
+    GARDO's division is 0 / 0."""
+    adv = torch.as_tensor(adv, dtype=torch.float64)
+    d = nearest_distances(features, groups)
+    scale = torch.zeros_like(d)
+    for g in torch.unique(groups):
+        members = groups == g
+        scale[members] = d[members].mean()
+    novelty = torch.where(scale > 1e-9, d / scale.clamp(min=1e-9), torch.ones_like(d))  # 1e-9: float rounding
+    return torch.where(adv < 0, torch.ones_like(d), novelty)
+
+
+def diversity_advantages(rewards, features, groups):
+    """GARDO's diversity-aware advantage (S L110-135, type "gardo"): (r - group mean) x `diversity_weights`; not
+    divided by the std."""
+    r = torch.as_tensor(rewards, dtype=torch.float64)
+    centred = r.clone()
+    for g in torch.unique(groups):
+        members = groups == g
+        centred[members] = r[members] - r[members].mean()
+    return centred * diversity_weights(centred, features, groups)
+
+
+def add_arguments(parser):
+    """GARDO's flags (train.py composes them with every loss)."""
+    group = parser.add_argument_group("GARDO (regularizers.py)")
+    group.add_argument("--gardo-diversity", action="store_true",
+                       help="diversity-aware advantage (GARDO): each positive advantage times its sample's nearest "
+                            "feature distance in its group over the group's mean; the features of --diversity")
+    return group
