@@ -226,6 +226,11 @@ def measure(images, prompts, metadata, *, diversity="off", diversity_path=None, 
     return out
 
 
+def applies(metadata, *, diversity="off", diversity_path=None):
+    """True when `measure` has something to measure on these rows (so the images are worth gathering)."""
+    return diversity != "off" or is_shapes_rows(list(metadata))
+
+
 def options(args):
     """The keywords of `measure` from parsed flags (argparse Namespace)."""
     return {"diversity": getattr(args, "diversity", "off"), "diversity_path": getattr(args, "diversity_path", None)}

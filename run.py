@@ -320,6 +320,8 @@ class Run:
                   for k, v in stacked([result], distributed.union(result)).items()}
         if "failed" in result:
             result["failed"] = result["failed"] > 0  # back to bool (stacked made it float to gather)
+        if diversity.applies(metadata, **diversity.options(args)):  # it compares a prompt's images: all of them
+            images = distributed.gather_share(images.to(device), len(texts)).cpu()
         if is_main:
             base_path = os.path.join(args.out, checkpoints.EVAL_BASE)
             if step == 0:  # the model before training: what every later evaluation's rise is measured against
