@@ -1,0 +1,208 @@
+"""What a GPU run spends and need not, checked on a CPU: the prompt-embedding cache and the text encoders' offload
+(models.prompt_cache), FSDP2's mixed precision and gradient accumulation (distributed.shard_transformer), DDP's
+options, the LoRA layers' compute dtype and the OCR threads per rank."""
+import json
+import os
+
+import pytest
+import torch
+
+import models
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# every text-to-image family's tiny twin, and the shapes model (trained CLIP encoders)
+TEXT_MODELS = ["tiny", "tiny-flux", "tiny-wan", "tiny-qwen-image", "tiny-flux2-klein", "tiny-z-image",
+               "tiny-flux-kontext", "shapes"]
+PROMPTS = ["a red cube", "two blue spheres on a long wooden table next to a window", "x", "a red cube"]
+
+
+@pytest.fixture(scope="module")
+def pipes():
+    return {}
+
+
+def pipe_of(pipes, name):
+    if name not in pipes:
+        pipes[name] = models.load_pipeline(name)
+    pipe = pipes[name]
+    pipe.prompt_cache = None
+    return pipe
+
+
+def count_encodes(monkeypatch):
+    """Record the prompts the text encoders see (models._encode_fresh's calls)."""
+    seen, fresh = [], models._encode_fresh
+
+    def spy(pipe, prompts, **kw):
+        seen.append(list(prompts))
+        return fresh(pipe, prompts, **kw)
+    monkeypatch.setattr(models, "_encode_fresh", spy)
+    return seen
+
+
+def assert_same(a, b):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k], b[k]), k
+
+
+# ----------------------------------------------------------------------------- the prompt cache
+
+@pytest.mark.parametrize("name", TEXT_MODELS)
+def test_cached_embeddings_equal_fresh_encodes_bit_for_bit(pipes, name, monkeypatch):
+    """For every family, with and without CFG's negative: the first encode through the cache is the uncached one, and
+    the second comes from the cache alone (the encoders not called) and equals it bit for bit, padding and masks
+    of the variable-length families included; another batch of cached prompts agrees to float rounding."""
+    pipe = pipe_of(pipes, name)
+    fresh = {g: models.encode_prompts(pipe, PROMPTS, guidance_scale=g, negative_prompt="blurry") for g in (1.0, 3.0)}
+    models.prompt_cache(pipe, 0.1)
+    seen = count_encodes(monkeypatch)
+    for _ in range(2):
+        for g in (1.0, 3.0):
+            assert_same(models.encode_prompts(pipe, PROMPTS, guidance_scale=g, negative_prompt="blurry"), fresh[g])
+    assert seen == [PROMPTS, ["blurry"]]  # all four rows, the repeat too, in one batch as uncached; the negative of
+    # the first CFG call (its row is the uncached one's: the negative is always encoded alone); then all hits
+    cache = pipe.prompt_cache
+    assert cache.misses == 4 and cache.hits == 12
+    assert all(t.device.type == "cpu" for v in cache.entries.values() for t in v.values())
+    subset = models.encode_prompts(pipe, PROMPTS[2:0:-1], guidance_scale=3.0, negative_prompt="blurry")  # reordered
+    assert len(seen) == 2
+    reference = models._encode_fresh(pipe, PROMPTS[2:0:-1], guidance_scale=3.0, negative_prompt="blurry",
+                                     max_sequence_length=models.default_tokens(pipe))
+    assert sorted(subset) == sorted(reference)
+    for k in subset:
+        torch.testing.assert_close(subset[k], reference[k], rtol=0, atol=1e-5)
+
+
+def test_cache_keys_the_text_length_and_the_negative_prompt(pipes, monkeypatch):
+    """Other text tokens or another negative prompt never read rows encoded for different ones."""
+    pipe = pipe_of(pipes, "tiny-flux")
+    models.prompt_cache(pipe, 0.1)
+    seen = count_encodes(monkeypatch)
+    models.encode_prompts(pipe, ["a cat"], max_sequence_length=8)
+    short = models.encode_prompts(pipe, ["a cat"], max_sequence_length=4)
+    assert short["prompt_embeds"].shape[1] == 4 and seen == [["a cat"], ["a cat"]]
+    pipe = pipe_of(pipes, "tiny")
+    models.prompt_cache(pipe, 0.1)
+    seen.clear()
+    one = models.encode_prompts(pipe, ["a cat"], guidance_scale=3.0, negative_prompt="blurry")
+    two = models.encode_prompts(pipe, ["a cat"], guidance_scale=3.0, negative_prompt="dark")
+    assert seen == [["a cat"], ["dark"]]  # the prompt from the cache, the new negative encoded
+    assert not torch.equal(one["neg_prompt_embeds"], two["neg_prompt_embeds"])
+    assert torch.equal(two["neg_prompt_embeds"][:1], models._encode_fresh(
+        pipe, ["x"], guidance_scale=3.0, negative_prompt="dark", max_sequence_length=0)["neg_prompt_embeds"][:1])
+
+
+def test_cache_is_bounded_least_recently_used_first_out(pipes):
+    pipe = pipe_of(pipes, "tiny-wan")
+    models.prompt_cache(pipe, 1.0)
+    row = models._nbytes(next(iter(_filled(pipe, ["p0"]).entries.values())))
+    models.prompt_cache(pipe, 3.5 * row / 2**30)  # room for three rows
+    cache = _filled(pipe, ["p0", "p1", "p2"])
+    models.encode_prompts(pipe, ["p0"])  # p0 used again: p1 is now the oldest
+    models.encode_prompts(pipe, ["p3"])
+    assert [k[1] for k in cache.entries if k[0] == "prompt"] == ["p2", "p0", "p3"]
+    assert cache.bytes == 3 * row <= cache.max_bytes
+
+
+def _filled(pipe, prompts):
+    models.encode_prompts(pipe, prompts)
+    return pipe.prompt_cache
+
+
+def test_cache_steps_aside_for_source_images_and_trained_text_encoders(pipes, monkeypatch):
+    """An edit's embeddings depend on its source image (Qwen-Image-Edit's VL encoder reads it; every edit model's
+    references are its VAE latents): encoded afresh each time, as are prompts while a text encoder trains."""
+    import numpy as np
+    pipe = pipe_of(pipes, "tiny-flux-kontext")
+    models.prompt_cache(pipe, 0.1)
+    seen = count_encodes(monkeypatch)
+    image = np.zeros((32, 32, 3), dtype=np.uint8)
+    for fill in (0, 255):
+        image[:] = fill
+        out = models.encode_prompts(pipe, ["make it red"], images=[[image]], resolution=32)
+    assert seen == [["make it red"]] * 2 and not pipe.prompt_cache.entries and "ref_latents" in out
+    pipe.text_encoder.requires_grad_(True)
+    try:
+        models.encode_prompts(pipe, ["a cat"])
+        models.encode_prompts(pipe, ["a cat"])
+    finally:
+        pipe.text_encoder.requires_grad_(False)
+    assert len(seen) == 4 and not pipe.prompt_cache.entries
+
+
+def test_offload_encodes_ahead_then_moves_the_encoders_only_for_a_miss(pipes, monkeypatch):
+    """--offload-text-encoders: the training and held-out prompts and each CFG setting's negative are encoded ahead,
+    the encoders leave the device; a cached prompt then needs no encoder, a new one brings them back for its
+    encode and sends them away again."""
+    pipe = pipe_of(pipes, "tiny")
+    moves = []
+    real_to = torch.nn.Module.to
+
+    def to(module, *a, **k):
+        if module is pipe.text_encoder:
+            moves.append(str(a[0]))
+        return real_to(module, *a, **k)
+    monkeypatch.setattr(torch.nn.Module, "to", to)
+    texts = [f"prompt {i}" for i in range(5)]
+    line = models.prompt_cache(pipe, None, offload=True, texts=texts + texts[:2], guidance_scales=(1.0, 4.5),
+                               negative_prompt="", batch_size=2)
+    assert "5 of 5 prompts" in line and moves == ["cpu"] and pipe.prompt_cache.offloaded_from == torch.device("cpu")
+    seen = count_encodes(monkeypatch)
+    models.encode_prompts(pipe, texts[3:], guidance_scale=4.5)
+    assert seen == [] and moves == ["cpu"]
+    models.encode_prompts(pipe, ["a new prompt"])
+    assert seen == [["a new prompt"]] and moves == ["cpu", "cpu", "cpu"]  # in for the miss, out again
+    with pytest.raises(ValueError, match="--prompt-cache-gb > 0"):
+        models.prompt_cache(pipe, 0, offload=True)
+
+
+def test_offload_stops_ahead_when_the_cache_is_full(pipes):
+    pipe = pipe_of(pipes, "tiny-wan")
+    row = models._nbytes(next(iter(_filled_new(pipe, ["p"]).entries.values())))
+    line = models.prompt_cache(pipe, 5.5 * row / 2**30, offload=True, texts=[f"p{i}" for i in range(9)],
+                               batch_size=2)
+    assert "4 of 9 prompts" in line  # two batches in; a third would evict the first
+    assert len(pipe.prompt_cache.entries) == 5  # and the negative's entry (empty without CFG)
+
+
+def _filled_new(pipe, prompts):
+    models.prompt_cache(pipe, 1.0)
+    return _filled(pipe, prompts)
+
+
+def _run(tmp_path, name, *flags):
+    import train as train_module
+    out = str(tmp_path / name)
+    train_module.main(["--model", "tiny", "--prompts", str(tmp_path / "p.txt"), "--prompts-per-step", "1",
+                       "--group-size", "4", "--sample-batch-size", "4", "--train-batch-size", "4", "--num-steps", "3",
+                       "--resolution", "32", "--log-images-every", "0", "--steps", "2", "--loss", "grpo",
+                       "--guidance-scale", "3", "--eval-every", "1", "--eval-prompts", str(tmp_path / "e.txt"),
+                       "--eval-steps", "2", "--out", out, *flags])
+    logged = {}
+    for path in ("metrics.jsonl", "eval.jsonl"):
+        with open(os.path.join(out, path)) as f:
+            logged[path] = [{k: v for k, v in json.loads(line).items() if isinstance(v, float) and "time" not in k
+                             and not k.endswith("_s") and "second" not in k} for line in f if line.strip()]
+    return logged
+
+
+def test_a_run_with_the_cache_logs_what_one_without_does(tmp_path, monkeypatch):
+    """The tiny model under CFG with held-out evaluations, 2 steps: with the cache, and with the encoders offloaded
+    after encoding ahead, the losses, rewards and held-out figures are those of the uncached run bit for bit, and each
+    prompt is encoded once (its batches here are the uncached ones: module notes in models.py); offloaded, nothing is
+    encoded after the start."""
+    monkeypatch.chdir(ROOT)
+    (tmp_path / "p.txt").write_text("a red apple\n")
+    (tmp_path / "e.txt").write_text("a white cat\na green tree\n")
+    seen = count_encodes(monkeypatch)
+    plain = _run(tmp_path, "plain")
+    assert sum(map(len, seen)) == 2 * 1 + 3 * 2  # steps x prompts + evaluations x held-out prompts
+    assert len(plain["metrics.jsonl"]) == 2 and len(plain["eval.jsonl"]) == 3 and "loss" in plain["metrics.jsonl"][0]
+    seen.clear()
+    assert _run(tmp_path, "cached", "--prompt-cache-gb", "0.01") == plain
+    assert seen == [["a white cat", "a green tree"], ["a red apple"]]  # at their first use (evaluation 0 first)
+    seen.clear()
+    assert _run(tmp_path, "offloaded", "--offload-text-encoders") == plain
+    assert seen == [["a red apple"], ["a white cat", "a green tree"]]  # ahead, with the CFG negative
