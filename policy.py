@@ -42,7 +42,7 @@ class Policy:
         if args.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         if args.fsdp:  # pipe.transformer itself becomes sharded, so rollouts and evaluations run through FSDP too
-            distributed.shard_transformer(transformer, device)
+            distributed.shard_transformer(transformer, device, param_dtype=amp_dtype)  # bf16 gathers, fp32 grads
             trainable = [(n, q) for n, q in transformer.named_parameters() if q.requires_grad]  # same names, shards
         self.trainable = trainable  # [(name, parameter)]
         self.optimizer = torch.optim.AdamW([q for _, q in trainable], lr=args.lr, weight_decay=args.weight_decay)
@@ -87,9 +87,9 @@ class Policy:
     def sync_gradients(self, last):
         """Before each training forward: whether its backward reduces the gradients over the ranks, True for the last
         micro-step of an optimizer step only; before it they are summed locally (DDP's no_sync, which must hold the
-        forward too; FSDP's set_requires_gradient_sync)."""
+        forward too). FSDP reduce-scatters after every micro-step (distributed.gradient_sync: memory)."""
         if self.args.fsdp:
-            self.transformer.set_requires_gradient_sync(last)
+            distributed.gradient_sync(self.transformer, last)
         elif self.ddp is not None:
             self.ddp.require_backward_grad_sync = last
 

@@ -206,3 +206,94 @@ def test_a_run_with_the_cache_logs_what_one_without_does(tmp_path, monkeypatch):
     seen.clear()
     assert _run(tmp_path, "offloaded", "--offload-text-encoders") == plain
     assert seen == [["a red apple"], ["a white cat", "a green tree"]]  # ahead, with the CFG negative
+
+
+# ----------------------------------------------------------------------------- FSDP2: mixed precision, accumulation
+
+def _fsdp_worker(out):
+    """Under torchrun (2 ranks, gloo): a sharded tiny transformer per --mixed-precision, three accumulated micro-steps
+    through Policy; rank 0 writes what the test checks."""
+    import distributed
+    import train
+    from policy import Policy
+    device = distributed.init()
+    found = {}
+    for precision in ("no", "bf16"):
+        _, args = train.parse_args(["--model", "tiny", "--lora-rank", "0", "--fsdp", "--mixed-precision", precision,
+                                    "--resolution", "32"])
+        policy = Policy(args, device, old_copy=False)
+        pipe, block = policy.pipe, policy.transformer.transformer_blocks[0]  # SD3's joint blocks
+        state = block._get_fsdp_state()._fsdp_param_group.mp_policy
+        gathered = []
+        block.register_forward_pre_hook(lambda m, a: gathered.append(next(m.parameters()).dtype))
+        embeds = models.encode_prompts(pipe, ["a cat", "a dog"])
+        synced = []
+        for k in range(3):  # micro-steps of one optimizer step
+            seed = torch.Generator().manual_seed(10 * k + distributed.RANK)  # as _reference_grads draws it
+            x = torch.randn(2, *models.latent_shape(pipe, 32), generator=seed)
+            policy.sync_gradients(k == 2)
+            policy.backward(policy.velocity(x, 0.5, embeds, 1.0, train=True).float().square().mean())
+            synced.append(all(q.grad is not None and q.grad.to_local().shape == q.to_local().shape
+                              for _, q in policy.trainable))
+        grads = {n: q.grad.full_tensor() for n, q in policy.trainable}
+        found[precision] = dict(param_dtype=str(state.param_dtype), reduce_dtype=str(state.reduce_dtype),
+                                cast_inputs=state.cast_forward_inputs, gathered=str(gathered[0]), synced=synced,
+                                shards=sorted({str(q.dtype) for _, q in policy.trainable}),
+                                grad_dtypes=sorted({str(g.dtype) for g in grads.values()}))
+        if distributed.is_main:
+            torch.save(grads, os.path.join(out, f"grads_{precision}.pt"))
+    if distributed.is_main:
+        with open(os.path.join(out, "found.json"), "w") as f:
+            json.dump(found, f)
+    distributed.finish()
+
+
+def _reference_grads(autocast):
+    """The gradient the two ranks' micro-steps give together, unsharded, in one process (FSDP averages over ranks)."""
+    pipe = models.load_pipeline("tiny")
+    transformer = pipe.transformer.requires_grad_(True)
+    embeds = models.encode_prompts(pipe, ["a cat", "a dog"])
+    for rank in range(2):
+        for k in range(3):
+            x = torch.randn(2, *models.latent_shape(pipe, 32), generator=torch.Generator().manual_seed(10 * k + rank))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                v = models.velocity(pipe, x, 0.5, embeds)
+            (v.float().square().mean() / 2).backward()
+    return {n: q.grad for n, q in transformer.named_parameters()}
+
+
+def test_fsdp_gathers_in_the_run_precision_and_reduce_scatters_each_micro_step_in_float32(tmp_path):
+    """FSDP2's MixedPrecisionPolicy: bf16 runs gather and compute bf16 weights, fp32 ones float32; gradients are
+    reduced in float32 into float32 shards, and forward inputs are left to autocast. Every micro-step leaves its
+    reduce-scattered shard of the gradient (no full unsharded gradient kept until the last one). The float32 path
+    gives the unsharded gradient to float rounding; bf16 to bf16 rounding."""
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join("tests", "test_gpu_perf.py"), "fsdp", str(tmp_path)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)  # the script runs from tests/
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    found = json.loads((tmp_path / "found.json").read_text())
+    fp32, bf16 = found["no"], found["bf16"]
+    assert (fp32["param_dtype"], fp32["reduce_dtype"], fp32["gathered"]) == ("None", "torch.float32", "torch.float32")
+    assert (bf16["param_dtype"], bf16["reduce_dtype"], bf16["gathered"]) == (
+        "torch.bfloat16", "torch.float32", "torch.bfloat16")
+    for f in (fp32, bf16):
+        assert f["cast_inputs"] is False and f["shards"] == f["grad_dtypes"] == ["torch.float32"]
+        assert f["synced"] == [True, True, True]  # a sharded gradient after the first micro-step already
+    reference = _reference_grads(autocast=False)
+    grads = torch.load(tmp_path / "grads_no.pt")
+    assert set(grads) == set(reference)
+    for n in reference:
+        torch.testing.assert_close(grads[n], reference[n], rtol=1e-4, atol=1e-7)
+    grads, reference = torch.load(tmp_path / "grads_bf16.pt"), _reference_grads(autocast=True)
+    flat = torch.cat([grads[n].flatten() for n in reference])
+    expected = torch.cat([reference[n].flatten() for n in reference])
+    assert torch.nn.functional.cosine_similarity(flat, expected, dim=0) > 0.999
+    assert not torch.equal(flat, torch.cat([g.flatten() for g in _reference_grads(autocast=False).values()]))
+
+
+if __name__ == "__main__":  # the FSDP worker, under torchrun
+    import sys
+    _fsdp_worker(sys.argv[2])
