@@ -3,6 +3,7 @@
     RANK, WORLD, LOCAL_RANK, is_main     from torchrun's environment (0, 1, 0, True without torchrun)
     init() -> device                     process group (NCCL on GPUs, gloo on CPUs) and this rank's device
     print0(...)                          print on rank 0 only
+    cpus_per_rank()                      this rank's share of the node's CPU cores (CPU-side thread pools)
     all_gather_cat(t)                    [n, ...] on every rank -> [WORLD * n, ...] in rank order
     any_rank(flag, device)               True everywhere when True anywhere (lockstep skips and stops)
     broadcast(obj)                       rank 0's value of a small object, on every rank
@@ -36,6 +37,13 @@ def init():
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     return device
+
+
+def cpus_per_rank():
+    """The CPU cores this process may use without oversubscribing its node: those it may run on (its affinity, a
+    container's limit) shared by the node's ranks (torchrun's LOCAL_WORLD_SIZE), at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
 def finish():

@@ -799,6 +799,11 @@ def velocity(pipe, x, sigma, embeds, *, guidance_scale=1.0, transformer=None):
     sigma: float or [B] tensor. transformer: defaults to pipe.transformer; pass the DDP / FSDP /
     compiled wrapper to train through it. Gradients flow unless the caller disables them.
     """
+    with _lora_input(pipe.transformer, x.device.type):  # no float32 round trip of the LoRA inputs under autocast
+        return _velocity(pipe, x, sigma, embeds, guidance_scale=guidance_scale, transformer=transformer)
+
+
+def _velocity(pipe, x, sigma, embeds, *, guidance_scale=1.0, transformer=None):
     model = transformer if transformer is not None else pipe.transformer
     dtype = pipe.transformer.dtype
     batch = x.shape[0]
@@ -926,7 +931,30 @@ def add_lora(pipe, rank, alpha, *, target_modules=None):
     assert params, f"no LoRA layer matched target modules {targets}"
     for p in params:
         p.data = p.data.float()  # departure 2 (module docstring)
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    transformer._lora_layers = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]  # _lora_input
     return params
+
+
+@contextlib.contextmanager
+def _lora_input(transformer, device_type):
+    """Inside, under autocast, peft's LoRA layers take their input as it comes. peft (0.21, lora/layer.py
+    Linear.forward) casts it to the adapter's dtype, float32 here (departure 2), and autocast casts it straight back for the
+    matmuls of lora_A and lora_B, which run in the autocast dtype with a bf16 copy of the float32 weights (what keeps
+    the master weights float32 and the compute in half): two copies of a full activation per adapted layer, for
+    the same bits. Without autocast (a half-precision base called as is) peft's cast stays, as the dtypes must
+    match there."""
+    layers = getattr(transformer, "_lora_layers", ())
+    if not layers or not torch.is_autocast_enabled(device_type):
+        yield
+        return
+    for layer in layers:
+        layer.cast_input_dtype_enabled = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.cast_input_dtype_enabled = True
 
 
 def _has_lora(transformer):

@@ -208,6 +208,54 @@ def test_a_run_with_the_cache_logs_what_one_without_does(tmp_path, monkeypatch):
     assert seen == [["a red apple"], ["a white cat", "a green tree"]]  # ahead, with the CFG negative
 
 
+# ----------------------------------------------------------------------------- LoRA under autocast, OCR threads
+
+def test_lora_layers_take_their_input_in_the_autocast_dtype_for_the_same_bits():
+    """A LoRA run in bf16 (half-precision base, float32 adapter): peft's float32 copy of each LoRA layer's input is
+    skipped under autocast, and the velocity and the adapter's gradients are bit for bit those with it."""
+    pipe = models.load_pipeline("tiny", dtype=torch.bfloat16)
+    params = models.add_lora(pipe, 4, 4.0)
+    layer = pipe.transformer._lora_layers[0]
+    seen = []
+    layer.lora_A["default"].register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))
+    embeds = models.encode_prompts(pipe, ["a cat", "a dog"])
+    x = torch.randn(2, *models.latent_shape(pipe, 32), generator=torch.Generator().manual_seed(0))
+    for p in params:
+        p.data.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))  # lora_B starts at 0: make it count
+    out = {}
+    for name, fn in (("peft", models._velocity), ("fixed", models.velocity)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            v = fn(pipe, x, 0.5, embeds)
+        v.float().square().mean().backward()
+        out[name] = (v.detach(), [p.grad.clone() for p in params])
+        for p in params:
+            p.grad = None
+    assert seen[0] == torch.float32 and seen[-1] == torch.bfloat16  # peft's cast, then none
+    assert 2 * len(pipe.transformer._lora_layers) == len(params)  # every adapted layer (its lora_A and lora_B)
+    assert layer.cast_input_dtype_enabled  # peft's default, restored after the call
+    assert torch.equal(out["peft"][0], out["fixed"][0])
+    assert all(torch.equal(a, b) for a, b in zip(out["peft"][1], out["fixed"][1]))
+    assert out["fixed"][1][0].abs().sum() > 0
+    with torch.no_grad():  # without autocast the cast is needed (a bf16 input, a float32 adapter) and stays
+        assert models.velocity(pipe, x.bfloat16(), 0.5, embeds).dtype == torch.bfloat16
+
+
+def test_ocr_threads_are_this_rank_share_of_the_cores(monkeypatch):
+    """8 ranks on a 64-core node with 2 OCR workers each: 4 threads per engine (64 / 8 / 2), not 32."""
+    import rewards
+    sized = []
+    monkeypatch.setitem(rewards.OCR_BACKENDS, "rapidocr", lambda threads: sized.append(threads) or (lambda f: ""))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    rewards.ocr(ocr_backend="rapidocr", ocr_workers=2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    rewards.ocr(ocr_backend="rapidocr", ocr_workers=2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "128")
+    rewards.ocr(ocr_backend="rapidocr", ocr_workers=2)
+    assert sized == [4, 32, 1]
+
+
 # ----------------------------------------------------------------------------- FSDP2: mixed precision, accumulation
 
 def _fsdp_worker(out):
@@ -218,12 +266,11 @@ def _fsdp_worker(out):
     from policy import Policy
     device = distributed.init()
     found = {}
-    for precision in ("no", "bf16"):
-        _, args = train.parse_args(["--model", "tiny", "--lora-rank", "0", "--fsdp", "--mixed-precision", precision,
-                                    "--resolution", "32"])
+    for precision in ("no", "bf16", "ddp"):
+        fsdp = ["--fsdp", "--mixed-precision", precision] if precision != "ddp" else []
+        _, args = train.parse_args(["--model", "tiny", "--lora-rank", "0", "--resolution", "32", *fsdp])
         policy = Policy(args, device, old_copy=False)
         pipe, block = policy.pipe, policy.transformer.transformer_blocks[0]  # SD3's joint blocks
-        state = block._get_fsdp_state()._fsdp_param_group.mp_policy
         gathered = []
         block.register_forward_pre_hook(lambda m, a: gathered.append(next(m.parameters()).dtype))
         embeds = models.encode_prompts(pipe, ["a cat", "a dog"])
@@ -234,7 +281,14 @@ def _fsdp_worker(out):
             policy.sync_gradients(k == 2)
             policy.backward(policy.velocity(x, 0.5, embeds, 1.0, train=True).float().square().mean())
             synced.append(all(q.grad is not None and q.grad.to_local().shape == q.to_local().shape
-                              for _, q in policy.trainable))
+                              for _, q in policy.trainable) if fsdp else None)
+        if precision == "ddp":  # replicated: each rank holds the all-reduced mean
+            found["ddp"] = dict(broadcast_buffers=policy.ddp.broadcast_buffers, synced=synced,
+                                bucket_view=policy.ddp.gradient_as_bucket_view)
+            if distributed.is_main:
+                torch.save({n: q.grad for n, q in policy.trainable}, os.path.join(out, "grads_ddp.pt"))
+            continue
+        state = block._get_fsdp_state()._fsdp_param_group.mp_policy
         grads = {n: q.grad.full_tensor() for n, q in policy.trainable}
         found[precision] = dict(param_dtype=str(state.param_dtype), reduce_dtype=str(state.reduce_dtype),
                                 cast_inputs=state.cast_forward_inputs, gathered=str(gathered[0]), synced=synced,
@@ -262,11 +316,12 @@ def _reference_grads(autocast):
     return {n: q.grad for n, q in transformer.named_parameters()}
 
 
-def test_fsdp_gathers_in_the_run_precision_and_reduce_scatters_each_micro_step_in_float32(tmp_path):
+def test_fsdp_mixed_precision_and_accumulation_and_ddp_options(tmp_path):
     """FSDP2's MixedPrecisionPolicy: bf16 runs gather and compute bf16 weights, fp32 ones float32; gradients are
     reduced in float32 into float32 shards, and forward inputs are left to autocast. Every micro-step leaves its
     reduce-scattered shard of the gradient (no full unsharded gradient kept until the last one). The float32 path
-    gives the unsharded gradient to float rounding; bf16 to bf16 rounding."""
+    gives the unsharded gradient to float rounding, bf16 to bf16 rounding; so does DDP, built without buffer
+    broadcasts and with its gradients as views of its buckets."""
     import subprocess
     import sys
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -283,10 +338,13 @@ def test_fsdp_gathers_in_the_run_precision_and_reduce_scatters_each_micro_step_i
         assert f["cast_inputs"] is False and f["shards"] == f["grad_dtypes"] == ["torch.float32"]
         assert f["synced"] == [True, True, True]  # a sharded gradient after the first micro-step already
     reference = _reference_grads(autocast=False)
-    grads = torch.load(tmp_path / "grads_no.pt")
-    assert set(grads) == set(reference)
-    for n in reference:
-        torch.testing.assert_close(grads[n], reference[n], rtol=1e-4, atol=1e-7)
+    for path in ("grads_no.pt", "grads_ddp.pt"):  # FSDP in float32, and DDP with its options (below)
+        grads = torch.load(tmp_path / path)
+        assert set(grads) == set(reference)
+        for n in reference:
+            torch.testing.assert_close(grads[n], reference[n], rtol=1e-4, atol=1e-7)
+    # DDP: rank 0's fixed buffers are not broadcast before each forward; gradients live in the all-reduce buckets
+    assert found["ddp"]["broadcast_buffers"] is False and found["ddp"]["bucket_view"] is True
     grads, reference = torch.load(tmp_path / "grads_bf16.pt"), _reference_grads(autocast=True)
     flat = torch.cat([grads[n].flatten() for n in reference])
     expected = torch.cat([reference[n].flatten() for n in reference])
