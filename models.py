@@ -552,7 +552,7 @@ def encode_prompts(pipe, prompts, *, negative_prompt="", guidance_scale=1.0, max
     cache = getattr(pipe, "prompt_cache", None)
     kwargs = dict(negative_prompt=negative_prompt, guidance_scale=guidance_scale, resolution=resolution,
                   max_sequence_length=default_tokens(pipe) if max_sequence_length is None else max_sequence_length)
-    if cache is None or images is not None or _encoders_train(pipe):  # edits: the text depends on the images
+    if cache is None or not prompts or images is not None or _encoders_train(pipe):  # edits: text depends on images
         with _encoders_on(pipe):
             return _encode_fresh(pipe, prompts, images=images, **kwargs)
     return _encode_cached(pipe, cache, prompts, **kwargs)
@@ -939,11 +939,11 @@ def add_lora(pipe, rank, alpha, *, target_modules=None):
 @contextlib.contextmanager
 def _lora_input(transformer, device_type):
     """Inside, under autocast, peft's LoRA layers take their input as it comes. peft (0.21, lora/layer.py
-    Linear.forward) casts it to the adapter's dtype, float32 here (departure 2), and autocast casts it straight back for the
-    matmuls of lora_A and lora_B, which run in the autocast dtype with a bf16 copy of the float32 weights (what keeps
-    the master weights float32 and the compute in half): two copies of a full activation per adapted layer, for
-    the same bits. Without autocast (a half-precision base called as is) peft's cast stays, as the dtypes must
-    match there."""
+    Linear.forward) casts it to the adapter's dtype, float32 here (departure 2), and autocast casts it straight
+    back for the matmuls of lora_A and lora_B, which run in the autocast dtype with a half copy of the float32
+    weights (the master weights stay float32, the compute is in half): two copies of a full activation per adapted
+    layer, for the same bits. Without autocast (a half-precision base called as is) peft's cast stays, as the
+    dtypes must match there."""
     layers = getattr(transformer, "_lora_layers", ())
     if not layers or not torch.is_autocast_enabled(device_type):
         yield
