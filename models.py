@@ -53,6 +53,7 @@ Departures from the diffusers defaults, and why:
    (the Wan, Qwen-Image and FLUX.2 pipelines run two); the results agree to float rounding.
 """
 
+import collections
 import contextlib
 import json
 import types
@@ -541,7 +542,25 @@ def encode_prompts(pipe, prompts, *, negative_prompt="", guidance_scale=1.0, max
     families that take references (families.FAMILIES[...]["references"]: flux-kontext, qwen-image-edit(-plus),
     flux2-klein). They are resized to `resolution` and encoded into `ref_latents` / `ref_shapes` (families.py,
     "edit models"), and for Qwen-Image-Edit also into the text; velocity() then conditions on them. None, or
-    only empty lists, for text-to-image: every other model refuses source images in one line."""
+    only empty lists, for text-to-image: every other model refuses source images in one line.
+
+    With a prompt cache on the pipeline (prompt_cache below), each prompt is encoded once and its rows come from the
+    cache afterwards; prompts with source images are always encoded afresh."""
+    prompts = list(prompts)
+    if images is not None and not any(len(refs) for refs in images):
+        images = None  # prompts without source images: text-to-image
+    cache = getattr(pipe, "prompt_cache", None)
+    kwargs = dict(negative_prompt=negative_prompt, guidance_scale=guidance_scale, resolution=resolution,
+                  max_sequence_length=default_tokens(pipe) if max_sequence_length is None else max_sequence_length)
+    if cache is None or not prompts or images is not None or _encoders_train(pipe):  # edits: text depends on images
+        with _encoders_on(pipe):
+            return _encode_fresh(pipe, prompts, images=images, **kwargs)
+    return _encode_cached(pipe, cache, prompts, **kwargs)
+
+
+def _encode_fresh(pipe, prompts, *, negative_prompt="", guidance_scale=1.0, max_sequence_length=None, images=None,
+                  resolution=None):
+    """encode_prompts without the cache: the text encoders run on every prompt."""
     device = pipe._execution_device
     prompts = list(prompts)
     kind = family(pipe)
@@ -579,6 +598,200 @@ def encode_prompts(pipe, prompts, *, negative_prompt="", guidance_scale=1.0, max
     return out
 
 
+# ----------------------------------------------------------------------------- the prompt-embedding cache
+#
+# Every step encodes its prompts, and every evaluation its held-out prompts, with text encoders that stay on the
+# GPU for the whole run (T5-XXL: 9.5 GB in half precision). The cache keeps each prompt's embedding rows on the CPU
+# after its first encode, keyed by (text, text tokens): the cache belongs to one pipeline object (its model and
+# weights) and lives as long as the process, so a changed prompt file or model can never read stale rows, and is
+# bypassed while any text-encoder weight trains. The negative prompt (CFG) is one more entry, encoded once per
+# (text, tokens, CFG on). Prompts with source images (edits) are not cached: Qwen-Image-Edit's VL encoder reads the
+# image into the text, and the references of every edit model are VAE latents of the image.
+#
+# A cached row is exactly the row of the batch it was first encoded in. Another batch can round differently in the
+# last bit (the matmul kernels depend on the batch size; 2e-7 on the tiny models' pooled CLIP), as any change of
+# batching does: a run whose steps repeat their prompt sets (and every evaluation) reproduces the uncached run bit
+# for bit, others agree to float rounding. Masked families (variable-length text) keep each row cut to its own
+# tokens and are padded back to the batch's longest, as their encoders pad.
+
+DEFAULT_PROMPT_CACHE_GB = 4.0  # SD3.5 with CFG: 1.7 MB a prompt (77 + 128 tokens x 4096, bf16): ~2400 prompts
+
+
+class PromptCache:
+    """Embedding rows by key, least recently used first out, within `max_bytes` (tensors on the CPU)."""
+
+    def __init__(self, max_bytes):
+        self.max_bytes, self.bytes, self.entries = int(max_bytes), 0, collections.OrderedDict()
+        self.offloaded_from = None  # the device the text encoders were moved off (offload_text_encoders)
+        self.hits = self.misses = 0
+
+    def get(self, key):
+        value = self.entries.get(key)
+        if value is not None:
+            self.entries.move_to_end(key)
+        return value
+
+    def put(self, key, value):
+        """Store value (a dict of tensors) unless it alone exceeds the budget; evict the oldest entries to fit."""
+        size = _nbytes(value)
+        if key in self.entries or size > self.max_bytes:
+            return
+        while self.bytes + size > self.max_bytes:
+            self.bytes -= _nbytes(self.entries.popitem(last=False)[1])
+        self.entries[key] = value
+        self.bytes += size
+
+    def fits(self, value):
+        return self.bytes + _nbytes(value) <= self.max_bytes
+
+
+def _nbytes(value):
+    return sum(t.numel() * t.element_size() for t in value.values())
+
+
+def _text_encoders(pipe):
+    return [m for name, m in pipe.components.items() if name.startswith("text_encoder") and
+            isinstance(m, torch.nn.Module)]
+
+
+def _encoders_train(pipe):
+    return any(p.requires_grad for m in _text_encoders(pipe) for p in m.parameters())
+
+
+@contextlib.contextmanager
+def _encoders_on(pipe):
+    """Inside, the text encoders are on the pipeline's device, also after offload_text_encoders (a cache miss)."""
+    cache = getattr(pipe, "prompt_cache", None)
+    device = cache.offloaded_from if cache is not None else None
+    if device is None:
+        yield
+        return
+    for m in _text_encoders(pipe):
+        m.to(device)
+    try:
+        yield
+    finally:
+        for m in _text_encoders(pipe):
+            m.to("cpu")
+
+
+def _to_cpu(t):
+    return t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+
+
+def _split_rows(out, n):
+    """encode_prompts' output for n prompts -> (n row dicts of [1, ...] CPU tensors, the negative's row dict), each
+    masked row cut to its own tokens; None when the layout is not one this understands (then nothing is cached)."""
+    masked = "prompt_mask" in out
+    rows, neg = [{} for _ in range(n)], {}
+    for key, value in out.items():
+        if key.startswith("neg_"):
+            if not torch.equal(value, value[:1].expand_as(value)):
+                return None  # a negative that differs per row (it would see each row's images)
+            neg[key] = _to_cpu(value[:1])
+        else:
+            for i in range(n):
+                rows[i][key] = _to_cpu(value[i:i + 1])
+    for part, prefix in [(r, "") for r in rows] + ([(neg, "neg_")] if neg else []):
+        if masked:
+            mask = part[prefix + "prompt_mask"][0]
+            length = int(mask.sum())
+            if not bool(mask[:length].all()):
+                return None  # not right-padded: cannot be cut and padded back
+            for key in (prefix + "prompt_embeds", prefix + "prompt_mask"):
+                part[key] = part[key][:, :length].contiguous()
+    return rows, neg
+
+
+def _assemble(rows, neg, device):
+    """Row dicts (and the negative's) -> encode_prompts' output on `device`: masked rows right-padded with zeros to
+    the longest of the batch and the negative (families._with_negative), the negative expanded to the batch."""
+    rows = [dict(r) for r in rows]
+    neg = dict(neg)
+    if "prompt_mask" in rows[0]:
+        length = max([r["prompt_embeds"].shape[1] for r in rows] + [v.shape[1] for k, v in neg.items()
+                                                                        if k == "neg_prompt_embeds"])
+        for part, prefix in [(r, "") for r in rows] + ([(neg, "neg_")] if neg else []):
+            e, m = families._pad_tokens(part[prefix + "prompt_embeds"], part[prefix + "prompt_mask"], length)
+            part[prefix + "prompt_embeds"], part[prefix + "prompt_mask"] = e, m
+    out = {k: torch.cat([r[k] for r in rows]).to(device) for k in rows[0]}
+    out.update({k: v.to(device).expand(len(rows), *v.shape[1:]) for k, v in neg.items()})
+    return out
+
+
+def _encode_cached(pipe, cache, prompts, *, negative_prompt, guidance_scale, max_sequence_length, resolution):
+    """encode_prompts through the cache: the missing prompts (and the negative, the first time) encoded in one
+    batch, in the order given, so that a first encode is the uncached one."""
+    tokens, cfg = max_sequence_length, guidance_scale > 1
+    kwargs = dict(negative_prompt=negative_prompt, guidance_scale=guidance_scale, max_sequence_length=tokens,
+                  resolution=resolution)
+    neg_key = ("negative", negative_prompt, tokens, cfg)
+    rows = {p: cache.get(("prompt", p, tokens)) for p in prompts}
+    neg = cache.get(neg_key)
+    missing = [p for p in prompts if rows[p] is None]  # in order, repeats kept: all missing -> the uncached batch
+    cache.hits += len(prompts) - len(missing)
+    cache.misses += len(missing)
+    if missing or neg is None:
+        texts = missing or [negative_prompt]
+        with _encoders_on(pipe):
+            out = _encode_fresh(pipe, texts, **kwargs)
+        split = _split_rows(out, len(texts))
+        if split is None:  # a layout without per-prompt rows: encoded afresh, uncached
+            if texts != prompts:
+                with _encoders_on(pipe):
+                    out = _encode_fresh(pipe, prompts, **kwargs)
+            return out
+        fresh, neg = split
+        for p, row in zip(missing, fresh):
+            if rows[p] is None:  # a repeated prompt takes its first row
+                rows[p] = row
+                cache.put(("prompt", p, tokens), row)
+        cache.put(neg_key, neg)
+    return _assemble([rows[p] for p in prompts], neg, pipe._execution_device)
+
+
+def prompt_cache(pipe, gigabytes, *, texts=(), offload=False, guidance_scales=(1.0,), negative_prompt="",
+                 max_sequence_length=None, batch_size=16):
+    """Give `pipe` a prompt-embedding cache of `gigabytes` (CPU memory, per process; 0: none) -> a line for the log.
+
+    offload: encode `texts` (training and held-out prompts, without source images) ahead, in batches of
+    batch_size, for each of `guidance_scales` (whether CFG's negative is needed), until all are in or the cache is
+    full, then move the text encoders to the CPU; a later miss moves them back for its encode (an edit's source
+    images, a prompt that did not fit). gigabytes None: DEFAULT_PROMPT_CACHE_GB on a GPU, none on a CPU."""
+    if gigabytes is None:  # GPU time is what the cache saves; the CPU runs stay as they were
+        gigabytes = DEFAULT_PROMPT_CACHE_GB if offload or pipe._execution_device.type == "cuda" else 0
+    if offload and gigabytes <= 0:
+        raise ValueError("--offload-text-encoders reads every prompt from the prompt cache: give --prompt-cache-gb > 0")
+    if gigabytes <= 0:
+        return None
+    pipe.prompt_cache = cache = PromptCache(gigabytes * 2**30)
+    if not offload:
+        return f"prompt cache: {gigabytes:g} GB"
+    texts = list(dict.fromkeys(texts))
+    tokens = default_tokens(pipe) if max_sequence_length is None else max_sequence_length
+    for cfg in sorted({g > 1 for g in guidance_scales}):  # the negative of each CFG setting used
+        encode_prompts(pipe, texts[:1] or [negative_prompt], negative_prompt=negative_prompt,
+                       guidance_scale=2.0 if cfg else 1.0, max_sequence_length=tokens)
+    for i in range(0, len(texts), batch_size):
+        before = cache.bytes
+        encode_prompts(pipe, texts[i:i + batch_size], negative_prompt=negative_prompt, max_sequence_length=tokens)
+        if cache.bytes + (cache.bytes - before) > cache.max_bytes:
+            break  # the next batch would evict this one: the rest are encoded when they come, the encoders moved in
+    done = sum(("prompt", t, tokens) in cache.entries for t in texts)
+    offload_text_encoders(pipe)
+    return (f"prompt cache: {gigabytes:g} GB, {done} of {len(texts)} prompts encoded ahead "
+            f"({cache.bytes / 2**30:.2f} GB); text encoders moved to the CPU")
+
+
+def offload_text_encoders(pipe):
+    """Move the text encoders to the CPU: encode_prompts then reads the cache, and moves them back for a miss."""
+    cache = pipe.prompt_cache
+    if cache.offloaded_from is None:
+        cache.offloaded_from = pipe._execution_device
+        for m in _text_encoders(pipe):
+            m.to("cpu")
+
+
 def velocity(pipe, x, sigma, embeds, *, guidance_scale=1.0, transformer=None):
     """The guided velocity v(x, sigma) ~ eps - x0, same shape as x, in the transformer's dtype
     (float32 for z-image, whose guidance the pipeline combines in float32).
@@ -586,6 +799,11 @@ def velocity(pipe, x, sigma, embeds, *, guidance_scale=1.0, transformer=None):
     sigma: float or [B] tensor. transformer: defaults to pipe.transformer; pass the DDP / FSDP /
     compiled wrapper to train through it. Gradients flow unless the caller disables them.
     """
+    with _lora_input(pipe.transformer, x.device.type):  # no float32 round trip of the LoRA inputs under autocast
+        return _velocity(pipe, x, sigma, embeds, guidance_scale=guidance_scale, transformer=transformer)
+
+
+def _velocity(pipe, x, sigma, embeds, *, guidance_scale=1.0, transformer=None):
     model = transformer if transformer is not None else pipe.transformer
     dtype = pipe.transformer.dtype
     batch = x.shape[0]
@@ -713,7 +931,30 @@ def add_lora(pipe, rank, alpha, *, target_modules=None):
     assert params, f"no LoRA layer matched target modules {targets}"
     for p in params:
         p.data = p.data.float()  # departure 2 (module docstring)
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    transformer._lora_layers = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]  # _lora_input
     return params
+
+
+@contextlib.contextmanager
+def _lora_input(transformer, device_type):
+    """Inside, under autocast, peft's LoRA layers take their input as it comes. peft (0.21, lora/layer.py
+    Linear.forward) casts it to the adapter's dtype, float32 here (departure 2), and autocast casts it straight
+    back for the matmuls of lora_A and lora_B, which run in the autocast dtype with a half copy of the float32
+    weights (the master weights stay float32, the compute is in half): two copies of a full activation per adapted
+    layer, for the same bits. Without autocast (a half-precision base called as is) peft's cast stays, as the
+    dtypes must match there."""
+    layers = getattr(transformer, "_lora_layers", ())
+    if not layers or not torch.is_autocast_enabled(device_type):
+        yield
+        return
+    for layer in layers:
+        layer.cast_input_dtype_enabled = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.cast_input_dtype_enabled = True
 
 
 def _has_lora(transformer):
@@ -1000,4 +1241,10 @@ def add_arguments(parser):
                    help="image side in pixels, or HEIGHTxWIDTH (sd3, wan, z-image)")
     g.add_argument("--num-frames", type=flags.POSITIVE_INT, default=None,
                    help="video models (wan): frames per sample, 4 k + 1 (default: the pipeline's 81)")
+    g.add_argument("--prompt-cache-gb", type=flags.NONNEG, default=None,
+                   help="CPU memory per GPU for prompt embeddings, each prompt encoded once (models.prompt_cache; "
+                        f"0: none; default {DEFAULT_PROMPT_CACHE_GB:g} on a GPU, 0 on a CPU)")
+    g.add_argument("--offload-text-encoders", action="store_true",
+                   help="encode every training and held-out prompt ahead into the prompt cache, then keep the text "
+                        "encoders on the CPU (a miss moves them back for its encode)")
     return g

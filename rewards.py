@@ -103,6 +103,7 @@ import torch
 from PIL import Image
 
 import data  # a sample's source images (edits): data.source_images(metadata)
+import distributed
 import flags
 import geneval  # light at import: its models load inside geneval.reward
 import reward_models
@@ -191,7 +192,9 @@ def ocr(*, ocr_backend, ocr_workers, **_):
     if ocr_backend not in OCR_BACKENDS:
         raise ValueError(f"--ocr-backend must be one of {sorted(OCR_BACKENDS)}, got {ocr_backend!r}")
     workers = flags.integer(ocr_workers, 1, "--ocr-workers")
-    threads = max(1, (os.cpu_count() or 1) // workers)  # share the cores instead of oversubscribing them
+    # this rank's share of the cores, split between its workers: 8 ranks each sizing by the whole node's count
+    # ran 8 x the cores in OCR threads
+    threads = max(1, distributed.cpus_per_rank() // workers)
     readers = threading.local()
     first = OCR_BACKENDS[ocr_backend](threads)  # load once now: a missing backend fails at build time
     pool = ThreadPoolExecutor(workers, thread_name_prefix="ocr")

@@ -132,6 +132,7 @@ def main(argv=None, *, on_step=None):
     setup_or_exit(diversity.featurizer, args.diversity, args.diversity_path, device)  # its weights, or one line
     policy = setup_or_exit(Policy, args, device, old_copy=bool(loss.old_copy and loss.old_copy(vars(args))))
     setup_or_exit(models.latent_shape, policy.pipe, args.resolution, num_frames=args.num_frames)  # one line if not
+    cache_prompts(policy, args, prompts, held_out)  # each prompt encoded once; --offload-text-encoders
     sigmas = setup_or_exit(models.sigmas, policy.pipe, args.num_steps, args.resolution, shift=args.shift)  # [T+1]
     if not run.start(policy, held_out, reward_fn):  # resumed a run that is already done
         return distributed.finish()
@@ -199,6 +200,17 @@ def sample(policy, loss, args, prompts, sigmas, step, reward_fn, run):
     if loss.process == "reverse":
         batch["steps"] = torch.cat([t["steps"].expand(len(t["latents"]), -1) for t in trajs])  # [n, K]
     return batch, pending
+
+
+def cache_prompts(policy, args, prompts, held_out):
+    """The prompt-embedding cache (models.prompt_cache): with --offload-text-encoders every training and held-out
+    prompt without source images is encoded ahead and the text encoders leave the GPU."""
+    texts = [t for part in (prompts, held_out) for t, m in zip(*part) if not (m or {}).get(data.SOURCE_KEY)]
+    line = setup_or_exit(models.prompt_cache, policy.pipe, args.prompt_cache_gb, offload=args.offload_text_encoders,
+                         texts=texts, guidance_scales=(*guidance_scales(args), args.guidance_scale),
+                         negative_prompt=args.negative_prompt, max_sequence_length=args.max_sequence_length)
+    if line:
+        print0(line)
 
 
 def starting_noise(pipe, args, step, group_ids, generator):
