@@ -38,6 +38,7 @@ class JsonServer:
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
                     server.bodies.append(body)
                     server.headers.append(dict(self.headers))
+                done = False
                 try:
                     status, reply, delay = server.respond(body, dict(self.headers))
                     time.sleep(delay)
@@ -49,6 +50,11 @@ class JsonServer:
                                 server.raw_bytes_sent += len(piece)
                         return
                     data = reply if isinstance(reply, bytes) else (reply if isinstance(reply, str) else json.dumps(reply)).encode()
+                    # Out of flight before the reply leaves: once the client has it, it may send its next request
+                    # before this thread runs again, and that one must not be counted beside this one.
+                    with server.lock:
+                        server.in_flight -= 1
+                        done = True
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(data)))
@@ -57,8 +63,9 @@ class JsonServer:
                 except (BrokenPipeError, ConnectionResetError):  # the client timed out and left
                     pass
                 finally:
-                    with server.lock:
-                        server.in_flight -= 1
+                    if not done:
+                        with server.lock:
+                            server.in_flight -= 1
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
