@@ -161,9 +161,12 @@ class Policy:
 
 
 def _lerp(copy, trainable, weight):
+    """copy <- copy + weight (current - copy), for every trained tensor in one multi-tensor op (torch._foreach_lerp_:
+    a few kernel launches where a loop would launch one per tensor, the same arithmetic as lerp_); FSDP: on the
+    local shards."""
     with torch.no_grad():
-        for name, param in trainable:
-            copy[name].lerp_(param.detach().float(), weight)
+        torch._foreach_lerp_([distributed.local(copy[name]) for name, _ in trainable],
+                             [distributed.local(param.detach()).float() for _, param in trainable], weight)
 
 
 def add_arguments(parser):
