@@ -197,8 +197,7 @@ def test_resume_puts_the_ema_the_old_copy_and_adam_beside_the_weights(tmp_path):
         policy = StubPolicy(args, cuda, old_copy=True)
         state = policy.resume(path, args)
         assert state["optimizer_steps"] == policy.optimizer_steps == 1
-        assert_beside(policy)
-        use_every_copy(policy)
+        use_every_copy(policy)  # the step after a resume: AdamW, the EMA and old-copy updates, the swaps
         assert_beside(policy)
 
 
