@@ -154,8 +154,8 @@ class Policy:
         self.optimizer_steps = state.get("optimizer_steps", 0)
         if state.get("grad_scaler") and self.scaler.is_enabled():  # fp16: the loss scale continues where it was
             self.scaler.load_state_dict(state["grad_scaler"])
-        for name in self.copies:  # the EMA and the old policy continue where they were (if this run keeps them)
-            if self.copies[name] is not None and name in saved:
+        for name in self.copies:  # the EMA and the old policy continue where they were (if this run keeps them);
+            if self.copies[name] is not None and name in saved:  # load put them beside the weights, in float32
                 self.copies[name] = saved[name]
         return state
 
