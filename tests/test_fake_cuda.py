@@ -244,6 +244,16 @@ def test_multi_tensor_updates_and_swaps_equal_the_per_tensor_loops_bit_for_bit(m
     assert all(torch.equal(q, live[n]) and torch.equal(copy[n], held[n]) for n, q in trainable)
 
 
+def test_the_steps_statistics_are_fetched_once_with_the_values_item_gives():
+    gen = torch.Generator().manual_seed(0)
+    values = [torch.rand((), generator=gen) for _ in range(5)] + [torch.rand((), generator=gen).double()]
+    stats = {"loss": values[:3], "clipfrac": values[3:], "grad_norm": [0.25, 1.5]}
+    got = train.host_stats(stats)
+    assert got == {"loss": [v.item() for v in values[:3]], "clipfrac": [v.item() for v in values[3:]],
+                   "grad_norm": [0.25, 1.5]}
+    assert all(type(v) is float for vs in got.values() for v in vs)
+
+
 # ----------------------------------------------------------------------------- the SDE step and the trained terms
 @pytest.mark.parametrize("kind", ["flow", "dance", "cps", "ode"])
 def test_sde_step_samples_and_scores_on_the_device(kind):
@@ -324,16 +334,12 @@ def to_fake_cuda(module, mode):
                 m._buffers[k] = mode.from_tensor(b).to(DEVICE)
 
 
-@pytest.fixture(scope="module")
-def tiny_pipe():
-    return models.load_pipeline("tiny")
-
-
-def test_tiny_model_rolls_out_evaluates_and_hands_cpu_images_to_the_reward(tiny_pipe):
-    """The tiny SD3-architecture pipeline on the device: prompt encoding, a training rollout (SDE steps, CFG) and
-    the held-out ODE sampling of eval.py, whose uint8 images reach the reward function on the CPU."""
+@pytest.mark.parametrize("name", ["tiny", "tiny-flux"])
+def test_tiny_models_roll_out_evaluate_and_hand_cpu_images_to_the_reward(name):
+    """The tiny SD3 and FLUX.1 pipelines on the device: prompt encoding, a training rollout (SDE steps; CFG or the
+    guidance embedding) and the held-out ODE sampling of eval.py, whose uint8 images reach the reward on the CPU."""
     import eval as evaluation
-    pipe = tiny_pipe
+    pipe = models.load_pipeline(name)  # real weights, made fake below
     with fake_cuda() as cuda:
         mode = detect_fake_mode()
         for module in models._modules(pipe):
