@@ -8,7 +8,6 @@ noise, indices, file I/O), and raises where a GPU run would crash or stall:
 Each test names the bug it would have caught on the code before the fix (resume's copies and optimizer state, the
 host syncs of the trained terms).
 """
-import argparse
 import contextlib
 import os
 
@@ -20,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import checkpoints
+import eval as evaluation
 import losses
 import models
 import policy as policy_mod
@@ -192,7 +192,7 @@ def write_checkpoint(tmp_path, args, *, optimizer_on_gpu=False, cuda_rng=None):
 def test_resume_puts_the_ema_the_old_copy_and_adam_beside_the_weights(tmp_path):
     """Bug 1: the copies stayed on the CPU, and the first EMA or old-copy update mixed CPU and CUDA tensors."""
     args = parse("nft")
-    path, saved = write_checkpoint(tmp_path, args)
+    path, _ = write_checkpoint(tmp_path, args)
     with fake_cuda() as cuda:
         policy = StubPolicy(args, cuda, old_copy=True)
         state = policy.resume(path, args)
@@ -338,7 +338,6 @@ def to_fake_cuda(module, mode):
 def test_tiny_models_roll_out_evaluate_and_hand_cpu_images_to_the_reward(name):
     """The tiny SD3 and FLUX.1 pipelines on the device: prompt encoding, a training rollout (SDE steps; CFG or the
     guidance embedding) and the held-out ODE sampling of eval.py, whose uint8 images reach the reward on the CPU."""
-    import eval as evaluation
     pipe = models.load_pipeline(name)  # real weights, made fake below
     with fake_cuda() as cuda:
         mode = detect_fake_mode()
