@@ -7,6 +7,10 @@ noise, indices, file I/O), and raises where a GPU run would crash or stall:
   - a CUDA value is read on the host (.item(), .tolist(), bool()): FakeTensorMode has no value to give.
 Each test names the bug it would have caught on the code before the fix (resume's copies and optimizer state, the
 host syncs of the trained terms).
+
+What fake tensors cannot do: a backward pass (the autograd engine asks the driver for a CUDA context; the stand-in
+policy checks the loss and sets gradients instead) and any read of a CUDA value (the one transfer of a step's
+statistics, train.host_stats, is checked on real tensors separately). Files are read for real, as on a GPU machine.
 """
 import contextlib
 import os
