@@ -358,3 +358,20 @@ def test_tiny_models_roll_out_evaluate_and_hand_cpu_images_to_the_reward(name):
         held_out = evaluation.sample_images(pipe, ["a red cube"] * 3, resolution=64, num_steps=2, guidance_scale=4.5,
                                             device=cuda, batch_size=2)
         assert held_out.device.type == "cpu" and held_out.dtype == torch.uint8 and held_out.shape == (3, 64, 64, 3)
+
+
+@pytest.mark.parametrize("name, resolution, frames", [("tiny-wan", 32, 5), ("tiny-flux2-klein", 64, None)])
+def test_the_other_families_encode_and_run_their_transformer_on_the_device(name, resolution, frames):
+    """Wan 2.1 and FLUX.2 [klein] through models.encode_prompts and models.velocity (the rollout's and the training
+    forward's call), CFG on. Qwen-Image and Z-Image cannot run here: each forward reads the prompt mask on the host
+    (Qwen-Image's mask.all(), Z-Image's per-prompt token selection), a sync per call that fake tensors refuse."""
+    pipe = models.load_pipeline(name)
+    with fake_cuda() as cuda:
+        mode = detect_fake_mode()
+        for module in models._modules(pipe):
+            to_fake_cuda(module, mode)
+        embeds = models.encode_prompts(pipe, ["a red cube", "two cats"], guidance_scale=4.5)
+        size = dict(num_frames=frames) if frames else {}
+        x = models.initial_noise(pipe, 2, resolution, generator=torch.Generator().manual_seed(0), **size).to(cuda)
+        v = models.velocity(pipe, x, torch.full((2,), 0.5, device=cuda), embeds, guidance_scale=4.5)
+        assert v.device == cuda and v.shape == x.shape
