@@ -20,7 +20,7 @@ torch.load(weights_only=True).
     prepare(args) -> (checkpoint to resume or None, stale files)   before any model loads: locks --out, refuses what
                                                    would lose or mix runs
     write(args, step, transformer, trainable, optimizer, copies, device, extra, export=None)   every rank calls it
-    load(path, args, trainable, optimizer, fsdp_model=None) -> (state, copies)
+    load(path, args, trainable, optimizer, fsdp_model=None) -> (state, copies on their parameters' devices)
     load_weights(path, params, *, use_ema=False)   a checkpoint's trained weights (or EMA) into parameters by name
     verify(path) -> None, or why the checkpoint cannot be trusted
     swapped(trainable, weights)   context: the trained parameters hold another copy of their weights inside
@@ -338,20 +338,45 @@ def save(args, step, weights, optim_state, copies, extra, export=None):
 def swapped(trainable, weights):
     """Inside, the trained parameters hold `weights` (a {name: tensor} copy: the EMA, or the old policy of the
     forward-process losses) and `weights` holds theirs; both are exchanged back on exit. The exchange is in place,
-    one tensor at a time (no second model in memory), and exact when both are float32, as the trained weights are
-    (a LoRA adapter is float32, a full fine-tune loads in float32). It works alike for a LoRA adapter, a full
-    fine-tune and FSDP shards (each rank exchanges its own). trainable: [(name, parameter or tensor)]."""
-    def exchange():
-        with torch.no_grad():
-            for name, param in trainable:
-                held = param.detach().clone()
-                param.copy_(weights[name])
-                weights[name].copy_(held)
-    exchange()
+    through a scratch buffer of at most SWAP_CHUNK elements (or the largest tensor): no second model in memory, and a
+    few multi-tensor copies (torch._foreach_copy_) per chunk where one copy per tensor would launch tens of thousands
+    of small kernels on a GPU. It is exact when both are float32, as the trained weights are (a LoRA adapter is
+    float32, a full fine-tune loads in float32). It works alike for a LoRA adapter, a full fine-tune and FSDP shards
+    (each rank exchanges its own). trainable: [(name, parameter or tensor)]."""
+    pairs = [(distributed.local(param.detach()), distributed.local(weights[name])) for name, param in trainable]
+    _exchange(pairs)
     try:
         yield
     finally:
-        exchange()
+        _exchange(pairs)
+
+
+SWAP_CHUNK = 1 << 26  # elements of swapped's scratch buffer (256 MB in float32)
+
+
+def _exchange(pairs):
+    """Swap the values of each (a, b) pair of same-shape tensors in place, chunk by chunk (see swapped)."""
+    with torch.no_grad():
+        for chunk in _chunks(pairs, SWAP_CHUNK):
+            a, b = [p for p, _ in chunk], [q for _, q in chunk]
+            flat = torch.empty(sum(t.numel() for t in a), dtype=a[0].dtype, device=a[0].device)
+            held = [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in a]), a)]
+            torch._foreach_copy_(held, a)
+            torch._foreach_copy_(a, b)
+            torch._foreach_copy_(b, held)
+
+
+def _chunks(pairs, limit):
+    """Runs of consecutive pairs of one device and dtype, each of at most `limit` elements (or one larger tensor)."""
+    chunk, size = [], 0
+    for a, b in pairs:
+        if chunk and (size + a.numel() > limit or (a.device, a.dtype) != (chunk[0][0].device, chunk[0][0].dtype)):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((a, b))
+        size += a.numel()
+    if chunk:
+        yield chunk
 
 
 def ema_weights(params, ema):
@@ -396,18 +421,26 @@ def load(path, args, trainable, optimizer, fsdp_model=None):
     if fsdp_model is not None:  # rank 0 reads and scatters
         if distributed.is_main:
             weights = _read_weights(path, [n for n, _ in trainable], "--resume")
-            optim_state = torch.load(os.path.join(path, "optimizer.pt"), weights_only=True)
+            optim_state = torch.load(os.path.join(path, "optimizer.pt"), map_location="cpu", weights_only=True)
         distributed.fsdp_load(fsdp_model, optimizer, trainable, weights, optim_state)
     else:
         load_weights(path, dict(trainable), what="--resume")
-        optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=True))
+        # Read onto the CPU: saved from cuda:0, the state would otherwise land on cuda:0 on every rank (an extra CUDA
+        # context and a copy of Adam's state there); load_state_dict moves it to each parameter's device.
+        optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), map_location="cpu",
+                                             weights_only=True))
     copies = {}
     for name in COPIES:
         if os.path.isfile(os.path.join(path, f"{name}.safetensors")):
-            copies[name] = load_file(os.path.join(path, f"{name}.safetensors"))
+            copies[name] = load_file(os.path.join(path, f"{name}.safetensors"))  # float32 on the CPU
             if fsdp_model is not None:  # full tensors -> this rank's shards, cut locally (every rank read the file)
                 copies[name] = distributed.shard_like(copies[name], trainable)
-    torch.set_rng_state(torch.load(os.path.join(path, "rng.pt"), weights_only=True)["torch"])
+            else:  # where the copies live: beside their parameters (a GPU), in float32
+                copies[name] = {n: copies[name][n].to(q.device, torch.float32) for n, q in trainable}
+    rng = torch.load(os.path.join(path, "rng.pt"), map_location="cpu", weights_only=True)
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():  # this process's current GPU (distributed.init sets it)
+        torch.cuda.set_rng_state(rng["cuda"])
     return state, copies
 
 

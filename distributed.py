@@ -15,6 +15,8 @@
     check_replicas(trainable, fsdp, device) -> [checksum per rank]
     fsdp_full_state(model, optimizer, trainable, copies)          shards -> rank 0's full tensors
     fsdp_load(model, optimizer, trainable, weights, optim_state)  rank 0's full tensors -> shards
+    shard_like(tensors, trainable)                                full tensors -> this rank's shards, on its device
+    local(t)                                                      a DTensor's local shard (a plain tensor: itself)
 
 Every function here is called on every rank (the collectives need all of them); the script also runs
 without torchrun, where each of them reduces to the single-process case.
@@ -224,7 +226,16 @@ def fsdp_load(model, optimizer, trainable, weights, optim_state):
 
 
 def shard_like(tensors, trainable):
-    """Full tensors by name (read by every rank) -> this rank's shards of the matching FSDP parameters."""
+    """Full tensors by name (read by every rank) -> this rank's shards of the matching FSDP parameters, on their
+    device, in float32 (the copies' dtype, policy.Policy._copy)."""
     from torch.distributed.tensor import distribute_tensor
-    return {n: distribute_tensor(tensors[n].to(q.device), q.device_mesh, q.placements, src_data_rank=None)
+    return {n: distribute_tensor(tensors[n].to(q.device, torch.float32), q.device_mesh, q.placements,
+                                 src_data_rank=None)
             for n, q in trainable}
+
+
+def local(t):
+    """The tensor a rank holds: an FSDP DTensor's local shard (a view that shares its storage, so writing into it
+    writes the parameter), any other tensor itself. Lets multi-tensor ops (torch._foreach_*) run on shards."""
+    from torch.distributed.tensor import DTensor
+    return t.to_local() if isinstance(t, DTensor) else t

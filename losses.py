@@ -3,7 +3,8 @@ DiffusionNFT and Advantage Weighted Matching (forward process).
 
 Pure functions of tensors: no model, no args object, hyper-parameters as keywords. Each loss takes
 the tensors of ONE trained denoising step k for a micro-batch and returns (loss, info), where loss
-is a scalar to backpropagate and info a dict of detached floats to log.
+is a scalar to backpropagate and info a dict of detached 0-dim tensors to log (train.py fetches a step's
+values from the device in one transfer: an .item() per statistic would wait for the GPU at every term).
 
     code            paper symbol
     ----            ------------
@@ -54,6 +55,16 @@ def _per_sample(value, like):
     return t.expand(like.shape[0]) if t.ndim == 0 else t.reshape(like.shape[0])
 
 
+def _require(holds, message):
+    """ValueError(message) unless every element of the bool tensor `holds` is True. On a GPU the check is an
+    asynchronous device-side assert: a host-side `if` would wait for the GPU at every trained term."""
+    if holds.device.type == "cpu":
+        if not holds.all():
+            raise ValueError(message)
+    else:
+        torch._assert_async(holds.all(), message)
+
+
 def _check(log_prob, old_log_prob, adv):
     if log_prob is None:
         raise ValueError("log_prob is None: the step was an ODE step (kind 'ode' or --eta 0) and has no log-prob")
@@ -65,9 +76,8 @@ def _check(log_prob, old_log_prob, adv):
 def _ratio_stats(ratio, log_ratio):
     """The statistics a researcher watches; approx_kl is PPO's 0.5 E[(log r)^2] (as Flow-GRPO logs)."""
     r = ratio.detach().float()
-    return {"ratio_mean": r.mean().item(), "ratio_std": r.std(unbiased=False).item(),
-            "ratio_min": r.min().item(), "ratio_max": r.max().item(),
-            "approx_kl": 0.5 * (log_ratio.detach().float() ** 2).mean().item()}
+    return {"ratio_mean": r.mean(), "ratio_std": r.std(unbiased=False), "ratio_min": r.min(), "ratio_max": r.max(),
+            "approx_kl": 0.5 * (log_ratio.detach().float() ** 2).mean().double()}
 
 
 def _clipped_surrogate(log_ratio, adv, clip_range):
@@ -81,7 +91,7 @@ def _clipped_surrogate(log_ratio, adv, clip_range):
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range)
     info = _ratio_stats(ratio, log_ratio)
-    info["clipfrac"] = ((ratio.detach() - 1).abs() > clip_range).float().mean().item()
+    info["clipfrac"] = ((ratio.detach() - 1).abs() > clip_range).float().mean()
     return torch.maximum(unclipped, clipped), info
 
 
@@ -198,10 +208,9 @@ def kl_penalty(mean, ref_mean, std, *, dt=None):
     kl = _sq_dist(mean, ref_mean) / (2 * _per_sample(std, mean) ** 2)  # [B]
     if dt is not None:
         dt = _per_sample(dt, mean)
-        if (dt >= 0).any():
-            raise ValueError("kl_penalty: dt = s' - s must be negative")
+        _require(dt < 0, "kl_penalty: dt = s' - s must be negative")
         kl = kl * -dt
-    return kl.mean(), {"kl_mean": kl.detach().mean().item(), "kl_max": kl.detach().max().item()}
+    return kl.mean(), {"kl_mean": kl.detach().mean(), "kl_max": kl.detach().max()}
 
 
 def guard_loss(log_prob, old_log_prob, mean, old_mean, std, dt, adv, *, clip_range, adv_clip=None):
@@ -221,13 +230,12 @@ def guard_loss(log_prob, old_log_prob, mean, old_mean, std, dt, adv, *, clip_ran
     _check(log_prob, old_log_prob, adv)
     adv = adv.float() if adv_clip is None else adv.float().clamp(-adv_clip, adv_clip)
     c = _per_sample(std, log_prob)  # [B]
-    if (c <= 0).any():
-        raise ValueError("guard_loss needs a positive transition std (an ODE step or --eta 0 has none)")
+    _require(c > 0, "guard_loss needs a positive transition std (an ODE step or --eta 0 has none)")
     mse = _sq_dist(mean, old_mean)  # [B], per sample
     log_ratio = (log_prob.float() - old_log_prob.float()) * c + mse / (2 * c)
     per_sample, info = _clipped_surrogate(log_ratio, adv, clip_range)
     per_sample = per_sample / -_per_sample(dt, log_prob)  # the gradient reweight
-    info["mean_shift"] = mse.detach().mean().item()
+    info["mean_shift"] = mse.detach().mean()
     return per_sample.mean(), info
 
 
@@ -256,10 +264,10 @@ def flowdppo_loss(log_prob, old_log_prob, mean, old_mean, sigma_t, adv, *, thres
     keep = ~(pos_rm | neg_rm)
     loss = torch.where(keep, -adv * ratio, torch.zeros_like(ratio)).mean()
     info = _ratio_stats(ratio, log_ratio)
-    masked = (~keep).float().mean().item()
-    info.update(clipfrac=masked, masked_fraction=masked, kl_mask_fraction=high_kl.float().mean().item(),
-                kl_new_old_mean=kl.mean().item(), kl_new_old_max=kl.max().item(),
-                pos_rm_fraction=pos_rm.float().mean().item(), neg_rm_fraction=neg_rm.float().mean().item())
+    masked = (~keep).float().mean()
+    info.update(clipfrac=masked, masked_fraction=masked, kl_mask_fraction=high_kl.float().mean(),
+                kl_new_old_mean=kl.mean(), kl_new_old_max=kl.max(),
+                pos_rm_fraction=pos_rm.float().mean(), neg_rm_fraction=neg_rm.float().mean())
     return loss, info
 
 
@@ -281,8 +289,7 @@ def wan_step_weight(sigma, sigma_next, *, sigma_max, sigma_min):
     if s.shape != s_next.shape and s.numel() != 1 and s_next.numel() != 1:
         raise ValueError(f"sigma and sigma_next must be floats or [B] of one shape, got {tuple(s.shape)} and "
                          f"{tuple(s_next.shape)}")
-    if not (s > s_next).all():
-        raise ValueError("wan_step_weight needs sigma > sigma_next (a denoising step)")
+    _require(s > s_next, "wan_step_weight needs sigma > sigma_next (a denoising step)")
     std_dev_t = sigma_min + (sigma_max - sigma_min) * s
     return (std_dev_t.mean() / (s - s_next).sqrt().mean()).float()
 
@@ -304,7 +311,7 @@ def velocity_kl(v, v_ref):
     against the base model (LoRA off; NFT train_nft_sd3.py L966-970, AWM train_sd3_awm.py L1337) or AWM's
     EMA copy (L1346). Unlike kl_penalty there is no transition std: these losses have no SDE step."""
     kl = _sq_dist(v, v_ref)  # [B]
-    return kl.mean(), {"kl_mean": kl.detach().mean().item(), "kl_max": kl.detach().max().item()}
+    return kl.mean(), {"kl_mean": kl.detach().mean(), "kl_max": kl.detach().max()}
 
 
 def nft_optimality(adv, *, adv_clip=5.0):
@@ -355,8 +362,8 @@ def nft_loss(v, v_old, x_t, x0, sigma, r, *, beta, adaptive=True):
     loss_plus = (err_plus**2 / w_plus).mean(dims)  # [B]
     loss_minus = (err_minus**2 / w_minus).mean(dims)
     per_sample = (r * loss_plus + (1 - r) * loss_minus) / beta
-    info = {"nft_loss_plus": loss_plus.detach().mean().item(), "nft_loss_minus": loss_minus.detach().mean().item(),
-            "old_deviate": ((v.detach() - v_old) ** 2).mean().item(), "r_mean": r.mean().item()}
+    info = {"nft_loss_plus": loss_plus.detach().mean(), "nft_loss_minus": loss_minus.detach().mean(),
+            "old_deviate": ((v.detach() - v_old) ** 2).mean(), "r_mean": r.detach().mean()}
     return per_sample.mean().float(), info
 
 
@@ -439,7 +446,7 @@ def _reference_kl(value, info, t, *, kl_beta, kl_form, sde, **_):
         dt = None if kl_form == "exact" or sde == "cps" else t["dt"]
         kl, _ = kl_penalty(t["mean"], t["ref_mean"], t["std"], dt=dt)
         value = value + kl_beta * kl
-        info["kl"] = kl.item()
+        info["kl"] = kl.detach()
     return value, info
 
 
@@ -448,7 +455,7 @@ def _velocity_reference_kl(value, info, t, *, kl_beta, **_):
     if kl_beta > 0:
         kl, _ = velocity_kl(t["v"], t["v_ref"])
         value = value + kl_beta * kl
-        info["kl"] = kl.item()
+        info["kl"] = kl.detach()
     return value, info
 
 
@@ -505,7 +512,7 @@ def awm(t, *, clip_range, adv_clip, ema_kl_beta, kl_beta, **hyper):
     if ema_kl_beta > 0 and kl_beta > 0:
         ema_kl, _ = velocity_kl(t["v"], t["v_old"])
         value = value + ema_kl_beta * ema_kl
-        info["ema_kl"] = ema_kl.item()
+        info["ema_kl"] = ema_kl.detach()
     return _velocity_reference_kl(value, info, t, kl_beta=kl_beta, **hyper)
 
 

@@ -160,16 +160,19 @@ class Policy:
         self.optimizer_steps = state.get("optimizer_steps", 0)
         if state.get("grad_scaler") and self.scaler.is_enabled():  # fp16: the loss scale continues where it was
             self.scaler.load_state_dict(state["grad_scaler"])
-        for name in self.copies:  # the EMA and the old policy continue where they were (if this run keeps them)
-            if self.copies[name] is not None and name in saved:
+        for name in self.copies:  # the EMA and the old policy continue where they were (if this run keeps them);
+            if self.copies[name] is not None and name in saved:  # load put them beside the weights, in float32
                 self.copies[name] = saved[name]
         return state
 
 
 def _lerp(copy, trainable, weight):
+    """copy <- copy + weight (current - copy), for every trained tensor in one multi-tensor op (torch._foreach_lerp_:
+    a few kernel launches where a loop would launch one per tensor, the same arithmetic as lerp_); FSDP: on the
+    local shards."""
     with torch.no_grad():
-        for name, param in trainable:
-            copy[name].lerp_(param.detach().float(), weight)
+        torch._foreach_lerp_([distributed.local(copy[name]) for name, _ in trainable],
+                             [distributed.local(param.detach()).float() for _, param in trainable], weight)
 
 
 def add_arguments(parser):

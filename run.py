@@ -343,7 +343,7 @@ class Run:
         if not os.path.exists(path):
             return None
         try:
-            return torch.load(path)
+            return torch.load(path, map_location="cpu", weights_only=True)  # beside the reward outputs it pairs with
         except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as e:
             print0(f"warning: {path} is unreadable ({e}); eval.jsonl goes on without `rise`")
             return None

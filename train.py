@@ -198,7 +198,8 @@ def sample(policy, loss, args, prompts, sigmas, step, reward_fn, run):
     batch.update({k: torch.cat([t[k] for t in trajs]) for k in ("latents", "log_probs", "means", "stds")
                   if k in trajs[0]})
     if loss.process == "reverse":
-        batch["steps"] = torch.cat([t["steps"].expand(len(t["latents"]), -1) for t in trajs])  # [n, K]
+        steps = torch.cat([t["steps"].expand(len(t["latents"]), -1) for t in trajs])  # [n, K]
+        batch["steps"] = steps.to(policy.device)  # beside the latents it indexes
     return batch, pending
 
 
@@ -303,7 +304,8 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
     n_micro = len(batch["prompts"]) // args.train_batch_size  # micro-batches per pass, the same on every rank
     stats, optim_steps, failed = {}, 0, {"overflow": 0, "skipped": 0}
     orders = [adv["ids"][torch.randperm(len(adv["ids"]), generator=data.seeded(args.seed, step, RANK, u, 1))]
-              for u in range(args.updates_per_batch)]  # the order of the trained samples in each pass
+              .to(policy.device) for u in range(args.updates_per_batch)]  # the trained samples' order in each pass,
+    # on the device: CPU indices into GPU tensors would copy them over (and wait) at every indexing
 
     def micro_batches(update, m):  # the micro-batches (sample indices) of optimizer step (update, m)
         micros = orders[update].split(len(adv["ids"]) // n_micro)  # n_micro of them
@@ -330,13 +332,14 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
                     first = optim_steps == 0 and update == 0  # the weights the batch was sampled with
                     if first and loss.process == "reverse":  # on-policy: ratio 1 (departure 2)
                         log_ratio = (t["log_prob"].detach() - t["old_log_prob"]).abs().max()
-                        info["first_ratio_dev"] = log_ratio.exp().item() - 1
+                        info["first_ratio_dev"] = log_ratio.exp().double() - 1
                         if "ratio_max" in info:  # the loss's own ratio (GRPO-Guard's RatioNorm one)
-                            info["first_clip_dev"] = max(info["ratio_max"] - 1, 1 - info["ratio_min"])
+                            info["first_clip_dev"] = torch.maximum(info["ratio_max"].double() - 1,
+                                                                   1 - info["ratio_min"].double())
                     elif not first and "ratio_mean" in info:  # the ratio that moves: off-policy updates
                         info.update(off_policy_ratio_mean=info["ratio_mean"], off_policy_clipfrac=info["clipfrac"])
-                    info["loss"] = value.item()
-                    for key, val in info.items():
+                    info["loss"] = value.detach()
+                    for key, val in info.items():  # 0-dim tensors, fetched once per step (host_stats)
                         stats.setdefault(key, []).append(val)
             status, grad_norm = policy.step()  # one optimizer step per minibatch; a non-finite gradient skips it
             if status != "ok":
@@ -344,7 +347,21 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
                 continue
             optim_steps += 1
             stats.setdefault("grad_norm", []).append(grad_norm)
-    return after_update(policy, loss, batch, stats, optim_steps, failed, args, run)
+    return after_update(policy, loss, batch, host_stats(stats), optim_steps, failed, args, run)
+
+
+def host_stats(stats):
+    """{name: [0-dim tensors or floats]} -> {name: [floats]}: the values on each device fetched in one transfer, the
+    step's one wait for the GPU instead of one per statistic and trained term."""
+    by_device = {}
+    for values in stats.values():
+        for v in values:
+            if torch.is_tensor(v):
+                by_device.setdefault(v.device, []).append(v)
+    fetched = {device: iter(torch.stack([v.detach().double() for v in vs]).tolist())
+               for device, vs in by_device.items()}
+    return {k: [next(fetched[v.device]) if torch.is_tensor(v) else float(v) for v in values]
+            for k, values in stats.items()}
 
 
 def reverse_terms(policy, batch, ids, sub, adv, sigmas, args):
@@ -353,10 +370,11 @@ def reverse_terms(policy, batch, ids, sub, adv, sigmas, args):
     stored transition scored by sde.sde_step, and with --kl-beta the frozen base model's mean of it."""
     train_guidance = guidance_scales(args)[1]
     step = dict(kind=args.sde, eta=args.eta, sigma_max=sigmas[1].item())  # sigmas[1] stands in for s = 1, as in rollout
+    on_device = sigmas.to(batch["latents"].device)  # indexed by the steps k, which live there
     for j in range(batch["steps"].shape[1]):
         k = batch["steps"][ids, j]  # [b]: each sample's j-th trained step
         x, x_next = batch["latents"][ids, k], batch["latents"][ids, k + 1]  # [b, ...]: its stored transition
-        sigma, sigma_next = sigmas[k], sigmas[k + 1]  # [b]
+        sigma, sigma_next = on_device[k], on_device[k + 1]  # [b]
 
         def complete(v):  # called before the generator moves on: x, sigma, ... are this step's
             out = sde.sde_step(v, x, sigma, sigma_next, prev_sample=x_next, **step)

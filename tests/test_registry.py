@@ -104,7 +104,7 @@ def test_awms_ema_kl_acts_only_with_a_kl_to_the_base():
     off, info_off = losses.LOSSES["awm"].fn(t, kl_beta=0.0, **hyper)
     on, info_on = losses.LOSSES["awm"].fn(t, kl_beta=1e-3, **hyper)
     assert "ema_kl" not in info_off and "kl" not in info_off
-    assert on.item() == pytest.approx(off.item() + info_on["ema_kl"] + 1e-3 * info_on["kl"], rel=1e-6)
+    assert on.item() == pytest.approx(off.item() + float(info_on["ema_kl"]) + 1e-3 * float(info_on["kl"]), rel=1e-6)
     assert not losses.LOSSES["awm"].old_copy(dict(ema_kl_beta=1.0, kl_beta=0.0))
     assert losses.LOSSES["awm"].old_copy(dict(ema_kl_beta=1.0, kl_beta=1e-3))
 

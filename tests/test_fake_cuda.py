@@ -1,0 +1,377 @@
+"""The GPU path on a CPU: CUDA tensors as torch's fake tensors (shape, dtype and device, no data), CPU tensors real.
+
+`fake_cuda()` runs its block with every CUDA tensor a FakeTensor and every CPU computation real (schedules, seeded
+noise, indices, file I/O), and raises where a GPU run would crash or stall:
+  - a CPU tensor meets a CUDA tensor in one op (FakeTensorMode raises for most ops; the guard below also for an index
+    tensor and the multi-tensor ops, which FakeTensorMode lets through and which copy and wait on a GPU);
+  - a CUDA value is read on the host (.item(), .tolist(), bool()): FakeTensorMode has no value to give.
+Each test names the bug it would have caught on the code before the fix (resume's copies and optimizer state, the
+host syncs of the trained terms).
+
+What fake tensors cannot do: a backward pass (the autograd engine asks the driver for a CUDA context; the stand-in
+policy checks the loss and sets gradients instead) and any read of a CUDA value (the one transfer of a step's
+statistics, train.host_stats, is checked on real tensors separately). Files are read for real, as on a GPU machine.
+"""
+import contextlib
+import os
+
+import pytest
+import torch
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import checkpoints
+import eval as evaluation
+import losses
+import models
+import policy as policy_mod
+import sde
+import train
+
+DEVICE = torch.device("cuda:0")
+aten = torch.ops.aten
+TRANSFERS = {aten._to_copy.default, aten.copy_.default}  # the ops that may move data between the CPU and the GPU
+
+
+class RealCpuGuardedCuda(TorchDispatchMode):
+    """Above FakeTensorMode: ops without a CUDA (fake) tensor or device run for real on the CPU; any other op whose
+    arguments mix a CPU tensor (not a 0-dim scalar) with a CUDA one, other than a copy between them, raises."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        device = kwargs.get("device")
+        if not any(isinstance(t, FakeTensor) and t.device.type == "cuda" for t in tensors) and \
+                (device is None or torch.device(device).type == "cpu"):
+            with unset_fake_temporarily():  # CPU work stays real: its values matter (schedules, indices, RNG)
+                return func(*args, **kwargs)
+        if func not in TRANSFERS and any(t.device.type == "cuda" for t in tensors):
+            if cpu := [tuple(t.shape) for t in tensors if t.device.type == "cpu" and t.dim() > 0]:
+                raise RuntimeError(f"{func}: CPU tensors {cpu} meet CUDA tensors (a crash or a copy and wait on a GPU)")
+        return func(*args, **kwargs)
+
+
+def real_io(read):
+    """A file reader that builds real tensors, as on a GPU machine (torch.load would build fake ones here)."""
+    def real(*args, **kwargs):
+        with unset_fake_temporarily():
+            return read(*args, **kwargs)
+    return real
+
+
+@contextlib.contextmanager
+def fake_cuda():
+    """Inside: CUDA tensors are fake, CPU ones real, files read for real, and torch.cuda.is_available() is True."""
+    import safetensors.torch
+    with pytest.MonkeyPatch.context() as mp:
+        # No CUDA runtime here: FakeTensorMode then uses a no-op device guard, which slicing and indexing need.
+        mp.setattr(FakeTensorMode, "avoid_device_init", property(lambda self: True))
+        mp.setattr(torch, "load", real_io(torch.load))
+        mp.setattr(safetensors.torch, "load_file", real_io(safetensors.torch.load_file))
+        with FakeTensorMode(allow_non_fake_inputs=True), RealCpuGuardedCuda():
+            mp.setattr(torch.cuda, "is_available", lambda: True)
+            yield DEVICE
+
+
+def test_the_stand_in_fails_where_a_gpu_would():
+    with fake_cuda() as cuda:
+        x, on_cpu = torch.zeros(4, 3, device=cuda), torch.ones(4, 3)
+        assert torch.tensor([1.0, 2.0]).sum().item() == 3.0  # CPU values are real
+        assert (x + torch.tensor(2.0)).device == cuda  # a CPU scalar may meet a CUDA tensor, as on a GPU
+        for crash in (lambda: x.lerp_(on_cpu, 0.5), lambda: x[torch.tensor([0, 1])], lambda: x.sum().item(),
+                      lambda: torch._foreach_lerp_([x], [on_cpu], 0.5), lambda: bool((x > 0).any())):
+            with pytest.raises(Exception):
+                crash()
+
+
+# ----------------------------------------------------------------------------- a policy over a stand-in transformer
+class Net(torch.nn.Module):
+    def __init__(self, channels, device):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(channels, device=device))
+        self.shift = torch.nn.Parameter(torch.zeros(channels, device=device))
+        self.proj = torch.nn.Linear(8, channels, device=device)
+
+
+class StubPolicy(policy_mod.Policy):
+    """policy.Policy's own optimizer step, EMA, old copy, swaps and resume, over a per-channel affine velocity (plus
+    the prompt embedding) in place of a pipeline: v = x scale + shift + proj(pooled). The reference model is the
+    affine map at scale 1, shift 0. step() is Policy.step without its one read of the gradient norm per optimizer
+    step (a host sync a GPU run makes on purpose, to skip a non-finite step); backward() checks the loss and leaves
+    a gradient of ones (the autograd engine needs a CUDA context, which fake tensors do not have)."""
+
+    def __init__(self, args, device, *, old_copy, channels=4):
+        self.args, self.device, self.amp_dtype, self.ddp, self.pipe = args, device, None, None, None
+        self.transformer = self.model = Net(channels, device)
+        self.trainable = list(self.transformer.named_parameters())
+        self.optimizer = torch.optim.AdamW([q for _, q in self.trainable], lr=1e-2)
+        self.scaler = torch.amp.GradScaler("cpu", enabled=False)
+        self.copies = {"ema": self._copy() if args.ema_decay > 0 else None, "old": self._copy() if old_copy else None}
+        self.optimizer_steps, self.reference_on = 0, False
+
+    def velocity(self, x, sigma, embeds, guidance_scale, *, train=False):
+        net, shape = self.transformer, (1, -1) + (1,) * (x.dim() - 2)
+        if self.reference_on:
+            return x + 0 * net.proj(embeds["pooled"]).view(*shape[:2], *[1] * (x.dim() - 2))
+        return x * net.scale.view(shape) + net.shift.view(shape) + net.proj(embeds["pooled"]).view(
+            x.shape[0], -1, *[1] * (x.dim() - 2))
+
+    @contextlib.contextmanager
+    def frozen(self, name):
+        if name == "old":
+            with super().frozen("old"):
+                yield
+            return
+        self.reference_on = True
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            self.reference_on = False
+
+    def backward(self, loss):  # the autograd engine asks the CUDA driver for a context: the graph is checked instead
+        assert loss.dim() == 0 and loss.device == self.device and loss.requires_grad
+        for _, q in self.trainable:
+            q.grad = torch.ones_like(q) if q.grad is None else q.grad + 1
+
+    def step(self):
+        torch.nn.utils.clip_grad_norm_([q for _, q in self.trainable], self.args.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        self._update_ema()
+        return "ok", 1.0
+
+
+def parse(loss="nft", *extra):
+    p, args = train.parse_args(["--model", "tiny", "--loss", loss, "--num-steps", "4", "--group-size", "2",
+                                "--prompts-per-step", "2", "--sample-batch-size", "2", "--train-batch-size", "1",
+                                "--lora-rank", "4", "--ema-decay", "0.9", *extra])
+    train.check_args(p, args, 1)
+    return args
+
+
+def assert_beside(policy):
+    """Every copy and every Adam state tensor on the weights' device, the copies in float32."""
+    for name, copy in policy.copies.items():
+        for n, q in policy.trainable if copy is not None else ():
+            assert copy[n].device == q.device and copy[n].dtype == torch.float32, (name, n, copy[n].device)
+    for state in policy.optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                assert value.device == DEVICE, (key, value.device)
+
+
+def use_every_copy(policy):
+    """The operations of a step that touch the copies: the EMA and old-copy updates, both swaps."""
+    for n, q in policy.trainable:
+        q.grad = torch.ones_like(q)
+    policy.step()  # AdamW and the EMA update
+    policy.update_old(0.5)
+    with policy.ema_weights():
+        pass
+    with policy.frozen("old"):
+        pass
+
+
+def write_checkpoint(tmp_path, args, *, optimizer_on_gpu=False, cuda_rng=None):
+    """A checkpoint as a GPU run writes it (checkpoints.save, real files): its optimizer.pt, saved from cuda:0,
+    tags every tensor with that device when optimizer_on_gpu."""
+    args.out = str(tmp_path)
+    cpu = StubPolicy(args, torch.device("cpu"), old_copy=True)
+    use_every_copy(cpu)
+    path = checkpoints.save(args, 1, dict(cpu.trainable), cpu.optimizer.state_dict(), cpu.copies,
+                            dict(optimizer_steps=cpu.optimizer_steps))
+    if optimizer_on_gpu:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+            torch.save(cpu.optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
+    if cuda_rng is not None:
+        torch.save({"torch": torch.get_rng_state(), "cuda": cuda_rng}, os.path.join(path, "rng.pt"))
+    return path, cpu
+
+
+def test_resume_puts_the_ema_the_old_copy_and_adam_beside_the_weights(tmp_path):
+    """Bug 1: the copies stayed on the CPU, and the first EMA or old-copy update mixed CPU and CUDA tensors."""
+    args = parse("nft")
+    path, _ = write_checkpoint(tmp_path, args)
+    with fake_cuda() as cuda:
+        policy = StubPolicy(args, cuda, old_copy=True)
+        state = policy.resume(path, args)
+        assert state["optimizer_steps"] == policy.optimizer_steps == 1
+        use_every_copy(policy)  # the step after a resume: AdamW, the EMA and old-copy updates, the swaps
+        assert_beside(policy)
+
+
+def test_resume_reads_a_gpu_saved_optimizer_onto_the_cpu_first(tmp_path):
+    """Bug 2: optimizer.pt saved from cuda:0 was read back onto cuda:0 on every rank (here: no GPU to read it to)."""
+    args = parse("nft")
+    path, _ = write_checkpoint(tmp_path, args, optimizer_on_gpu=True)
+    with fake_cuda() as cuda:
+        policy = StubPolicy(args, cuda, old_copy=True)
+        policy.resume(path, args)
+        assert_beside(policy)
+
+
+def test_resume_restores_the_cuda_rng_it_saved(tmp_path, monkeypatch):
+    args = parse("grpo")
+    path, _ = write_checkpoint(tmp_path, args, cuda_rng=torch.arange(16, dtype=torch.uint8))
+    restored = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append(state.clone()))
+    with fake_cuda() as cuda:
+        StubPolicy(args, cuda, old_copy=False).resume(path, args)
+    assert len(restored) == 1 and torch.equal(restored[0], torch.arange(16, dtype=torch.uint8))
+
+
+def test_the_copies_update_and_swap_on_the_device():
+    with fake_cuda() as cuda:
+        policy = StubPolicy(parse("nft"), cuda, old_copy=True)
+        use_every_copy(policy)
+        assert_beside(policy)
+
+
+def test_multi_tensor_updates_and_swaps_equal_the_per_tensor_loops_bit_for_bit(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(3, 5), (7,), (2, 2, 2), (1,), (40,)]
+    trainable = [(f"w{i}", torch.randn(s, generator=gen)) for i, s in enumerate(shapes)]
+    copy = {n: torch.randn(q.shape, generator=gen) for n, q in trainable}
+    expected = {n: c.clone().lerp_(q, 0.1) for (n, q), c in zip(trainable, copy.values())}  # the loop it replaced
+    policy_mod._lerp(copy, trainable, 0.1)
+    assert all(torch.equal(copy[n], expected[n]) for n in copy)
+    monkeypatch.setattr(checkpoints, "SWAP_CHUNK", 10)  # several chunks, one tensor larger than a chunk
+    live = {n: q.clone() for n, q in trainable}
+    held = {n: c.clone() for n, c in copy.items()}
+    with checkpoints.swapped(trainable, copy):
+        assert all(torch.equal(q, held[n]) and torch.equal(copy[n], live[n]) for n, q in trainable)
+    assert all(torch.equal(q, live[n]) and torch.equal(copy[n], held[n]) for n, q in trainable)
+
+
+def test_the_steps_statistics_are_fetched_once_with_the_values_item_gives():
+    gen = torch.Generator().manual_seed(0)
+    values = [torch.rand((), generator=gen) for _ in range(5)] + [torch.rand((), generator=gen).double()]
+    stats = {"loss": values[:3], "clipfrac": values[3:], "grad_norm": [0.25, 1.5]}
+    got = train.host_stats(stats)
+    assert got == {"loss": [v.item() for v in values[:3]], "clipfrac": [v.item() for v in values[3:]],
+                   "grad_norm": [0.25, 1.5]}
+    assert all(type(v) is float for vs in got.values() for v in vs)
+
+
+# ----------------------------------------------------------------------------- the SDE step and the trained terms
+@pytest.mark.parametrize("kind", ["flow", "dance", "cps", "ode"])
+def test_sde_step_samples_and_scores_on_the_device(kind):
+    with fake_cuda() as cuda:
+        x, v = torch.randn(2, 4, 8, 8, device=cuda), torch.randn(2, 4, 8, 8, device=cuda)
+        for sigma, sigma_next in ((0.8, 0.6), (torch.tensor([0.8, 0.7], device=cuda),
+                                                torch.tensor([0.6, 0.5], device=cuda))):
+            out = sde.sde_step(v, x, sigma, sigma_next, kind=kind, generator=torch.Generator().manual_seed(0),
+                               sigma_max=0.95)
+            scored = sde.sde_step(v, x, sigma, sigma_next, kind=kind, prev_sample=out.prev_sample, sigma_max=0.95)
+            assert out.prev_sample.device == scored.mean.device == scored.std.device == cuda
+            if kind != "ode":
+                assert scored.log_prob.device == cuda and scored.log_prob.shape == (2,)
+
+
+def batch_for(loss, args, policy, n=4, channels=4, side=8):
+    """What train.sample hands train_on_batch, built on the device as it builds it (latents, log-probs, means, steps,
+    embeddings on the GPU; images on the CPU)."""
+    d, T = policy.device, args.num_steps
+    batch = dict(prompts=[f"p{i}" for i in range(n)], images=torch.zeros(n, 64, 64, 3, dtype=torch.uint8),
+                 embeds={"prompt_embeds": torch.randn(n, 7, 8, device=d), "pooled": torch.randn(n, 8, device=d)})
+    if loss.process == "forward":
+        batch["latents"] = torch.randn(n, 1, channels, side, side, device=d)
+        return batch
+    steps = torch.tensor(sde.sde_steps(T, **train.window_kwargs(args, 0)))  # [K]
+    batch.update(latents=torch.randn(n, T + 1, channels, side, side, device=d),
+                 log_probs=torch.randn(n, len(steps), device=d), means=torch.randn(n, len(steps), channels, side, side,
+                                                                                    device=d),
+                 stds=torch.rand(n, len(steps), device=d), steps=steps.expand(n, -1).to(d))
+    return batch
+
+
+class StubRun:
+    def warn_ratio(self, deviation, limit, cause):
+        pass
+
+
+@pytest.mark.parametrize("name", list(losses.LOSSES))
+def test_every_loss_trains_on_the_device_without_reading_it_back(name, monkeypatch):
+    """Each trained term through its registry function, with the KL to the reference and the old copy where the loss
+    keeps one, two passes (the off-policy branch; AWM's frozen statistics): train.train_on_batch with the tensors
+    train.sample builds. Before the fix every statistic was read back with .item() (a host sync per value and term)
+    and CPU sample indices indexed the GPU tensors."""
+    loss = losses.LOSSES[name]
+    extra = ["--kl-beta", "0.01", "--updates-per-batch", "2"] + (
+        ["--step-loss-weight", "wan"] if loss.process == "reverse" else []) + (
+        ["--train-timesteps", "2"] if name == "awm" else [])
+    args = parse(name, *extra)
+    fetched = []
+
+    def host_stats(stats):  # the step's one transfer: its values have no data here, every one a 0-dim value
+        assert all(not torch.is_tensor(v) or v.dim() == 0 for values in stats.values() for v in values)
+        fetched.append(sorted(stats))
+        return {k: [0.0] * len(values) for k, values in stats.items()}
+    monkeypatch.setattr(train, "host_stats", host_stats, raising=False)
+    adv_cpu = torch.tensor([1.0, -1.0, 0.5, 0.0])
+    ids = train.trained_samples(adv_cpu, 4 // args.train_batch_size, torch.Generator().manual_seed(0))
+    sigmas = sde.sd3_sigmas(args.num_steps)
+    with fake_cuda() as cuda:
+        policy = StubPolicy(args, cuda, old_copy=bool(loss.old_copy and loss.old_copy(vars(args))))
+        batch = batch_for(loss, args, policy)
+        adv = dict(adv=adv_cpu.to(cuda), ids=ids, rank_weight=1.0)
+        info = train.train_on_batch(policy, loss, batch, adv, sigmas, args, 0, StubRun())
+        assert info["updates"] == 2 and policy.optimizer_steps == 2
+        assert_beside(policy)
+    assert fetched and "loss" in fetched[0] and "kl" in fetched[0]
+
+
+# ----------------------------------------------------------------------------- a real tiny pipeline
+def to_fake_cuda(module, mode):
+    """Every parameter and buffer of `module` -> a fake CUDA tensor of the same values' shape and dtype."""
+    for m in module.modules():
+        for k, p in list(m._parameters.items()):
+            if p is not None:
+                m._parameters[k] = torch.nn.Parameter(mode.from_tensor(p.detach()).to(DEVICE), p.requires_grad)
+        for k, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[k] = mode.from_tensor(b).to(DEVICE)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-flux"])
+def test_tiny_models_roll_out_evaluate_and_hand_cpu_images_to_the_reward(name):
+    """The tiny SD3 and FLUX.1 pipelines on the device: prompt encoding, a training rollout (SDE steps; CFG or the
+    guidance embedding) and the held-out ODE sampling of eval.py, whose uint8 images reach the reward on the CPU."""
+    pipe = models.load_pipeline(name)  # real weights, made fake below
+    with fake_cuda() as cuda:
+        mode = detect_fake_mode()
+        for module in models._modules(pipe):
+            to_fake_cuda(module, mode)
+        embeds = models.encode_prompts(pipe, ["a red cube", "two cats"], guidance_scale=4.5)
+        assert all(v.device == cuda for v in embeds.values())
+        sigmas = models.sigmas(pipe, 3, 64)
+        x = models.initial_noise(pipe, 2, 64, generator=torch.Generator().manual_seed(0)).to(cuda)
+        traj, images = models.generate(pipe, x, sigmas, embeds, guidance_scale=4.5, sde_steps=sde.sde_steps(3),
+                                       kind="flow", eta=0.7, generator=torch.Generator().manual_seed(1))
+        assert traj["latents"].device == traj["log_probs"].device == cuda
+        assert images.device.type == "cpu" and images.dtype == torch.uint8 and images.shape == (2, 64, 64, 3)
+        held_out = evaluation.sample_images(pipe, ["a red cube"] * 3, resolution=64, num_steps=2, guidance_scale=4.5,
+                                            device=cuda, batch_size=2)
+        assert held_out.device.type == "cpu" and held_out.dtype == torch.uint8 and held_out.shape == (3, 64, 64, 3)
+
+
+@pytest.mark.parametrize("name, resolution, frames", [("tiny-wan", 32, 5), ("tiny-flux2-klein", 64, None)])
+def test_the_other_families_encode_and_run_their_transformer_on_the_device(name, resolution, frames):
+    """Wan 2.1 and FLUX.2 [klein] through models.encode_prompts and models.velocity (the rollout's and the training
+    forward's call), CFG on. Qwen-Image and Z-Image cannot run here: each forward reads the prompt mask on the host
+    (Qwen-Image's mask.all(), Z-Image's per-prompt token selection), a sync per call that fake tensors refuse."""
+    pipe = models.load_pipeline(name)
+    with fake_cuda() as cuda:
+        mode = detect_fake_mode()
+        for module in models._modules(pipe):
+            to_fake_cuda(module, mode)
+        embeds = models.encode_prompts(pipe, ["a red cube", "two cats"], guidance_scale=4.5)
+        size = dict(num_frames=frames) if frames else {}
+        x = models.initial_noise(pipe, 2, resolution, generator=torch.Generator().manual_seed(0), **size).to(cuda)
+        v = models.velocity(pipe, x, torch.full((2,), 0.5, device=cuda), embeds, guidance_scale=4.5)
+        assert v.device == cuda and v.shape == x.shape
