@@ -5,9 +5,12 @@ Each run is 2 steps of tests/test_train.py's small setup with a fixed seed. What
     - a SHA-256 of every tensor in the last checkpoint (the trained weights, the EMA and old-policy copies, Adam's
       moments), and of the logged rewards, losses and gradient norms of both steps, and
     - float summaries of the same (sums, absolute sums), for machines whose CPU kernels round differently.
-tests/golden.json holds them. On the machine that recorded them (the same torch and CPU) every hash must match: bit
-for bit. Elsewhere the summaries must agree closely. Record anew (only for a deliberate change of the numbers, said
-in the commit message) with
+tests/golden.json holds a record per machine (torch version, CPU model, threads). On a machine that has a record every
+hash must match it: bit for bit. Elsewhere the summaries must agree with the first record within a few per cent,
+which catches a changed algorithm but not a changed rounding: two steps of these runs amplify a CPU's other rounding
+to about 1 % (an AMD EPYC against the Intel Xeon record: grad_norm 0.003515 against 0.003548). Add or replace this
+machine's record (only for a deliberate change of the numbers, said in the commit message; a change of the numbers
+also drops the other machines' records of the runs it changed) with
 
     python tests/test_golden.py --record
 """
@@ -134,30 +137,34 @@ def results(tmp_path_factory, one_thread):
 @pytest.fixture(scope="module")
 def golden():
     with open(GOLDEN) as f:
-        return json.load(f)
+        return json.load(f)["records"]
 
 
-def test_every_golden_run_is_recorded(golden):
-    assert set(golden["runs"]) == set(RUNS) | {RESUME, FSDP}
+def test_every_golden_run_is_recorded_on_the_newest_machine(golden):
+    assert set(golden[0]["runs"]) == set(RUNS) | {RESUME, FSDP}
 
 
 @pytest.mark.parametrize("name", list(RUNS) + [RESUME, FSDP])
 def test_golden_run_reproduces(results, golden, name):
-    got, want = results[name], golden["runs"][name]
-    assert got["steps"] == want["steps"] == [1, 2]
-    if machine() == golden["machine"]:  # the recording machine: bit for bit
-        assert got["tensors"] == want["tensors"], f"{name}: trained tensors changed"
-        assert got["logged"] == want["logged"], f"{name}: logged rewards / losses changed"
+    got = results[name]
+    assert got["steps"] == [1, 2]
+    mine = [r["runs"] for r in golden if r["machine"] == machine() and name in r["runs"]]
+    if mine:  # a recording machine: bit for bit
+        assert got["tensors"] == mine[0][name]["tensors"], f"{name}: trained tensors changed"
+        assert got["logged"] == mine[0][name]["logged"], f"{name}: logged rewards / losses changed"
         return
-    # Another CPU or torch: float rounding may differ in the last bits, the numbers may not. bf16 kernels differ
-    # between CPUs by up to bf16's own precision (2^-8) per operation, hence a wider margin for that run.
-    rel = 5e-2 if "bf16" in name else 1e-3
+    # Another CPU or torch: the rounding differs, and two steps amplify it (module docstring); the numbers may not
+    # change by more than that. bf16 kernels differ between CPUs by up to bf16's own precision per operation.
+    want = golden[0]["runs"][name]
+    rel = 5e-2 if "bf16" in name else 2e-2
     assert got["weight_sum"] == pytest.approx(want["weight_sum"], rel=rel / 10, abs=1e-4), name
     assert got["weight_abs"] == pytest.approx(want["weight_abs"], rel=rel / 10), name
     for a, b in zip(got["logged_values"], want["logged_values"]):
         assert set(a) == set(b), name
-        for key in a:
-            assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-6), (name, key)
+        for key in a:  # None: a component no sample of the step had (a GenEval tag absent from the step's prompts)
+            assert (a[key] is None) == (b[key] is None), (name, key)
+            if a[key] is not None:
+                assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-6), (name, key)
 
 
 def test_resumed_run_equals_the_uninterrupted_one(results):
@@ -174,7 +181,15 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         runs = run_all(tmp)
+    with open(GOLDEN) as f:
+        records = json.load(f)["records"]
+    # Runs whose numbers changed here are dropped from the other machines' records: they can no longer be checked.
+    old = next((r["runs"] for r in records if r["machine"] == machine()), {})
+    changed = {n for n, d in runs.items() if n in old and d["tensors"] != old[n]["tensors"]}
+    others = [dict(r, runs={n: d for n, d in r["runs"].items() if n not in changed})
+              for r in records if r["machine"] != machine()]
     with open(GOLDEN, "w") as f:
-        json.dump(dict(machine=machine(), runs=runs), f, indent=1)
+        json.dump(dict(records=[dict(machine=machine(), runs=runs)] + others), f, indent=1)
         f.write("\n")
+    print(f"changed: {sorted(changed) or 'none'}")
     print(f"recorded {len(runs)} runs in {GOLDEN} on {machine()}")
