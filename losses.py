@@ -584,7 +584,8 @@ def add_arguments(parser):
     g.add_argument("--adv-clip", type=flags.POSITIVE, default=5.0, help="advantages clipped to +-this")
     g.add_argument("--reward-combine", default="score", choices=["score", "advantage"],
                    help="several rewards (--reward a=w,b=w): score = the group advantage of their weighted sum; "
-                        "advantage = the weighted sum of each one's group advantage (MixGRPO, combined_advantages), "
+                        "advantage = the weighted sum of each one's group advantage, the weights divided by their sum "
+                        "(MixGRPO, combined_advantages), "
                         "so that no reward's range drowns the others")
     g.add_argument("--kl-beta", type=flags.NONNEG, default=None,
                    help="weight of the KL to the frozen base model (0: no reference forward; --loss nft / awm: "

@@ -317,3 +317,47 @@ def test_pretraining_without_warmup_trains_and_saves(tmp_path):
     pretrain("pretrain_shapes")(["--steps", "1", "--batch-size", "2", "--warmup", "0", "--threads", "1",
                                  "--out", str(out)])
     assert out.stat().st_size > 0
+
+
+# ----------------------------------------------------------------------------- HPSv2's preprocessing
+OPENAI_MEAN, OPENAI_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+
+
+def hps_pixels_by_hand(image, side):
+    """HPSv2's evaluation transform written independently with PIL and numpy: the longest side to `side` (bicubic),
+    pasted centred on a black square, scaled to [0, 1] and normalised with OpenAI CLIP's mean and std."""
+    width, height = image.size
+    new_w, new_h = round(width * side / max(width, height)), round(height * side / max(width, height))
+    canvas = Image.new("RGB", (side, side))
+    canvas.paste(image.resize((new_w, new_h), Image.BICUBIC), ((side - new_w) // 2, (side - new_h) // 2))
+    x = (np.asarray(canvas, dtype=np.float32) / 255 - OPENAI_MEAN) / OPENAI_STD
+    return torch.from_numpy(x.astype(np.float32)).permute(2, 0, 1)  # [3, side, side]
+
+
+@pytest.mark.parametrize("height,width", [(40, 64), (64, 40), (33, 32)])
+def test_hps_pads_the_longest_side_to_a_square_as_hpsv2_does(tmp_path, height, width):
+    import open_clip
+
+    import models
+    import reward_models
+
+    images = np.random.default_rng(0).integers(0, 256, (2, height, width, 3), dtype=np.uint8)
+    by_hand = torch.stack([hps_pixels_by_hand(Image.fromarray(im), 32) for im in images])  # [2, 3, 32, 32]
+    ours = torch.stack([reward_models.hps_preprocess(Image.fromarray(im), 32, OPENAI_MEAN, OPENAI_STD)
+                        for im in images])
+    assert torch.allclose(ours, by_hand, atol=1e-5)
+    if max(height, width) == 64:  # scaled by 1/2: 12 pixels of black pad, 6 before the image
+        black = torch.tensor([-m / s for m, s in zip(OPENAI_MEAN, OPENAI_STD)], dtype=torch.float32)
+        assert torch.allclose(by_hand[:, :, 0, 0], black.expand(2, 3)) and torch.allclose(ours[:, :, 5, 5],
+                                                                                         black.expand(2, 3))
+    name, path = models.tiny_hps(str(tmp_path / "hps"))
+    prompts = ["a red cat", "two dogs"]
+    score = rewards.REWARDS["hps"](device="cpu", **{**rewards.option_defaults(), "hps_model_name": name,
+                                                   "hps_checkpoint_path": path})
+    model = open_clip.create_model(name, pretrained=None).eval()
+    model.load_state_dict(torch.load(path)["state_dict"])
+    with torch.no_grad():
+        image_features = model.encode_image(by_hand, normalize=True)
+        text_features = model.encode_text(open_clip.get_tokenizer(name)(prompts), normalize=True)
+    expected = (image_features * text_features).sum(-1)
+    assert torch.allclose(score(images, prompts, None), expected, atol=1e-5)
