@@ -170,6 +170,7 @@ def prepare(args):
 
 
 RUN_FILES = ("args.json", "metrics.jsonl", "eval.jsonl", "checkpoints")  # what marks a folder as holding a run
+EVAL_BASE = "eval_base.pt"  # the held-out reward outputs at step 0, per image: each later evaluation's "rise" is paired
 
 
 def wrote_args(out):
@@ -190,7 +191,6 @@ def _ours(out, used):
         raise SystemExit(f"error: --out {out} holds {', '.join(used)} but no args.json of a train.py run: they are not "
                          "a run's files and are left alone; pick another --out (a new or empty folder)")
     return used
-EVAL_BASE = "eval_base.pt"  # the held-out reward outputs at step 0, per image: each later evaluation's "rise" is paired
 
 
 _LOCKS = {}  # folder -> the open file whose flock marks it as this process's run folder

@@ -396,8 +396,9 @@ class Run:
                              "it started from")
 
 
-EVAL_FLAGS = ("model", "model_path", "resolution", "eval_steps", "guidance_scale", "seed", "negative_prompt", "shift",
-              "num_frames", "max_sequence_length", "reward")  # what the held-out images and their scores depend on
+EVAL_FLAGS = ("model", "resolution", "eval_steps", "guidance_scale", "seed", "negative_prompt", "shift", "num_frames",
+              "max_sequence_length", "reward")  # what the held-out images and their scores depend on (not where the
+# weights were read from: --model-path may move between machines)
 
 
 def eval_fingerprint(args, texts, metadata):
