@@ -406,8 +406,8 @@ def write(args, step, transformer, trainable, optimizer, copies, device, extra, 
             # (torch wraps errno in RuntimeError; safetensors raises its own SafetensorError, an Exception)
             reason = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())[:200]
             raise SystemExit(f"error: could not write checkpoint {step} in {args.out}/checkpoints ({reason}); "
-                             "the previous checkpoints are intact: free space (or raise the file-size limit, ulimit -f) "
-                             "and rerun with --resume auto")
+                             "the previous checkpoints are intact: free space (or raise the file-size limit, "
+                             "ulimit -f) and rerun with --resume auto")
     distributed.barrier()
 
 

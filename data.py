@@ -83,9 +83,9 @@ def load_prompts(path, *, input_key="input", metadata_key="metadata", check=None
         raise FileNotFoundError(f"{path}: prompt file not found; check the path "
                                 f"(the repository ships sets in prompts/, e.g. prompts/tiny.txt)")
     if os.path.getsize(path) > MAX_PROMPT_BYTES:  # read whole below: a huge file would fill the memory first
-        raise ValueError(f"{path}: {os.path.getsize(path) / 2**30:.1f} GiB, more than the {MAX_PROMPT_BYTES >> 20} MiB a "
-                         "prompt file may hold (it is read whole, on every rank); keep the prompts the run draws, or "
-                         "split the file")
+        raise ValueError(f"{path}: {os.path.getsize(path) / 2**30:.1f} GiB, more than the {MAX_PROMPT_BYTES >> 20} "
+                         "MiB a prompt file may hold (it is read whole, on every rank); keep the prompts the run "
+                         "draws, or split the file")
     with open(path, "rb") as f:
         raw = f.read()
     if raw.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte-order mark written by some editors
