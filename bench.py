@@ -74,6 +74,7 @@ import time
 import torch
 
 import families
+import flags
 import models
 import reward_models
 import rewards
@@ -94,20 +95,6 @@ LOSSES = {
     "nft": ["--loss", "nft"],
     "awm": ["--loss", "awm"],
 }
-
-
-def unwritable(path):
-    """Why the figures could not be written to `path` at the end of the run, or None. Missing folders are made then."""
-    if os.path.isdir(path):
-        return "is a folder; name a file in it, e.g. " + os.path.join(path, "bench.json")
-    folder = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(folder):  # the nearest folder that exists: the rest is made at the end
-        folder = os.path.dirname(folder)
-    if not os.path.isdir(folder):
-        return f"cannot be made: {folder} is not a folder; pick another path"
-    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
-        return f"cannot be written (no write permission in {folder}); pick another path"
-    return None
 
 
 def parse_args(argv=None):
@@ -147,7 +134,7 @@ def parse_args(argv=None):
     if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
         p.error(f"--peak-tflops must be a finite number > 0 (the chip's peak TFLOP/s), got {args.peak_tflops}")
     if args.json:
-        json_error = unwritable(args.json)
+        json_error = flags.unwritable(args.json, "bench.json")
         if json_error:
             p.error(f"--json {args.json} {json_error}")
     if not args.windows and args.window_size is not None:

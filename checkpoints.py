@@ -42,6 +42,7 @@ import subprocess
 import sys
 
 import torch
+from safetensors import SafetensorError
 
 import distributed
 
@@ -136,6 +137,8 @@ def prepare(args):
     resume_from, stale = None, []
     if distributed.is_main:
         out = args.out
+        if os.path.realpath(out) == os.path.realpath(os.sep):  # a run folder fills with run files: never the root
+            raise SystemExit(f"error: --out {out} is the filesystem root; pick a folder for the run, e.g. runs/NAME")
         if os.path.exists(out) and not os.path.isdir(out):
             raise SystemExit(f"error: --out {out} is a file, not a folder; pick a folder for the run")
         try:
@@ -153,7 +156,7 @@ def prepare(args):
             if not (args.overwrite or never_stepped):  # a run that never completed a step leaves nothing to keep
                 raise SystemExit(f"error: --out {out} already holds a run ({', '.join(used)}); continue it with "
                                  "--resume auto, start it over with --overwrite, or pick another --out")
-            stale = used
+            stale = _ours(out, used)
         resume_from = resolve_resume(args.resume, out)
         if resume_from is not None:
             with open(os.path.join(resume_from, "state.json")) as f:
@@ -162,12 +165,32 @@ def prepare(args):
             rows = _count_rows(os.path.join(out, "metrics.jsonl"))
             distributed.print0(f"no checkpoint in {out} yet: starting at step 1 (the {rows} metrics rows of the "
                                "interrupted run are dropped)")
-            stale = used
+            stale = _ours(out, used)
     return distributed.broadcast(resume_from), stale
 
 
 RUN_FILES = ("args.json", "metrics.jsonl", "eval.jsonl", "checkpoints")  # what marks a folder as holding a run
 EVAL_BASE = "eval_base.pt"  # the held-out reward outputs at step 0, per image: each later evaluation's "rise" is paired
+
+
+def wrote_args(out):
+    """True when <out>/args.json is one that start_run wrote (the flags beside the run's commit and start time): the
+    proof that the folder's run files are a run's, which may be deleted."""
+    try:
+        with open(os.path.join(out, "args.json")) as f:
+            written = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(written, dict) and isinstance(written.get("args"), dict) and {"commit", "started"} <= set(written)
+
+
+def _ours(out, used):
+    """`used` (files that start_run would delete), refused in one line unless a run of this project wrote them:
+    a folder of the user's own samples/ or checkpoints/ is never taken for a run that did not step."""
+    if not wrote_args(out):
+        raise SystemExit(f"error: --out {out} holds {', '.join(used)} but no args.json of a train.py run: they are not "
+                         "a run's files and are left alone; pick another --out (a new or empty folder)")
+    return used
 
 
 _LOCKS = {}  # folder -> the open file whose flock marks it as this process's run folder
@@ -404,10 +427,12 @@ def write(args, step, transformer, trainable, optimizer, copies, device, extra, 
     if distributed.is_main:
         try:
             save(args, step, *full_state, dict(extra, rank_checksums=sums), export)
-        except (OSError, RuntimeError, ValueError) as e:  # full disk, lost mount (torch and safetensors wrap errno)
+        except (OSError, RuntimeError, ValueError, SafetensorError) as e:  # full disk, lost mount, a file-size limit
+            # (torch wraps errno in RuntimeError; safetensors raises its own SafetensorError, an Exception)
             reason = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())[:200]
             raise SystemExit(f"error: could not write checkpoint {step} in {args.out}/checkpoints ({reason}); "
-                             "the previous checkpoints are intact: free space and rerun with --resume auto")
+                             "the previous checkpoints are intact: free space (or raise the file-size limit, "
+                             "ulimit -f) and rerun with --resume auto")
     distributed.barrier()
 
 
@@ -498,8 +523,9 @@ def metrics_step(line):
 
 def trim_metrics(out, step):
     """Keep the rows of steps 1..step in metrics.jsonl and 0..step in eval.jsonl (the model before training is step
-    0): a killed run's later rows are redone. A torn last line (a run killed while writing it) goes too."""
-    for name, first in (("metrics.jsonl", 1), ("eval.jsonl", 0)):
+    0): a killed run's later rows are redone. A torn last line (a run killed while writing it) goes too. Resumed at
+    step 0 (a run stopped during its first step), the step-0 evaluation is redone by the resumed run: its row goes."""
+    for name, first in (("metrics.jsonl", 1), ("eval.jsonl", 0 if step else 1)):
         path = os.path.join(out, name)
         if distributed.is_main and os.path.isfile(path):
             with open(path, "rb") as f:

@@ -40,6 +40,7 @@ import warnings
 import torch
 
 FORMATS = (".jsonl", ".txt")  # accepted prompt-file extensions
+MAX_PROMPT_BYTES = 256 << 20  # a prompt file is read whole: 256 MiB holds millions of prompts
 _EXAMPLE_ROW = '{"input": "a red apple on a table"}'
 SOURCE_KEY = "source_images"  # the metadata key under which a sample's source images travel (absolute paths)
 
@@ -81,10 +82,17 @@ def load_prompts(path, *, input_key="input", metadata_key="metadata", check=None
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: prompt file not found; check the path "
                                 f"(the repository ships sets in prompts/, e.g. prompts/tiny.txt)")
+    if os.path.getsize(path) > MAX_PROMPT_BYTES:  # read whole below: a huge file would fill the memory first
+        raise ValueError(f"{path}: {os.path.getsize(path) / 2**30:.1f} GiB, more than the {MAX_PROMPT_BYTES >> 20} "
+                         "MiB a prompt file may hold (it is read whole, on every rank); keep the prompts the run "
+                         "draws, or split the file")
     with open(path, "rb") as f:
         raw = f.read()
     if raw.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte-order mark written by some editors
         raw = raw[3:]
+    if b"\x00" in raw:  # UTF-16 text (each line would decode as UTF-8 with a NUL in every other place) or binary
+        raise ValueError(f"{path}: the file holds NUL bytes (UTF-16 text or a binary file), not UTF-8 text; re-save "
+                         "it as UTF-8")
     # Split bytes, not text: str.splitlines also breaks at U+2028, which JSON allows inside strings.
     lines = raw.split(b"\n")
     if lines and lines[-1] == b"":
@@ -184,9 +192,12 @@ def _image_problem(path):
         return f"is not a file ({path})"
     try:
         with Image.open(path) as image:
-            image.verify()  # the header and, for PNG, every chunk's checksum, without decoding the pixels
+            image.verify()  # the header and, for PNG, every chunk's checksum
+        _read_image(path)  # the pixels too (a stream truncated or garbled inside valid chunks), kept for the run
     except UnidentifiedImageError:
         return f"is not an image PIL can read ({path})"
+    except Image.DecompressionBombError as e:  # PIL refuses images above Image.MAX_IMAGE_PIXELS
+        return f"is too large to decode ({' '.join(str(e).split())[:120]})"
     except (OSError, SyntaxError, ValueError) as e:  # truncated, bad checksum, unreadable (permissions)
         return f"cannot be read as an image ({type(e).__name__}: {' '.join(str(e).split())[:80]})"
     return None
@@ -205,8 +216,12 @@ def _read_image(path):
 
     try:
         with Image.open(path) as image:
+            if image.mode.startswith("I"):  # 16- or 32-bit grey: convert("RGB") would clip it to 255, near-white
+                grey = np.asarray(image, dtype=np.float64)
+                top = 65535.0 if image.mode.startswith("I;16") or grey.max() <= 65535 else 2.0**32 - 1
+                image = Image.fromarray(np.round(np.clip(grey, 0, top) / top * 255).astype(np.uint8))
             array = np.asarray(image.convert("RGB"))
-    except OSError as e:  # checked at load; a file changed or truncated since then
+    except (OSError, Image.DecompressionBombError) as e:  # checked at load; a file changed or truncated since then
         raise ValueError(f"source image {path} cannot be read ({type(e).__name__}: {e}); fix or replace it") from None
     array.flags.writeable = False  # one copy serves every sample that names it
     return array

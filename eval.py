@@ -30,6 +30,7 @@ import torch
 import checkpoints
 import data
 import diversity
+import flags
 import geneval
 import models
 import rewards
@@ -581,7 +582,7 @@ def main(argv=None):
     p.add_argument("--prompts", default="prompts/tiny.txt", help="held-out prompts (.txt or .jsonl)")
     p.add_argument("--input-key", default="input", help="JSONL key of the prompt (GenEval files: prompt)")
     p.add_argument("--metadata-key", default="metadata", help="JSONL key of the metadata; '' takes the whole row")
-    p.add_argument("--max-prompts", type=int, default=16, help="first N prompts of the file")
+    p.add_argument("--max-prompts", type=flags.POSITIVE_INT, default=16, help="first N prompts of the file")
     p.add_argument("--reward", default="jpeg_compressibility", help="reward spec, as train.py --reward")
     p.add_argument("--resolution", type=int, default=64, help="image side in pixels")
     p.add_argument("--num-frames", type=int, default=None, help="video models (wan): frames per sample")
@@ -605,6 +606,13 @@ def main(argv=None):
     for flag, value in (("--grid-rows", args.grid_rows), ("--fps", args.fps)):
         if value < 1:
             p.error(f"{flag} {value}: must be 1 or more")
+    if args.out is not None:  # a file where the results' folder goes: found now, not after the sampling
+        existing = os.path.abspath(args.out)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            p.error(f"--out {args.out}: {existing} is a file; --out names the folder the results are written in: "
+                    "pick a folder")
     if args.plot:
         return plot_runs(args.plot, out=os.path.join(args.out, "curves.png") if args.out else None)
     args.out = args.out or "runs/eval"

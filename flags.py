@@ -4,6 +4,7 @@
     bounded(cast, low, high, ...)         a flag type: an int or finite float within an interval
     POSITIVE_INT, NONNEG_INT, POSITIVE, NONNEG, FRACTION, SEED
     resolution_arg                        --resolution: a side, or HEIGHTxWIDTH
+    unwritable(path, example)             why a file could not be written at path at the end of a run, or None
     preset_help(shown, keys)              --help showing each preset's value of a flag whose default is a preset's
 
 Every refusal is argparse's own one-line `error:`, before anything is loaded. The same checks for options passed as
@@ -13,10 +14,14 @@ keywords (rewards.build_reward, whose options may come from code rather than the
 """
 import argparse
 import math
+import os
 import reprlib
 import shlex
 
 import numpy as np
+
+
+MAX_RECIPE_BYTES = 1 << 20  # a file of flags; anything larger is not a recipe
 
 
 class RecipeParser(argparse.ArgumentParser):
@@ -27,6 +32,24 @@ class RecipeParser(argparse.ArgumentParser):
             return shlex.split(line, comments=True)
         except ValueError as e:  # unbalanced quotes
             self.error(f"recipe line {line.strip()!r}: {e}")
+
+    def _read_args_from_files(self, arg_strings):  # argparse's reader, each @file checked before it is read whole
+        for arg in arg_strings:
+            if arg and arg[0] in (self.fromfile_prefix_chars or "") and os.path.exists(arg[1:]):
+                self._check_recipe(arg[1:])
+        return super()._read_args_from_files(arg_strings)
+
+    def _check_recipe(self, path):
+        """A recipe is a small text file: a device, a pipe, a huge or binary file is refused before it is read."""
+        if not os.path.isfile(path):
+            self.error(f"recipe @{path} is not a regular file; pass a text file of flags")
+        if os.path.getsize(path) > MAX_RECIPE_BYTES:
+            self.error(f"recipe @{path} has {os.path.getsize(path)} bytes, more than the {MAX_RECIPE_BYTES >> 10} KiB "
+                       "of a file of flags; pass a text file of flags")
+        with open(path, "rb") as f:
+            if b"\x00" in f.read():
+                self.error(f"recipe @{path} holds NUL bytes (a binary or UTF-16 file), not UTF-8 text; re-save it "
+                           "as UTF-8")
 
     def parse_args(self, args=None, namespace=None):
         try:
@@ -71,6 +94,21 @@ def resolution_arg(text):
         raise argparse.ArgumentTypeError(f"--resolution takes a side or HEIGHTxWIDTH in pixels, e.g. 512 or 240x416, "
                                          f"got {text!r}")
     return sides[0] if len(sides) == 1 else tuple(sides)
+
+
+def unwritable(path, example):
+    """Why a file could not be written at `path` at the end of a run (checked before the work it holds), or None.
+    Missing folders are made then. example: a file name suggested when path is a folder."""
+    if os.path.isdir(path):
+        return "is a folder; name a file in it, e.g. " + os.path.join(path, example)
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):  # the nearest folder that exists: the rest is made at the end
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return f"cannot be made: {folder} is not a folder; pick another path"
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        return f"cannot be written (no write permission in {folder}); pick another path"
+    return None
 
 
 def preset_help(shown, keys):

@@ -100,15 +100,16 @@ def _sq_dist(a, b):
     return ((a.float() - b.float()) ** 2).mean(_dims(a))
 
 
-def group_advantages(rewards, group_ids, *, global_std=False, eps=1e-4, clip=5.0):
+def group_advantages(rewards, group_ids, *, global_std=False, eps=1e-4, clip=5.0, dtype=torch.float32):
     """A_i = (r_i - mean of i's group) / (std + eps), clipped to +-clip.
 
     GRPO (DeepSeekMath arXiv:2402.03300, Sec. 4.1.2; as used by Flow-GRPO arXiv:2505.05470): the std
     is that of i's group (population std), or with global_std one std over the whole batch (as
     Flow-GRPO's and FlowDPPO's recipes do). A group whose rewards are all equal gets advantages of exactly 0.
-    rewards [N]; group_ids: N ints (list or tensor), equal for samples of the same prompt.
+    rewards [N]; group_ids: N ints (list or tensor), equal for samples of the same prompt. The arithmetic is in
+    `dtype`; where a group's spread overflows float32 (finite rewards near 1e38) it is redone in float64.
     """
-    rewards = torch.as_tensor(rewards).float()
+    rewards = torch.as_tensor(rewards).to(dtype)
     ids = torch.as_tensor(group_ids, device=rewards.device).long()
     if rewards.ndim != 1 or ids.shape != rewards.shape:
         raise ValueError(f"rewards and group_ids must be [N] of one length, got {tuple(rewards.shape)} "
@@ -116,7 +117,8 @@ def group_advantages(rewards, group_ids, *, global_std=False, eps=1e-4, clip=5.0
     if not torch.isfinite(rewards).all():
         raise ValueError(f"non-finite reward at sample(s) {torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()}")
     _, group = torch.unique(ids, return_inverse=True)  # 0 .. G-1
-    n = torch.zeros(int(group.max()) + 1, device=rewards.device).index_add_(0, group, torch.ones_like(rewards))
+    n = torch.zeros(int(group.max()) + 1, device=rewards.device, dtype=dtype).index_add_(0, group,
+                                                                                     torch.ones_like(rewards))
     group_mean = torch.zeros_like(n).index_add_(0, group, rewards) / n
     centred = rewards - group_mean[group]
     # A group of equal rewards gets exactly 0, not the rounding residue of its mean (~1e-9 / (std + eps) ~ 1e-5):
@@ -128,6 +130,9 @@ def group_advantages(rewards, group_ids, *, global_std=False, eps=1e-4, clip=5.0
         std = rewards.std(unbiased=False)
     else:
         std = (torch.zeros_like(n).index_add_(0, group, centred**2) / n).sqrt()[group]
+    if not (torch.isfinite(centred).all() and torch.isfinite(std).all()) and dtype != torch.float64:
+        # a spread beyond float32 (finite rewards near 1e38): the std is inf and every advantage would be 0
+        return group_advantages(rewards, ids, global_std=global_std, eps=eps, clip=clip, dtype=torch.float64).float()
     return (centred / (std + eps)).clamp(-clip, clip)
 
 
@@ -136,9 +141,12 @@ def combined_advantages(components, weights, group_ids, *, global_std=False, eps
     Tencent-Hunyuan/MixGRPO fastvideo/train_grpo_flux.py, `multi_reward_mix == "advantage_aggr"`, lines 429-456):
 
         A_k = group_advantages(r_k) without its clip            each reward normalised in its group on its own
-        A   = clip(sum_k w_k A_k, -clip, clip)                  not re-normalised; the clip acts on the sum
+        A   = clip(sum_k (w_k / sum_j w_j) A_k, -clip, clip)    the weights normalised by their sum; the clip acts
+                                                                on the sum
 
-    (MixGRPO clips the summed advantage in the loss, `adv_clip_max`, line 567.) Each A_k follows `group_advantages`:
+    (MixGRPO divides its reward weights by their sum, "Normalize weights", lines 765-767, so "a=2,b=1" and
+    "a=0.67,b=0.33" train alike; it clips the summed advantage in the loss, `adv_clip_max`, line 567.) The weights
+    must sum to a positive number (train.py refuses others). Each A_k follows `group_advantages`:
     the same std rule (per group, or one batch-wide std of that reward with global_std), the same eps, and exactly
     0 for a group whose rewards are all equal. MixGRPO itself divides by the sample std + 1e-8. Unlike a weighted
     sum of raw scores, A does not change when one reward is rescaled or shifted (a w_k r_k + b: up to eps), so a
@@ -155,6 +163,9 @@ def combined_advantages(components, weights, group_ids, *, global_std=False, eps
     """
     if not components or set(components) != set(weights):
         raise ValueError(f"components {sorted(components)} and weights {sorted(weights)} must name the same rewards")
+    weight_sum = sum(float(w) for w in weights.values())
+    if not weight_sum > 0:  # all 0: every advantage 0, nothing would train
+        raise ValueError(f"the reward weights {dict(weights)} must sum to a positive number")
     total, info, size = 0.0, {}, {}
     for name, rewards in components.items():
         rewards = torch.as_tensor(rewards).float()
@@ -166,7 +177,7 @@ def combined_advantages(components, weights, group_ids, *, global_std=False, eps
         adv = torch.zeros_like(rewards)  # a reward that scores no sample of the batch adds nothing to it
         if scored.any():
             adv[scored] = group_advantages(rewards[scored], ids[scored], global_std=global_std, eps=eps, clip=math.inf)
-        weighted = float(weights[name]) * adv
+        weighted = float(weights[name]) / weight_sum * adv
         total = total + weighted
         size[name] = weighted.abs().mean().item()
         info[f"{name}_mean"] = rewards[scored].mean().item() if scored.any() else math.nan
@@ -580,7 +591,8 @@ def add_arguments(parser):
     g.add_argument("--adv-clip", type=flags.POSITIVE, default=5.0, help="advantages clipped to +-this")
     g.add_argument("--reward-combine", default="score", choices=["score", "advantage"],
                    help="several rewards (--reward a=w,b=w): score = the group advantage of their weighted sum; "
-                        "advantage = the weighted sum of each one's group advantage (MixGRPO, combined_advantages), "
+                        "advantage = the weighted sum of each one's group advantage, the weights divided by their sum "
+                        "(MixGRPO, combined_advantages), "
                         "so that no reward's range drowns the others")
     g.add_argument("--kl-beta", type=flags.NONNEG, default=None,
                    help="weight of the KL to the frozen base model (0: no reference forward; --loss nft / awm: "

@@ -11,6 +11,7 @@ with the other scorers (to_uint8, frames, png_base64) live here too. rewards.py 
 the light scorers (OCR, JPEG, GenEval) and the services.
 """
 import base64
+import functools
 import io
 import json
 import logging
@@ -135,6 +136,24 @@ def pickscore(*, pickscore_processor_path, pickscore_model_path, pickscore_batch
 HPS_FILES = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}  # files of the hub repo xswu/HPSv2
 
 
+def hps_preprocess(image, side, mean, std):
+    """HPSv2's evaluation transform of a PIL image -> float [3, side, side]: the longest side resized (bicubic) to
+    `side` keeping the aspect ratio, then zero-padded (black) to a square, centred (the odd pixel right / below),
+    ToTensor, normalised by mean and std. HPSv2 builds it so (hpsv2/src/open_clip/factory.py L368-375 passes
+    resize_longest_max=True; transform.py L26-49 ResizeMaxSize, L140-153), as do flow_grpo, MixGRPO and
+    DanceGRPO; open_clip's default (shortest side, centre crop) would score another part of a non-square image."""
+    import torchvision.transforms.functional as TF
+
+    width, height = image.size
+    scale = side / max(width, height)
+    new_h, new_w = round(height * scale), round(width * scale)
+    if (new_h, new_w) != (height, width):
+        image = TF.resize(image, [new_h, new_w], interpolation=TF.InterpolationMode.BICUBIC)
+    pad_h, pad_w = side - new_h, side - new_w
+    image = TF.pad(image, [pad_w // 2, pad_h // 2, pad_w - pad_w // 2, pad_h - pad_h // 2], fill=0)
+    return TF.normalize(TF.to_tensor(image.convert("RGB")), mean, std)
+
+
 def hps(*, hps_version, hps_checkpoint_path, hps_batch_size, hps_model_name, hps_num_frames, device, **_):
     """Human Preference Score v2 / v2.1 (Wu et al., arXiv:2306.09341): an open_clip ViT-H-14 whose
     weights all come from the HPS checkpoint; score = diag(image_features @ text_features.T) with
@@ -171,7 +190,7 @@ def hps(*, hps_version, hps_checkpoint_path, hps_batch_size, hps_model_name, hps
     state = state.get("state_dict", state)
     state = {k.removeprefix("module."): v for k, v in state.items()}  # checkpoints saved from DDP
     # the architecture only (pretrained=None): the HPS checkpoint overwrites every weight, so no base CLIP download
-    model, _, preprocess = open_clip.create_model_and_transforms(hps_model_name, pretrained=None, output_dict=True)
+    model = open_clip.create_model(hps_model_name, pretrained=None, output_dict=True)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing:
         raise RuntimeError(f"hps: {path} does not fit open_clip {hps_model_name} (missing {missing[:3]}...); "
@@ -179,6 +198,10 @@ def hps(*, hps_version, hps_checkpoint_path, hps_batch_size, hps_model_name, hps
     if unexpected:
         log.warning("hps: ignoring %d unexpected checkpoint entries, e.g. %s", len(unexpected), unexpected[:3])
     model = model.eval().to(device)
+    size = model.visual.image_size
+    side = size if isinstance(size, int) else size[0]  # HPS's ViT-H-14 is square, 224
+    config = model.visual.preprocess_cfg  # open_clip's mean and std of the architecture (OpenAI's for ViT-H-14)
+    preprocess = functools.partial(hps_preprocess, side=side, mean=config["mean"], std=config["std"])
     tokenizer = open_clip.get_tokenizer(hps_model_name)
     autocast = torch.autocast("cuda") if str(device).startswith("cuda") else torch.autocast("cpu", enabled=False)
 

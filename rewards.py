@@ -593,7 +593,8 @@ class UnifiedRewardJudge(OpenAIJudge):
             text = response["choices"][0]["message"]["content"] or ""
         except (KeyError, IndexError, TypeError):
             raise BadReply(f"not a Chat Completions reply: {str(response)[:200]}") from None
-        found = re.findall(r"Final Score:\s*\**\s*([0-9]+(?:\.[0-9]+)?)", text)
+        # the whole number, exponent included: "4.9e10" is out of range, not 4.9
+        found = re.findall(r"Final Score:\s*\**\s*([0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)", text)
         if not found:
             raise BadReply(f"no 'Final Score: <n>' in the reply: {text[-200:]!r}")
         value = float(found[-1])

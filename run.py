@@ -12,6 +12,8 @@ A SIGTERM / SIGINT (preemption) lets every rank finish its step, save and exit 0
 service the wait is abandoned on every rank and the last complete step is saved. One line per step on rank 0, with
 a live bar on a terminal.
 """
+import hashlib
+import json
 import math
 import os
 import pickle
@@ -93,6 +95,8 @@ class Run:
         """Before any model loads: refuse a used or unwritable --out, find the checkpoint to resume (all ranks agree).
         on_step(info) is called after each step's line, its timings logged (bench.py measures between steps)."""
         self.args, self.device, self.on_step = args, device, on_step
+        if is_main:
+            check_loggers(args)  # before prepare: --overwrite must not delete a run that then fails to log
         self.resume_from, self.stale = checkpoints.prepare(args)  # verified, or None; the old run's files
         self.step = self.bad_in_a_row = self.trained = 0  # trained: steps of this process that updated the weights
         self.signal, self.policy, self.wandb, self.tensorboard, self.ratio_warned = None, None, None, None, False
@@ -324,10 +328,12 @@ class Run:
             images = distributed.gather_share(images.to(device), len(texts)).cpu()
         if is_main:
             base_path = os.path.join(args.out, checkpoints.EVAL_BASE)
+            fingerprint = eval_fingerprint(args, texts, metadata)  # what the step-0 scores were measured on
             if step == 0:  # the model before training: what every later evaluation's rise is measured against
-                torch.save({k: v.detach().cpu() for k, v in result.items() if torch.is_tensor(v)}, base_path + ".tmp")
+                torch.save(dict({k: v.detach().cpu() for k, v in result.items() if torch.is_tensor(v)},
+                                fingerprint=fingerprint), base_path + ".tmp")
                 os.replace(base_path + ".tmp", base_path)  # whole or absent, even if the run is killed here
-            base = self.eval_base(base_path) if step > 0 else None
+            base = self.eval_base(base_path, fingerprint) if step > 0 else None
             if base is not None and base["reward"].shape != result["reward"].shape:  # another held-out set
                 base = None
             scores = evaluation.means_of(result, base=base)
@@ -337,16 +343,28 @@ class Run:
             self.bar.write(f"eval  {step:5d} | " + evaluation.summary_line(scores))
 
     @staticmethod
-    def eval_base(path):
-        """The step-0 per-image scores of eval_base.pt, or None (a run folder from before it, or a damaged file:
-        the evaluation goes on without its rise)."""
+    def eval_base(path, fingerprint=None):
+        """The step-0 per-image scores of eval_base.pt, or None (a run folder from before it, a damaged or replaced
+        file, or scores of other held-out prompts or evaluation flags than `fingerprint`'s: the evaluation goes on
+        without its rise, with a warning)."""
         if not os.path.exists(path):
             return None
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)  # beside the reward outputs it pairs with
+            base = torch.load(path, map_location="cpu", weights_only=True)  # tensors and a string, beside the scores
         except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as e:
-            print0(f"warning: {path} is unreadable ({e}); eval.jsonl goes on without `rise`")
+            print0(f"warning: {path} is unreadable ({' '.join(str(e).split())[:200]}); eval.jsonl goes on without "
+                   "`rise`")
             return None
+        if not (isinstance(base, dict) and torch.is_tensor(base.get("reward"))):
+            print0(f"warning: {path} does not hold step-0 reward scores; eval.jsonl goes on without `rise`")
+            return None
+        saved = base.pop("fingerprint", None)  # absent in run folders from before it: checked by shape alone
+        if fingerprint is not None and saved is not None and saved != fingerprint:
+            print0(f"warning: {path} holds the scores of other held-out prompts or evaluation flags (--eval-prompts, "
+                   "--eval-steps, ...) than this run's; eval.jsonl goes on without `rise` (resume with the run's own "
+                   "flags to keep it)")
+            return None
+        return {k: v for k, v in base.items() if torch.is_tensor(v)}
 
     def _append(self, info):
         self.bar.update(1)
@@ -408,6 +426,38 @@ class Run:
                              "it started from")
 
 
+EVAL_FLAGS = ("model", "resolution", "eval_steps", "guidance_scale", "seed", "negative_prompt", "shift", "num_frames",
+              "max_sequence_length", "reward")  # what the held-out images and their scores depend on (not where the
+# weights were read from: --model-path may move between machines)
+
+
+def eval_fingerprint(args, texts, metadata):
+    """A digest of what a held-out evaluation measures (the prompts and their metadata, in order, and EVAL_FLAGS):
+    eval_base.pt's step-0 scores pair with a later evaluation only when both digests agree."""
+    what = dict(texts=list(texts), metadata=list(metadata), **{k: getattr(args, k, None) for k in EVAL_FLAGS})
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def check_loggers(args):
+    """--log-to's libraries and folder, in one line each, before the run folder is touched."""
+    if args.wandb or "wandb" in args.log_to:
+        try:
+            import wandb  # noqa: F401  (imported again where it is used, in start)
+        except ImportError:
+            raise SystemExit("error: --log-to wandb needs the wandb package: pip install wandb, or drop --log-to "
+                             "wandb (--log-to tensorboard needs only tensorboard)") from None
+    if "tensorboard" in args.log_to:
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        except ImportError:
+            raise SystemExit("error: --log-to tensorboard needs the tensorboard package: pip install tensorboard, or "
+                             "drop --log-to tensorboard") from None
+        folder = os.path.join(args.out, "tensorboard")
+        if os.path.exists(folder) and not os.path.isdir(folder):
+            raise SystemExit(f"error: {folder} is a file, where --log-to tensorboard writes its event folder; move "
+                             "it away or drop --log-to tensorboard")
+
+
 def step_line(step, info):
     """One greppable line per step: the reward, GenEval's accuracy, and what moves (the gradient norm, KL terms, the
     share of samples without an advantage); the ratio and its clip only where a batch is trained off-policy."""
@@ -451,6 +501,9 @@ def check_rm_types(path, prompts, metadata):
                 raise SystemExit(f"error: {path}, prompt {i + 1} ({prompts[i][:40]!r}): metadata rm_type: {e}")
 
 
+ONE_SOURCE = ("flux-kontext", "tiny-flux-kontext", "qwen-image-edit", "tiny-qwen-image-edit", "shapes-edit")
+
+
 def check_sources(path, model, metadata):
     """Source images (data.py) need a model that edits, and the Qwen-Image-Edit models need one on every row: said in
     one line before a model loads."""
@@ -463,6 +516,14 @@ def check_sources(path, model, metadata):
     if takes == "required" and have < len(metadata):
         raise SystemExit(f"error: {path}: --model {model} edits source images and {len(metadata) - have} of "
                          f"{len(metadata)} rows have none; give every row one under 'image' (data.py)")
+    counts = {len(m[data.SOURCE_KEY]) for m in metadata if data.SOURCE_KEY in m}  # the pipelines batch these rows
+    if model in ONE_SOURCE and counts - {1}:
+        raise SystemExit(f"error: {path}: --model {model} edits one source image per prompt and some rows name "
+                         f"{max(counts)}; give each row one under 'image', or edit several with "
+                         "qwen-image-edit-plus or flux2-klein")
+    if len(counts) > 1:
+        raise SystemExit(f"error: {path}: rows name {' or '.join(map(str, sorted(counts)))} source images; --model "
+                         f"{model} batches prompts that bring the same number: give every row as many")
 
 
 def stacked(results, names):

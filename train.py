@@ -558,7 +558,7 @@ def add_sampling_arguments(p):
     """The rollout: the schedule, guidance, the stochastic step and which steps train, the batch of groups."""
     p.add_argument("--num-steps", type=bounded(int, 2, 1000), default=None,
                    help="denoising steps of a training rollout (at most the 1000 of the training grid)")
-    p.add_argument("--shift", type=POSITIVE, default=None,
+    p.add_argument("--shift", type=bounded(float, 0, 100, low_open=True), default=None,
                    help="static time shift of the sigma schedule (default: the model's own schedule, models.sigmas; "
                         "only for models with a static shift: sd3, wan, z-image)")
     p.add_argument("--max-sequence-length", type=POSITIVE_INT, default=None,
@@ -665,6 +665,12 @@ def check_args(p, args, world_size):
         p.error(f"--reward-key {args.reward_key!r} is not a component of --reward {args.reward!r}")
     if args.reward_combine == "advantage" and args.reward_key != "reward":
         p.error("--reward-combine advantage trains on every component of --reward: drop --reward-key")
+    if args.reward_combine == "advantage" and not sum(w for _, w in rewards.parse_spec(args.reward)) > 0:
+        p.error(f"--reward-combine advantage divides the weights of --reward {args.reward!r} by their sum (MixGRPO), "
+                "which must be positive: give a positive weight")
+    if args.lr >= 1:  # Adam moves every weight by about lr a step: the first update overflows the weights
+        p.error(f"--lr {args.lr:g}: Adam moves each weight by about --lr per step; use a rate below 1 (the recipes "
+                "train LoRA at 1e-4 to 3e-4)")
     if args.lora_rank > 0 and args.lora_alpha <= 0:
         p.error("--lora-alpha must be > 0 with a LoRA adapter (its scale is alpha / rank)")
     multiple = models.RESOLUTION_MULTIPLE.get(args.model)

@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import flags  # noqa: E402
 import models  # noqa: E402
 import shapes  # noqa: E402
 
@@ -51,22 +52,26 @@ def pack(pipe, images):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=4000, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=48, help="edit tasks per step")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak Adam learning rate")
-    p.add_argument("--warmup", type=int, default=200, help="steps of linear learning-rate warm-up")
-    p.add_argument("--decay-fraction", type=float, default=0.3, help="final fraction of steps with linear decay to 0")
-    p.add_argument("--ema", type=float, default=0.999, help="EMA decay of the saved weights")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
-    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights, the tasks and the noise")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (the weights depend on it in the last bits)")
+    p.add_argument("--steps", type=flags.POSITIVE_INT, default=4000, help="optimizer steps")
+    p.add_argument("--batch-size", type=flags.POSITIVE_INT, default=48, help="edit tasks per step")
+    p.add_argument("--lr", type=flags.bounded(float, 0, 1, low_open=True), default=1e-3, help="peak Adam learning rate")
+    p.add_argument("--warmup", type=flags.NONNEG_INT, default=200,
+                   help="steps of linear learning-rate warm-up (0: none)")
+    p.add_argument("--decay-fraction", type=flags.bounded(float, 0, 1), default=0.3,
+                   help="final fraction of steps with linear decay to 0")
+    p.add_argument("--ema", type=flags.bounded(float, 0, 1, high_open=True), default=0.999,
+                   help="EMA decay of the saved weights")
+    p.add_argument("--max-grad-norm", type=flags.POSITIVE, default=1.0, help="gradient clipping norm")
+    p.add_argument("--seed", type=flags.SEED, default=0, help="seed of the initial weights, the tasks and the noise")
+    p.add_argument("--threads", type=flags.POSITIVE_INT, default=2,
+                   help="torch threads (the weights depend on it in the last bits)")
     p.add_argument("--out", default=shapes.EDIT_WEIGHTS, help="safetensors file written at the end")
-    p.add_argument("--log-every", type=int, default=100, help="steps between log lines")
-    p.add_argument("--save-every", type=int, default=0,
+    p.add_argument("--log-every", type=flags.POSITIVE_INT, default=100, help="steps between log lines")
+    p.add_argument("--save-every", type=flags.NONNEG_INT, default=0,
                    help="steps between extra EMA snapshots <out>-<step>.safetensors (0: none)")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.batch_size < 1:
-        raise SystemExit("error: --steps and --batch-size must be positive")
+    if problem := flags.unwritable(args.out, "shapes_edit.safetensors"):  # refused now, not after the training
+        p.error(f"--out {args.out} {problem}")
 
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(args.seed)
@@ -81,7 +86,7 @@ def main(argv=None):
 
     def lr_at(step):
         decay_start = args.steps * (1 - args.decay_fraction)
-        warm = min(1.0, (step + 1) / args.warmup)
+        warm = min(1.0, (step + 1) / args.warmup) if args.warmup else 1.0
         tail = 1.0 if step < decay_start else max(0.0, (args.steps - step) / (args.steps - decay_start))
         return args.lr * warm * tail
 

@@ -65,7 +65,7 @@ def test_combined_advantages_by_hand_with_rewards_of_very_different_ranges():
     weights = {"small": 1.0, "large": 0.5}
     adv, info = losses.combined_advantages({"small": torch.tensor(small), "large": torch.tensor(large)}, weights, ids)
     a_small, a_large = _by_hand(small, ids), _by_hand(large, ids)
-    expected = [1.0 * s + 0.5 * g for s, g in zip(a_small, a_large)]
+    expected = [(1.0 * s + 0.5 * g) / 1.5 for s, g in zip(a_small, a_large)]  # weights over their sum (MixGRPO)
     torch.testing.assert_close(adv, torch.tensor(expected))
     mean_abs = {"small": sum(abs(a) for a in a_small) / 6, "large": 0.5 * sum(abs(a) for a in a_large) / 6}
     for name, values in (("small", small), ("large", large)):
@@ -87,24 +87,26 @@ def test_combined_advantages_by_hand_with_rewards_of_very_different_ranges():
 
 def test_combined_advantages_clip_the_sum_and_skip_unscored_samples():
     a, b = torch.tensor([0.0, 1.0]), torch.tensor([0.0, 2.0])
-    unit = 3 * 0.5 / (0.5 + 1e-4) + 3 * 1 / (1 + 1e-4)  # centred +-0.5 and +-1 over stds 0.5 and 1, weights 3
+    # centred +-0.5 and +-1 over stds 0.5 and 1; the weights 3 and 3 divided by their sum (MixGRPO): 1/2 each
+    unit = (0.5 / (0.5 + 1e-4) + 1 / (1 + 1e-4)) / 2
     adv, info = losses.combined_advantages({"a": a, "b": b}, {"a": 3.0, "b": 3.0}, [0, 0], clip=100.0)
-    torch.testing.assert_close(adv, torch.tensor([-unit, unit]))  # summed, not re-normalised: about +-6
-    adv, _ = losses.combined_advantages({"a": a, "b": b}, {"a": 3.0, "b": 3.0}, [0, 0])  # clip 5 acts on the sum
-    torch.testing.assert_close(adv, torch.tensor([-5.0, 5.0]))
+    torch.testing.assert_close(adv, torch.tensor([-unit, unit]))  # about +-1, not the +-6 of raw weights
+    outlier = torch.tensor([0.0] * 29 + [1.0])  # one sample apart from 29: its advantage is sqrt(29) = 5.39
+    adv, _ = losses.combined_advantages({"a": outlier, "b": outlier}, {"a": 3.0, "b": 3.0}, [0] * 30)
+    assert adv[-1] == 5.0 and adv[0] == pytest.approx(-1 / 29**0.5, rel=1e-3)  # clip 5 acts on the sum
     assert info["a_share"] == pytest.approx(0.5, rel=1e-4) and info["b_share"] == pytest.approx(0.5, rel=1e-4)
     # NaN: the reward does not score that sample (a per-sample rm_type); it is normalised over the others.
     part = torch.tensor([1.0, float("nan"), 3.0, float("nan")])
     adv, info = losses.combined_advantages({"p": part, "q": torch.tensor([5.0, 5.0, 5.0, 5.0])},
                                            {"p": 1.0, "q": 1.0}, [0, 0, 0, 0])
     one = 1 / (1 + 1e-4)  # [1, 3]: centred +-1, std 1
-    torch.testing.assert_close(adv, torch.tensor([-one, 0.0, one, 0.0]))
+    torch.testing.assert_close(adv, torch.tensor([-one, 0.0, one, 0.0]) / 2)  # weight 1 of 2
     assert info["p_mean"] == 2.0 and info["q_share"] == 0.0 and info["p_share"] == 1.0
     saturated, info = losses.combined_advantages({"q": torch.ones(4)}, {"q": 2.0}, [0, 0, 1, 1])
     assert saturated.eq(0).all() and info["q_share"] == 0.0  # equal rewards: exactly 0, shares 0, never NaN
     # a reward that scores no sample of this batch (every row's rm_type leaves it out) adds nothing, its mean NaN
     none, info = losses.combined_advantages({"a": a, "b": torch.full((2,), float("nan"))}, {"a": 3.0, "b": 1.0}, [0, 0])
-    assert torch.equal(none, losses.combined_advantages({"a": a}, {"a": 3.0}, [0, 0])[0])
+    torch.testing.assert_close(none, 0.75 * losses.combined_advantages({"a": a}, {"a": 3.0}, [0, 0])[0])
     assert math.isnan(info["b_mean"]) and info["b_share"] == 0.0
     for bad, match in ((({"a": a}, {"b": 1.0}), "same rewards"),
                        (({"a": torch.tensor([0.0, float("inf")])}, {"a": 1.0}), "non-finite")):
