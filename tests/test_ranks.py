@@ -125,8 +125,9 @@ def test_evaluation_is_split_over_the_ranks_and_equals_one_process(runs):
     assert rows["two"][0]["jpeg_compressibility"] < 0 < rows["two"][0]["custom"] < 1, rows["two"][0]
     assert math.isfinite(rows["two"][1]["rise"]) and math.isfinite(rows["two"][1]["rise_se"]), rows["two"][1]
     base = {name: torch.load(path / "eval_base.pt") for name, path in (("two", two), ("one", one))}
-    assert sorted(base["two"]) == sorted(base["one"]) == ["custom", "darkness", "failed", "jpeg_compressibility",
-                                                          "reward"]
+    assert sorted(base["two"]) == sorted(base["one"]) == ["custom", "darkness", "failed", "fingerprint",
+                                                          "jpeg_compressibility", "reward"]
+    assert base["two"].pop("fingerprint") == base["one"].pop("fingerprint")  # the same held-out set and flags
     for key in base["one"]:  # per image, in held-out order (NaN where the image's row does not use the entry)
         torch.testing.assert_close(base["two"][key], base["one"][key], rtol=0, atol=0, equal_nan=True)
     assert base["one"]["jpeg_compressibility"][[0, 2, 4]].lt(0).all() and base["one"]["custom"][[1, 3]].gt(0).all()
