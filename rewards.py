@@ -14,6 +14,7 @@
 | `hpsv3`                  | mu of HPSv3's reward head on Qwen2-VL-7B                 | unbounded; > 10 is good  |
 | `clipscore`              | cos(text, image) of CLIP ViT-L/14 (DiffusionNFT)         | about 0.2 - 0.35         |
 | `aesthetic`              | LAION aesthetic MLP on the CLIP ViT-L/14 image embedding | about 4 - 7              |
+| `image_similarity`       | cos(sample, source) of CLIP ViT-L/14 image embeddings    | edits; 1 for the source  |
 | `unifiedreward`          | UnifiedReward's "Final Score" from your vLLM/SGLang      | [1, 5]                   |
 | `ocr`                    | 1 - capped edit distance to the quoted text (Flow-GRPO)  | [0, 1]                   |
 | `jpeg_compressibility`   | -(JPEG kB at quality 95) / 500 (DDPO)                    | <= 0                     |
@@ -802,6 +803,9 @@ def add_arguments(parser):
     flag("--clipscore-batch-size", "images per CLIP forward, per GPU", type=int, default=8)
     flag("--clipscore-num-frames", "video: evenly spaced frames scored per sample (None or 0: every frame)", type=int,
          default=None)
+    flag("--image-similarity-model-path", "hub id or local folder of the CLIP model and processor comparing an edit "
+         "with its source (image_similarity)", default="openai/clip-vit-large-patch14")
+    flag("--image-similarity-batch-size", "images per CLIP forward, per GPU", type=int, default=8)
     flag("--aesthetic-clip-path", "hub id or local folder of the aesthetic predictor's CLIP model and processor",
          default="openai/clip-vit-large-patch14")
     flag("--aesthetic-mlp-path", "the predictor's MLP file (None: sac+logos+ava1-l14-linearMSE.pth from its GitHub "
@@ -921,6 +925,7 @@ REWARDS = {
     "imagereward": reward_models.imagereward,
     "hpsv3": reward_models.hpsv3,
     "clipscore": reward_models.clipscore,
+    "image_similarity": reward_models.image_similarity,
     "aesthetic": reward_models.aesthetic,
     "unifiedreward": unifiedreward,
 }
