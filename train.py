@@ -36,10 +36,14 @@ Where this departs from the papers, and why
    the first update; the first optimizer step of each batch checks that the training forward reproduces
    them (ratio == 1). This catches rollout/train mismatches (CFG on one side only, dtype, a stale adapter)
    that otherwise train silently off-policy.
-3. The last denoising step (sigma ~0.01 -> 0) is always an ODE step and never trained: its transition
-   std is ~0 and its log-prob would dominate the ratio. Flow-GRPO's timestep_fraction 0.99 leaves it out
-   too (int(10 x 0.99) = 9 of 10 steps); only a Flow-GRPO-Fast window could reach it, which its default
-   sde_window_range (0, T) allows and --window-range refuses.
+3. The last denoising step (sigma_{N-1} -> 0) is always an ODE step and never trained. On SD3's schedule
+   (sigma ~0.009 at 10 steps, shift 3) its SDE std is ~0.006 and its log-prob would dominate the ratio.
+   Flow-GRPO's timestep_fraction 0.99 leaves it out of training too (int(10 x 0.99) = 9 of 10 steps); only a
+   Flow-GRPO-Fast window could reach it, which its default sde_window_range (0, T) allows and --window-range
+   refuses. Flow-GRPO's rollouts still add SDE noise on it; on schedules that end at linspace(1, 1/N) that is not
+   small: the Kontext recipe (6 steps, 512 px, FLUX's dynamic shift) goes from sigma 0.273 to 0, and the authors'
+   step there has std 0.29 at noise level 0.9 (untrained), where this project's is deterministic, so its final
+   samples are less noisy than the authors' (the rewards, and so the advantages, differ accordingly).
 4. Groups whose reward service failed (`--reward-on-error skip`) are dropped from the advantages as
    whole groups (a partial group would shift the group mean of the others): advantage 0, below.
    Samples with advantage 0 (those, and saturated groups, whose rewards are all equal) leave the update,
