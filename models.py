@@ -1000,4 +1000,8 @@ def add_arguments(parser):
                    help="image side in pixels, or HEIGHTxWIDTH (sd3, wan, z-image)")
     g.add_argument("--num-frames", type=flags.POSITIVE_INT, default=None,
                    help="video models (wan): frames per sample, 4 k + 1 (default: the pipeline's 81)")
+    g.add_argument("--edit-vl-input", choices=list(families.EDIT_VL_INPUTS), default="diffusers",
+                   help="qwen-image-edit: what its VL encoder is shown of the source. diffusers: the resized image; "
+                        "authors: Flow-GRPO's preprocessed tensor in [-1, 1], almost uniform after the Qwen2-VL "
+                        "processor's 1/255 rescale (default: %(default)s)")
     return g

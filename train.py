@@ -87,6 +87,10 @@ Where this departs from the papers, and why
    training noise in fp16 (L1215-1220), here float32. Both draw each step's prompts as a fresh random subset
    (DistributedKRepeatSampler), here every prompt once per epoch (data.step_prompt_ids); both group advantages by the
    prompt's text, here by its place in the step, so duplicate lines of a prompt file stay separate groups.
+13. Qwen-Image-Edit's VL encoder is shown the resized source image, as diffusers' pipeline shows it. Flow-GRPO hands
+   it the preprocessed tensor in [-1, 1] (qwenimage_edit_pipeline_with_logprob.py L76-84), which the Qwen2-VL
+   processor still rescales by 1/255: an almost uniform image (every pixel value within 0.015 of -mean/std), so its
+   edits read the source through the VAE reference alone. --edit-vl-input authors reproduces that input.
 """
 import argparse
 import math
@@ -580,6 +584,9 @@ def check_args(p, args, world_size):
     if loss.process == "reverse" and args.sde not in loss.sde_kinds:
         p.error(f"--loss {args.loss} needs a Gaussian transition log-prob, which --sde {args.sde} does not have "
                 f"(cps scores -mean(delta^2)): use --sde {' or '.join(loss.sde_kinds)}")
+    if args.edit_vl_input != "diffusers" and args.model not in models.families.EDIT_VL_MODELS:
+        p.error(f"--edit-vl-input {args.edit_vl_input} changes what Qwen-Image-Edit's VL encoder sees; --model "
+                f"{args.model} has no such input: drop the flag or use --model qwen-image-edit")
     if args.eval_every and not args.eval_prompts:
         p.error("--eval-every needs --eval-prompts (a held-out prompt file)")
     if args.fsdp and args.mixed_precision == "fp16":

@@ -115,3 +115,44 @@ def test_kontext_last_step_numbers_of_the_departure():
     assert std == pytest.approx(0.288, abs=1e-3)
     assert sde.sde_steps(6, timestep_fraction=0.99) == [0, 1, 2, 3, 4]  # the last step is not trained
     assert "0.273" in train.__doc__ and "0.29" in train.__doc__
+
+
+def vl_pixels(pipe, prompts, images):
+    """The pixel values Qwen-Image-Edit's VL encoder receives, per call, and the encode_prompts output."""
+    seen = []
+    hook = pipe.text_encoder.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["pixel_values"].detach().clone()), with_kwargs=True)
+    try:
+        out = models.encode_prompts(pipe, prompts, images=images, resolution=64)
+    finally:
+        hook.remove()
+    return seen, out
+
+
+def test_edit_vl_input_authors_shows_the_vl_encoder_the_rescaled_tensor():
+    """--edit-vl-input authors: the VL encoder receives what Qwen2VLImageProcessor makes of the VAE's input tensor in
+    [-1, 1] (rescaled by 1/255, normalised by CLIP's mean / std): every value within 1 / (255 std) of -mean / std.
+    diffusers (the default) shows the image itself. The VAE reference is the same in both."""
+    pipe = models.load_pipeline("tiny-qwen-image-edit")
+    rng = np.random.default_rng(0)
+    images = [[np.kron(rng.integers(0, 256, (8, 8, 3)), np.ones((8, 8, 1))).astype(np.uint8)]]
+    default, a = vl_pixels(pipe, ["make it two"], images)
+    pipe.edit_vl_input = "authors"
+    authors, b = vl_pixels(pipe, ["make it two"], images)
+    processor = pipe.processor.image_processor
+    mean, std = np.array(processor.image_mean), np.array(processor.image_std)
+    channels = authors[0].view(authors[0].shape[0], 3, -1)  # Qwen2-VL patches: [n, 3 x (2 x 14 x 14)]
+    expected = torch.tensor(-mean / std, dtype=torch.float32).view(1, 3, 1)
+    assert (channels - expected).abs().max() <= (1 / (255 * std)).max() + 1e-5
+    assert float((default[0] - authors[0]).abs().max()) > 1.0  # the image itself spans the normalised range
+    ref = pipe.image_processor.preprocess(pipe.image_processor.resize(Image.fromarray(images[0][0]), 64, 64), 64, 64)
+    again = processor(images=[ref[0]], return_tensors="pt")["pixel_values"]
+    torch.testing.assert_close(authors[0], again.to(authors[0].dtype))  # exactly the processor on that tensor
+    torch.testing.assert_close(a["ref_latents"], b["ref_latents"])
+    assert (a["prompt_embeds"] - b["prompt_embeds"]).abs().max() > 1e-4
+
+
+def test_edit_vl_input_is_refused_for_other_models(capsys):
+    with pytest.raises(SystemExit):
+        train.main(["--model", "tiny", "--edit-vl-input", "authors", "--steps", "1", "--out", "unused"])
+    assert "error: --edit-vl-input authors" in capsys.readouterr().err
