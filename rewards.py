@@ -55,8 +55,9 @@ Conventions shared by every scorer:
   openai_api and unifiedreward take images only; `remote` sends the frames.
 - Edits: a sample's source images reach every scorer the same way, in its metadata (data.py):
   `metadata["source_images"]` lists their paths and `data.source_images(metadata)` reads them as uint8
-  [H, W, 3] arrays. `openai_api` shows the judge the source(s) before the edited image, `remote`
-  sends them beside the images, `custom` and `custom_api` hooks read them from the metadata.
+  [H, W, 3] arrays. `image_similarity` scores the sample against them, `openai_api` shows the judge the source(s)
+  before the edited image, `remote` sends them beside the images, `custom` and `custom_api` hooks read them from
+  the metadata.
 
 Reward services (`openai_api`, `custom_api`, `remote`) run on services.py: a thread pool of at
 most `max_concurrency` requests in flight (per process), one deadline per attempt for everything
