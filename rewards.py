@@ -872,7 +872,8 @@ def geneval_rows_check(detector):
 def rows_check(spec, geneval_detector, by_advantage=False):
     """The check of data.load_prompts for the rows of a prompt file trained with reward `spec` (a row's metadata
     rm_type replaces it): a row whose reward has a geneval component must be a GenEval row the judge and
-    --geneval-detector can score (geneval_rows_check); by_advantage (--reward-combine advantage, whose weights are
+    --geneval-detector can score (geneval_rows_check), one with image_similarity must name a source image;
+    by_advantage (--reward-combine advantage, whose weights are
     --reward's): a row's rm_type may only leave components of `spec` out. An unknown rm_type is left to be named
     after the file loads."""
     geneval_check, weights = geneval_rows_check(geneval_detector), dict(parse_spec(spec))
@@ -889,6 +890,9 @@ def rows_check(spec, geneval_detector, by_advantage=False):
             geneval_check(metadata)
         if "shapes_edit" in dict(row):
             shapes.edit_row_check(metadata)
+        if "image_similarity" in dict(row) and not metadata.get(data.SOURCE_KEY):
+            raise ValueError("reward image_similarity compares each sample with its source image, and this row has "
+                             "none: give it an 'image', or drop image_similarity from --reward")
     return check
 
 

@@ -156,3 +156,16 @@ def test_edit_vl_input_is_refused_for_other_models(capsys):
     with pytest.raises(SystemExit):
         train.main(["--model", "tiny", "--edit-vl-input", "authors", "--steps", "1", "--out", "unused"])
     assert "error: --edit-vl-input authors" in capsys.readouterr().err
+
+
+def test_image_similarity_rows_without_a_source_are_refused_at_load(tmp_path):
+    """Checked when the prompt file loads, before any model: a row the reward could not score fails with its line."""
+    check = rewards.rows_check("jpeg_compressibility=0.5,image_similarity=0.5", None)
+    with pytest.raises(ValueError, match="has none: give it an 'image'"):
+        check({})
+    check({data.SOURCE_KEY: ["/abs/source.png"]})  # a row with its source passes
+    rewards.rows_check("jpeg_compressibility", None)({})  # without the reward, no source is needed
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "make it two"}\n')
+    with pytest.raises(ValueError, match="line 1 .*has none: give it an 'image'"):
+        data.load_prompts(str(path), input_key="prompt", check=check)
