@@ -1093,6 +1093,14 @@ def qwen_edit_dims(area, ratio):
     return round(width / 32) * 32, round(width / ratio / 32) * 32
 
 
+# What Qwen-Image-Edit's VL encoder is shown of each source (--edit-vl-input; the pipeline's attribute edit_vl_input):
+# diffusers' pipeline hands encode_prompt the resized PIL image; flow_grpo's qwenimage_edit_pipeline_with_logprob.py
+# (L76-84) the preprocessed tensor in [-1, 1], which Qwen2VLImageProcessor still rescales by 1/255 and normalises by
+# the CLIP mean / std: pixel values within 1/(255 std) ~ 0.015 of -mean/std, an almost uniform image.
+EDIT_VL_INPUTS = ("diffusers", "authors")
+EDIT_VL_MODELS = ("qwen-image-edit", "tiny-qwen-image-edit")
+
+
 def _qwen_edit_encode(pipe, prompts, negative_prompt, guidance_scale, tokens, images=None, size=None):
     plus = type(pipe).__name__ == "QwenImageEditPlusPipeline"
     name = "qwen-image-edit-plus" if plus else "qwen-image-edit"
@@ -1112,6 +1120,8 @@ def _qwen_edit_encode(pipe, prompts, negative_prompt, guidance_scale, tokens, im
         else:  # one resized image serves both
             vl_images = [process.resize(r[k], height, width) for r in refs]
             vae_images.append(process.preprocess(vl_images, height, width).unsqueeze(2))
+            if getattr(pipe, "edit_vl_input", "diffusers") == "authors":  # the VAE's input, [3, h, w] in [-1, 1]
+                vl_images = list(vae_images[-1][:, :, 0].float().cpu())
         shown.append(vl_images)
     shown = [list(per_prompt) for per_prompt in zip(*shown)]  # [prompt][k]
 

@@ -1247,4 +1247,8 @@ def add_arguments(parser):
     g.add_argument("--offload-text-encoders", action="store_true",
                    help="encode every training and held-out prompt ahead into the prompt cache, then keep the text "
                         "encoders on the CPU (a miss moves them back for its encode)")
+    g.add_argument("--edit-vl-input", choices=list(families.EDIT_VL_INPUTS), default="diffusers",
+                   help="qwen-image-edit: what its VL encoder is shown of the source. diffusers: the resized image; "
+                        "authors: Flow-GRPO's preprocessed tensor in [-1, 1], almost uniform after the Qwen2-VL "
+                        "processor's 1/255 rescale (default: %(default)s)")
     return g

@@ -31,6 +31,7 @@ class Policy:
         amp_dtype = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.mixed_precision]
         load_dtype = amp_dtype if (amp_dtype and args.lora_rank > 0) else torch.float32  # LoRA: frozen base in half
         self.pipe = pipe = models.load_pipeline(args.model, args.model_path, dtype=load_dtype, device=device)
+        pipe.edit_vl_input = getattr(args, "edit_vl_input", "diffusers")  # families._qwen_edit_encode reads it
         if load_dtype == torch.float16:  # decode in float32, as Flow-GRPO keeps its VAE: fp16 VAE activations overflow
             pipe.vae.to(torch.float32)
         transformer = self.transformer = pipe.transformer

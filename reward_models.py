@@ -2,6 +2,7 @@
 
     pickscore   PickScore (CLIP ViT-H/14 fine-tuned on Pick-a-Pic)       hps        HPSv2 / v2.1 (open_clip ViT-H/14)
     clipscore   cos(text, image) of CLIP ViT-L/14                         aesthetic  LAION's predictor on CLIP ViT-L/14
+    image_similarity  cos(sample, source) of CLIP ViT-L/14 image embeddings (edits)
     imagereward ImageReward (BLIP + MLP)                                  hpsv3      HPSv3 (Qwen2-VL-7B + reward head)
 
 Each factory takes its flags (declared in rewards.add_arguments) as keywords, loads its model once by hub id or local
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+import data  # an edit's source images (image_similarity): data.source_images(metadata)
 import flags
 
 log = logging.getLogger(__name__)
@@ -271,6 +273,56 @@ def clipscore(*, clipscore_model_path, clipscore_batch_size, clipscore_num_frame
             t = _unit(model.get_text_features(**{k: tokens[k].to(device) for k in ("input_ids", "attention_mask")}))
             scores.append((t * v).sum(-1))  # cos(text, image)
         return torch.cat(scores).float().cpu().view(len(prompts), n).mean(1)  # [B], mean over frames
+
+    return score
+
+
+def image_similarity(*, image_similarity_model_path, image_similarity_batch_size, device, **_):
+    """How close an edit stays to its source: the cosine of CLIP ViT-L/14's image embeddings of sample and source,
+
+        score = <v(sample) / |v(sample)|, v(source) / |v(source)|>      in [-1, 1]; 1 for the source itself
+
+    Flow-GRPO's `image_similarity` reward (yifan123/flow_grpo flow_grpo/rewards.py image_similarity_score and
+    multi_score L443-444, clip_scorer.py ClipScorer.image_similarity L56-69), which its counting-edit configs add to
+    GenEval (config/grpo.py L686 counting_flux_kontext 0.5 / 0.5, L818 and L860 the Qwen-Image-Edit ones 0.2 / 0.8).
+    The source is each sample's (data.source_images(metadata)) resized to the sample's size, as the authors compare
+    with `ref_image.resize((resolution, resolution))`; both go through CLIPProcessor (shortest side to 224 bicubic,
+    centre crop, CLIP mean/std), as `clipscore`. A sample with several sources scores the mean of its cosines (the
+    authors' edits have one); a sample without one is refused. Images only, not video.
+    """
+    batch_size = flags.integer(image_similarity_batch_size, 1, "--image-similarity-batch-size")
+    processor, model = _clip(image_similarity_model_path, "--image-similarity-model-path", "image_similarity", device)
+
+    def embed(pils):
+        out = []
+        for i in range(0, len(pils), batch_size):
+            pixels = processor(images=pils[i:i + batch_size], return_tensors="pt")["pixel_values"]
+            out.append(_unit(model.get_image_features(pixel_values=pixels.to(device))).float().cpu())
+        return torch.cat(out)
+
+    @torch.no_grad()
+    def score(images, prompts, metadata):
+        images = to_uint8(images)
+        if images.ndim != 4:
+            raise ValueError(f"image_similarity scores images [B, H, W, 3], got shape {images.shape}")
+        metadata = metadata if metadata is not None else [{}] * len(images)
+        refs, owner = [], []
+        for i, image in enumerate(images):
+            sources = data.source_images(metadata[i])
+            if not sources:
+                raise ValueError(f"image_similarity compares each sample with its source image, and sample {i} "
+                                 f"({prompts[i]!r}) has none: give its prompt row an 'image', or drop "
+                                 "image_similarity from --reward")
+            height, width = image.shape[:2]
+            for source in sources:  # to the sample's size, as the authors' 512 px ref_image
+                ref = Image.fromarray(np.ascontiguousarray(source))
+                refs.append(ref if ref.size == (width, height) else ref.resize((width, height)))
+                owner.append(i)
+        v = embed([Image.fromarray(image) for image in images])
+        cos = (v[owner] * embed(refs)).sum(-1)  # cos(sample, each of its sources)
+        owner = torch.tensor(owner)
+        total = torch.zeros(len(images)).index_add_(0, owner, cos)
+        return total / torch.bincount(owner, minlength=len(images)).float()  # [B], mean over a sample's sources
 
     return score
 

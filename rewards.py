@@ -14,6 +14,7 @@
 | `hpsv3`                  | mu of HPSv3's reward head on Qwen2-VL-7B                 | unbounded; > 10 is good  |
 | `clipscore`              | cos(text, image) of CLIP ViT-L/14 (DiffusionNFT)         | about 0.2 - 0.35         |
 | `aesthetic`              | LAION aesthetic MLP on the CLIP ViT-L/14 image embedding | about 4 - 7              |
+| `image_similarity`       | cos(sample, source) of CLIP ViT-L/14 image embeddings    | edits; 1 for the source  |
 | `unifiedreward`          | UnifiedReward's "Final Score" from your vLLM/SGLang      | [1, 5]                   |
 | `ocr`                    | 1 - capped edit distance to the quoted text (Flow-GRPO)  | [0, 1]                   |
 | `jpeg_compressibility`   | -(JPEG kB at quality 95) / 500 (DDPO)                    | <= 0                     |
@@ -54,8 +55,9 @@ Conventions shared by every scorer:
   openai_api and unifiedreward take images only; `remote` sends the frames.
 - Edits: a sample's source images reach every scorer the same way, in its metadata (data.py):
   `metadata["source_images"]` lists their paths and `data.source_images(metadata)` reads them as uint8
-  [H, W, 3] arrays. `openai_api` shows the judge the source(s) before the edited image, `remote`
-  sends them beside the images, `custom` and `custom_api` hooks read them from the metadata.
+  [H, W, 3] arrays. `image_similarity` scores the sample against them, `openai_api` shows the judge the source(s)
+  before the edited image, `remote` sends them beside the images, `custom` and `custom_api` hooks read them from
+  the metadata.
 
 Reward services (`openai_api`, `custom_api`, `remote`) run on services.py: a thread pool of at
 most `max_concurrency` requests in flight (per process), one deadline per attempt for everything
@@ -806,6 +808,9 @@ def add_arguments(parser):
     flag("--clipscore-batch-size", "images per CLIP forward, per GPU", type=int, default=8)
     flag("--clipscore-num-frames", "video: evenly spaced frames scored per sample (None or 0: every frame)", type=int,
          default=None)
+    flag("--image-similarity-model-path", "hub id or local folder of the CLIP model and processor comparing an edit "
+         "with its source (image_similarity)", default="openai/clip-vit-large-patch14")
+    flag("--image-similarity-batch-size", "images per CLIP forward, per GPU", type=int, default=8)
     flag("--aesthetic-clip-path", "hub id or local folder of the aesthetic predictor's CLIP model and processor",
          default="openai/clip-vit-large-patch14")
     flag("--aesthetic-mlp-path", "the predictor's MLP file (None: sac+logos+ava1-l14-linearMSE.pth from its GitHub "
@@ -871,7 +876,8 @@ def geneval_rows_check(detector):
 def rows_check(spec, geneval_detector, by_advantage=False):
     """The check of data.load_prompts for the rows of a prompt file trained with reward `spec` (a row's metadata
     rm_type replaces it): a row whose reward has a geneval component must be a GenEval row the judge and
-    --geneval-detector can score (geneval_rows_check); by_advantage (--reward-combine advantage, whose weights are
+    --geneval-detector can score (geneval_rows_check), one with image_similarity must name a source image;
+    by_advantage (--reward-combine advantage, whose weights are
     --reward's): a row's rm_type may only leave components of `spec` out. An unknown rm_type is left to be named
     after the file loads."""
     geneval_check, weights = geneval_rows_check(geneval_detector), dict(parse_spec(spec))
@@ -888,6 +894,9 @@ def rows_check(spec, geneval_detector, by_advantage=False):
             geneval_check(metadata)
         if "shapes_edit" in dict(row):
             shapes.edit_row_check(metadata)
+        if "image_similarity" in dict(row) and not metadata.get(data.SOURCE_KEY):
+            raise ValueError("reward image_similarity compares each sample with its source image, and this row has "
+                             "none: give it an 'image', or drop image_similarity from --reward")
     return check
 
 
@@ -925,6 +934,7 @@ REWARDS = {
     "imagereward": reward_models.imagereward,
     "hpsv3": reward_models.hpsv3,
     "clipscore": reward_models.clipscore,
+    "image_similarity": reward_models.image_similarity,
     "aesthetic": reward_models.aesthetic,
     "unifiedreward": unifiedreward,
 }

@@ -38,10 +38,14 @@ Where this departs from the papers, and why
    the first update; the first optimizer step of each batch checks that the training forward reproduces
    them (ratio == 1). This catches rollout/train mismatches (CFG on one side only, dtype, a stale adapter)
    that otherwise train silently off-policy.
-3. The last denoising step (sigma ~0.01 -> 0) is always an ODE step and never trained: its transition
-   std is ~0 and its log-prob would dominate the ratio. Flow-GRPO's timestep_fraction 0.99 leaves it out
-   too (int(10 x 0.99) = 9 of 10 steps); only a Flow-GRPO-Fast window could reach it, which its default
-   sde_window_range (0, T) allows and --window-range refuses.
+3. The last denoising step (sigma_{N-1} -> 0) is always an ODE step and never trained. On SD3's schedule
+   (sigma ~0.009 at 10 steps, shift 3) its SDE std is ~0.006 and its log-prob would dominate the ratio.
+   Flow-GRPO's timestep_fraction 0.99 leaves it out of training too (int(10 x 0.99) = 9 of 10 steps); only a
+   Flow-GRPO-Fast window could reach it, which its default sde_window_range (0, T) allows and --window-range
+   refuses. Flow-GRPO's rollouts still add SDE noise on it; on schedules that end at linspace(1, 1/N) that is not
+   small: the Kontext recipe (6 steps, 512 px, FLUX's dynamic shift) goes from sigma 0.273 to 0, and the authors'
+   step there has std 0.29 at noise level 0.9 (untrained), where this project's is deterministic, so its final
+   samples are less noisy than the authors' (the rewards, and so the advantages, differ accordingly).
 4. Groups whose reward service failed (`--reward-on-error skip`) are dropped from the advantages as
    whole groups (a partial group would shift the group mean of the others): advantage 0, below.
    Samples with advantage 0 (those, and saturated groups, whose rewards are all equal) leave the update,
@@ -90,6 +94,10 @@ Where this departs from the papers, and why
    every other loss's advantages; features come from --diversity (DINOv2 or CLIP through transformers), GARDO's
    from DINOv3 ViT-L/16 through timm; a group of identical images keeps weight 1 where GARDO divides 0 by 0.
    GARDO's gated KL and adaptive reference are functions of regularizers.py, not yet flags.
+14. Qwen-Image-Edit's VL encoder is shown the resized source image, as diffusers' pipeline shows it. Flow-GRPO hands
+   it the preprocessed tensor in [-1, 1] (qwenimage_edit_pipeline_with_logprob.py L76-84), which the Qwen2-VL
+   processor still rescales by 1/255: an almost uniform image (every pixel value within 0.015 of -mean/std), so its
+   edits read the source through the VAE reference alone. --edit-vl-input authors reproduces that input.
 """
 import argparse
 import math
@@ -628,6 +636,9 @@ def check_args(p, args, world_size):
     if loss.process == "reverse" and args.sde not in loss.sde_kinds:
         p.error(f"--loss {args.loss} needs a Gaussian transition log-prob, which --sde {args.sde} does not have "
                 f"(cps scores -mean(delta^2)): use --sde {' or '.join(loss.sde_kinds)}")
+    if args.edit_vl_input != "diffusers" and args.model not in models.families.EDIT_VL_MODELS:
+        p.error(f"--edit-vl-input {args.edit_vl_input} changes what Qwen-Image-Edit's VL encoder sees; --model "
+                f"{args.model} has no such input: drop the flag or use --model qwen-image-edit")
     if args.eval_every and not args.eval_prompts:
         p.error("--eval-every needs --eval-prompts (a held-out prompt file)")
     # fp16 needs a loss scale whose overflow check agrees across the shards of every rank (FSDP1's ShardedGradScaler);

@@ -110,26 +110,27 @@ AWM_GENEVAL = dict(
 
 # flow_grpo config/grpo.py counting_flux_kontext (scripts/train_flux_kontext.py): 28 GPUs x 12 rollout batches of 3
 # for 48 prompts x 21; gradient accumulation 6, so two optimizer steps and an EMA repeat of 6; LoRA r64 / alpha 128;
-# its compute_text_embeddings encodes 128 T5 tokens; no KL (beta 0). Reward: GenEval (its 0.5 image_similarity term
-# has no counterpart here).
+# its compute_text_embeddings encodes 128 T5 tokens; no KL (beta 0). Reward: 0.5 GenEval (on JPEG-compressed samples,
+# flow_grpo/rewards.py L241-245) + 0.5 image_similarity (config/grpo.py L686).
 KONTEXT_COUNTING = dict(
     model="flux-kontext", resolution=512, max_sequence_length=128, num_steps=6, eval_steps=28, guidance_scale=2.5,
     train_cfg=False, sde="flow", eta=0.9, sde_window="all", timestep_fraction=0.99, group_size=21, prompts_per_step=48,
     same_noise_per_group=False, sample_batch_size=3, train_batch_size=3, minibatches=2, updates_per_batch=1,
     loss="grpo", clip_range=1e-4, adv_clip=5.0, kl_beta=0.0, global_std=True, lora_rank=64, lora_alpha=128.0, lr=3e-4,
     weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="bf16", ema_decay=0.9, ema_every=8, ema_repeat=6,
-    eval_every=30, save_every=30, reward="geneval")
+    eval_every=30, save_every=30, reward="geneval=0.5,image_similarity=0.5", geneval_jpeg=True)
 # flow_grpo config/grpo.py counting_qwenimage_edit (scripts/train_qwenimage_edit.py): 32 GPUs x 4 rollout batches of 4
 # for 32 prompts x 16; true CFG 4 in rollout and training with the negative prompt " "; sde_window_size 0 trains
-# num_steps - 1 = 9 steps; EMA off; LoRA r64 / alpha 128; activation checkpointing. Reward: GenEval (its 0.2
-# image_similarity term has no counterpart here).
+# num_steps - 1 = 9 steps; EMA off; LoRA r64 / alpha 128; activation checkpointing. Reward: 0.8 GenEval (on
+# JPEG-compressed samples) + 0.2 image_similarity (config/grpo.py L818, L860 for the Fast one).
 QWEN_EDIT_COUNTING = dict(
     model="qwen-image-edit", resolution=512, num_steps=10, eval_steps=50, guidance_scale=4.0, train_cfg=True,
     negative_prompt=" ", sde="flow", eta=1.0, sde_window="all", timestep_fraction=1.0, group_size=16,
     prompts_per_step=32, same_noise_per_group=False, sample_batch_size=4, train_batch_size=4, minibatches=2,
     updates_per_batch=1, loss="grpo", clip_range=1e-4, adv_clip=5.0, kl_beta=0.0, global_std=True, lora_rank=64,
     lora_alpha=128.0, lr=3e-4, weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="bf16", ema_decay=0.0,
-    gradient_checkpointing=True, eval_every=30, save_every=60, reward="geneval")
+    gradient_checkpointing=True, eval_every=30, save_every=60, reward="geneval=0.8,image_similarity=0.2",
+    geneval_jpeg=True)
 
 TABLE = {
     "sd3_ocr_grpo.args": ("flow_grpo config/grpo.py general_ocr_sd3", FLOW_GRPO_OCR),

@@ -31,7 +31,7 @@ def tiny_reward_models(tmp_path_factory):
     hps_name, hps_path = models.tiny_hps(os.path.join(folder, "hps"))
     image_reward = os.path.join(folder, "imagereward")
     models.tiny_imagereward(image_reward)
-    return ["--pickscore-model-path", pick, "--pickscore-processor-path", pick,
+    return ["--pickscore-model-path", pick, "--pickscore-processor-path", pick, "--image-similarity-model-path", pick,
             "--hps-checkpoint-path", hps_path, "--hps-model-name", hps_name,
             "--imagereward-model-path", image_reward, "--imagereward-tokenizer-path", image_reward,
             *tiny_geneval_models(os.path.join(folder, "geneval"))]
