@@ -231,15 +231,16 @@ def advantages(got, loss, args, step, per_rank):
         all_adv[keep], combined = losses.combined_advantages(parts, spec, groups[keep], global_std=args.global_std,
                                                              clip=args.adv_clip)
         info.update({f"reward/{k}": v for k, v in combined.items() if not k.endswith("_mean")})  # std, share
-    else:
-        all_adv[keep] = losses.group_advantages(all_rewards[keep], groups[keep], global_std=args.global_std,
-                                                clip=args.adv_clip)
+    else:  # the loss's rule: group-relative advantages, or its own (the best of each group, its best-worst pair)
+        all_adv[keep] = loss.advantages(all_rewards[keep], groups[keep], global_std=args.global_std,
+                                        clip=args.adv_clip)
     mine = slice(RANK * per_rank, (RANK + 1) * per_rank)
     # Samples with advantage 0 (saturated groups, dropped groups) carry no policy gradient and leave the update
     # (departure 4); each rank keeps its micro-batch count and trains its kept samples in smaller micro-batches.
     # The forward-process losses train every sample of the kept groups, as their references (departure 8).
-    live = keep[mine].float() if loss.process == "forward" else all_adv[mine]  # [per_rank]
-    ids = trained_samples(live, per_rank // args.train_batch_size, data.seeded(args.seed, step, RANK, 2))
+    live = keep[mine].float() if loss.process == "forward" and not loss.pairs else all_adv[mine]  # [per_rank]
+    ids = (trained_pairs if loss.pairs else trained_samples)(live, per_rank // args.train_batch_size,
+                                                             data.seeded(args.seed, step, RANK, 2))
     counts = distributed.all_gather_cat(torch.tensor([len(ids)], device=device))  # [WORLD]
     info.update(reward_mean=all_rewards[keep].mean().item(),
                 reward_std=all_rewards[keep].std().item() if keep.sum() > 1 else 0.0,
@@ -264,6 +265,21 @@ def trained_samples(adv, n_micro, generator):
     return torch.cat([live, zero[torch.randperm(len(zero), generator=generator)[:size * n_micro - len(live)]]])
 
 
+def trained_pairs(adv, n_micro, generator):
+    """The (chosen, rejected) pairs of this rank's samples for a Loss with pairs: [P, 2] int64 CPU indices of its
+    +1 and -1 samples, group by group (whole groups per rank: check_args), topped up to a multiple of n_micro (at
+    least n_micro) with randomly drawn copies of its pairs, as flow_grpo's train_sd3_dpo.py pads its pairs to the
+    process count (L801-815); a rank without a pair trains filler pairs of advantage-0 samples, which the loss
+    weights 0."""
+    adv = adv.cpu()
+    pairs = torch.stack([torch.nonzero(adv > 0).flatten(), torch.nonzero(adv < 0).flatten()], dim=1)  # in group order
+    if len(pairs) == 0:
+        zero = torch.nonzero(adv == 0).flatten()
+        return zero[torch.randperm(len(zero), generator=generator)[:2 * n_micro]].reshape(n_micro, 2)
+    extra = max(n_micro, math.ceil(len(pairs) / n_micro) * n_micro) - len(pairs)
+    return torch.cat([pairs, pairs[torch.randint(len(pairs), (extra,), generator=generator)]])
+
+
 # ----------------------------------------------------------------------------- TRAINING
 def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
     """--updates-per-batch passes over the trained samples, each in --minibatches optimizer steps of micro-batches;
@@ -278,7 +294,8 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
 
     def micro_batches(update, m):  # the micro-batches (sample indices) of optimizer step (update, m)
         micros = orders[update].split(len(adv["ids"]) // n_micro)  # n_micro of them
-        return micros[m * n_micro // args.minibatches:(m + 1) * n_micro // args.minibatches]
+        micros = micros[m * n_micro // args.minibatches:(m + 1) * n_micro // args.minibatches]
+        return [ids.T.reshape(-1) if ids.ndim == 2 else ids for ids in micros]  # pairs: [chosen ..., rejected ...]
 
     old_stats = {}  # (update, m, i) -> [n, b]: the forward-process statistic of later optimizer steps (departure 10)
     if loss.old_stat is not None and args.updates_per_batch * args.minibatches > 1:
@@ -347,7 +364,8 @@ def forward_terms(policy, loss, batch, ids, sub, adv, sigmas, args, key, old_sta
     re-noised there with fresh noise (renoised), the frozen models' no-grad velocities at every x_t first (the old
     copy's, the base's with --kl-beta: each set up once per micro-batch), then per sigma its input and complete(v)."""
     fp, train_guidance, frozen = renoised(loss, batch, ids, sigmas, args, key), guidance_scales(args)[1], {}
-    for name, needed in (("old", policy.copies["old"] is not None), ("reference", args.kl_beta > 0)):
+    old = policy.copies["old"] is not None and loss.old_velocity  # the loss reads the old copy's velocity
+    for name, needed in (("old", old), ("reference", args.kl_beta > 0)):
         if needed:
             with policy.frozen(name):
                 frozen[name] = [policy.velocity(x, fp["s"][:, j], sub, train_guidance) for j, x in enumerate(fp["x_t"])]
@@ -368,10 +386,21 @@ def renoised(loss, batch, ids, sigmas, args, key):
     step, update, m, i = key
     gen = data.seeded(args.seed, step, RANK, update, m, i, 2)
     x0 = batch["latents"][ids, -1]  # the clean rollout samples
-    times = loss.times(len(ids), gen, **vars(args))  # [b, n]
-    s = sigmas[times].to(x0.device)
-    noise = torch.randn((times.shape[1],) + tuple(x0.shape), generator=gen).to(x0.device)
+    times = loss.times(len(ids), gen, **vars(args))  # [b, n]: indices into the schedule, or positions between them
+    noise = torch.randn((times.shape[1],) + tuple(x0.shape), generator=gen)
+    if loss.pairs:  # a pair's two samples share their noise and sigmas (Diffusion-DPO; train_sd3_dpo.py L885-899)
+        half = len(ids) // 2
+        times[half:], noise[:, half:] = times[:half], noise[:, :half]
+    s, noise = schedule_at(sigmas, times).to(x0.device), noise.to(x0.device)
     return dict(x0=x0, s=s, noise=noise, x_t=[sde.renoise(x0, eps, s[:, j]) for j, eps in enumerate(noise)])
+
+
+def schedule_at(sigmas, times):
+    """The schedule's sigmas at integer indices, or linearly interpolated at float positions in [0, T)."""
+    if not times.is_floating_point():
+        return sigmas[times]
+    low = times.floor().long()
+    return torch.lerp(sigmas[low], sigmas[low + 1], (times - low).to(sigmas.dtype))
 
 
 def frozen_stats(policy, loss, batch, sigmas, micro_batches, args, step):
@@ -406,7 +435,7 @@ def after_update(policy, loss, batch, stats, optim_steps, failed, args, run):
                    "--train-cfg is off while sampling uses CFG" if train_guidance != sample_guidance
                    else f"{args.mixed_precision} rounding")
     if policy.copies["old"] is not None:  # old <- d old + (1 - d) current; d from the run's optimizer steps (resumed)
-        info["old_decay"] = decay = losses.OLD_DECAYS[args.old_decay](policy.optimizer_steps)
+        info["old_decay"] = decay = losses.OLD_DECAYS[args.old_decay](policy.optimizer_steps, **vars(args))
         policy.update_old(decay)
     if loss.process == "reverse":
         info.update(first_ratio_dev=first_ratio_dev, first_clip_dev=first_clip_dev)
@@ -586,6 +615,12 @@ def check_args(p, args, world_size):
     if args.kl_beta > 0 and args.lora_rank == 0:
         p.error("--kl-beta > 0 needs a LoRA adapter (the reference is the base model with it disabled): "
                 "set --lora-rank > 0 or --kl-beta 0")
+    if loss.pairs and (per_rank % args.group_size or args.train_batch_size % 2):
+        p.error(f"--loss {args.loss} trains pairs of samples of one group, in micro-batches of whole pairs: make the "
+                f"{per_rank} samples per process a multiple of --group-size {args.group_size} and --train-batch-size "
+                "even")
+    if loss.advantages is not losses.group_advantages and args.reward_combine == "advantage":
+        p.error(f"--loss {args.loss} turns the rewards into its own sample weights: drop --reward-combine advantage")
     if loss.process == "forward":
         if args.sde_window != "all" or args.flash or args.step_loss_weight != "none":
             p.error(f"--sde-window / --flash / --step-loss-weight concern the SDE steps of the reverse-process losses; "
