@@ -206,6 +206,21 @@ TABLE["sd3_flowdppo_pickscore.args"] = ("UniRL examples/diffusion/sd3_flowdppo.y
     loss="flowdppo", kl_mask_threshold=1e-5, kl_beta=0.0, global_std=True, lora_rank=32, lora_alpha=64.0, lr=3e-4,
     weight_decay=0.0, max_grad_norm=1.0, mixed_precision="bf16", ema_decay=0.0, reward="pickscore",
     pickscore_batch_size=8))
+# flow_grpo config/sft.py and config/dpo.py geneval_sd3 over config/base.py (scripts/train_sd3_sft.py, train_sd3_dpo.py,
+# launched on one GPU by scripts/single_node/dpo.sh): 24 images of one prompt per step, one micro-batch and one
+# optimizer step (gradient_accumulation_steps 1 x the 39 timesteps), int(40 x 0.99) = 39 training draws per sample,
+# the "ref" snapshot never refreshed (ref_update_step 10000000), its EMA (0.9, interval 8) stepped once per optimizer
+# step, the training forward without CFG (L906-912), train_sd3_*.py's compute_text_embeddings at 128 tokens; DPO's
+# beta 100 (train.beta, which SFT's loss does not read). Departure: dpm2 rollouts for its SDE at noise level 0.7.
+FLOW_GRPO_SFT = dict(
+    model="sd3", resolution=512, shift=3.0, max_sequence_length=128, num_steps=40, eval_steps=40, guidance_scale=4.5,
+    train_cfg=False, sampler="dpm2", timestep_fraction=0.99, group_size=24, prompts_per_step=1, sample_batch_size=24,
+    train_batch_size=24, minibatches=1, updates_per_batch=1, loss="sft", old_decay="copy", ref_update_every=10000000,
+    kl_beta=0.0, lora_rank=32, lora_alpha=64.0, lr=3e-4, weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="fp16",
+    ema_decay=0.9, ema_every=8, ema_repeat=1, eval_every=40, save_every=40, reward="geneval", geneval_jpeg=True)
+TABLE["sd3_sft_geneval.args"] = ("flow_grpo config/sft.py geneval_sd3 (scripts/train_sd3_sft.py)", FLOW_GRPO_SFT)
+TABLE["sd3_dpo_geneval.args"] = ("flow_grpo config/dpo.py geneval_sd3 (scripts/train_sd3_dpo.py)",
+                                 dict(FLOW_GRPO_SFT, loss="dpo", dpo_beta=100.0))
 # Recipes with no authors' configuration to check against, and why.
 UNCHECKED = {
     "sd3_bench.args": "the throughput anchor of bench.py, not a training recipe",
@@ -221,8 +236,9 @@ OPTIMIZER = {
     "sd3_flowdppo_pickscore.args": (2, 384),  # 768 samples in 2 disjoint mini-batches
     "flux_kontext_counting_grpo.args": (2, 504), "qwen_image_edit_counting_grpo.args": (2, 256),
     "qwen_image_edit_counting_fast.args": (2, 256),
+    "sd3_sft_geneval.args": (1, 24), "sd3_dpo_geneval.args": (1, 24),  # one GPU, one prompt's group
 }
-GPUS = {"wan_ocr_grpo.args": (1,), "sd3_flowdppo_pickscore.args": (8,), "flux_kontext_counting_grpo.args": (28,),
+GPUS = {"wan_ocr_grpo.args": (1,), "sd3_sft_geneval.args": (1,), "sd3_dpo_geneval.args": (1,), "sd3_flowdppo_pickscore.args": (8,), "flux_kontext_counting_grpo.args": (28,),
         **{f"sd3_{loss}_{task}.args": (8,) for loss in ("nft", "awm")
                                        for task in ("geneval", "pickscore", "ocr")}}  # where not 8, 16 and 32
 
