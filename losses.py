@@ -475,7 +475,7 @@ def sft_loss(v, x0, eps, weight):
 
 def dpo_loss(v, v_ref, x0, eps, *, beta, weight=None):
     """Diffusion-DPO (Wallace et al. arXiv:2311.12908, Eq. 14) in flow-matching form, as flow_grpo's online DPO
-    computes it (scripts/train_sd3_dpo.py L924-939). The batch is [chosen_1 .. chosen_P, rejected_1 .. rejected_P],
+    computes it (scripts/train_sd3_dpo.py L924-939). The batch is [chosen_1, rejected_1, chosen_2, rejected_2, ...],
     each pair re-noised with the same noise and sigma; with e(v) = mean_dims (v - (eps - x0))^2
 
         d_p  = (e(v)_w - e(v_ref)_w) - (e(v)_l - e(v_ref)_l)
@@ -486,18 +486,49 @@ def dpo_loss(v, v_ref, x0, eps, *, beta, weight=None):
     reference's velocity (detached). weight [P] (default 1) scales each pair's term: 0 for filler pairs.
     Returns (loss, info) with implicit_acc, the fraction of pairs with d_p < 0 (flow_grpo's implicit_acc)."""
     if v.shape[0] % 2:
-        raise ValueError(f"dpo_loss needs [chosen, rejected] halves, got an odd batch of {v.shape[0]}")
+        raise ValueError(f"dpo_loss needs [chosen, rejected] pairs, got an odd batch of {v.shape[0]}")
     err, ref_err = flow_matching_error(v, x0, eps), flow_matching_error(v_ref.detach(), x0, eps)
-    half = v.shape[0] // 2
     diff = err - ref_err  # [2P]
-    d = diff[:half] - diff[half:]  # [P]
+    d = diff[0::2] - diff[1::2]  # [P]
     inside = -0.5 * beta * d
     per_pair = -torch.nn.functional.logsigmoid(inside)
     if weight is not None:
         per_pair = per_pair * weight.float().reshape(per_pair.shape)
-    info = {"dpo_w_diff": diff[:half].detach().mean().item(), "dpo_l_diff": diff[half:].detach().mean().item(),
+    info = {"dpo_w_diff": diff[0::2].detach().mean().item(), "dpo_l_diff": diff[1::2].detach().mean().item(),
             "implicit_acc": (inside.detach() > 0).float().mean().item()}
     return per_pair.mean(), info
+
+
+def dgpo_loss(v, v_ref, x0, eps, adv, unit, *, beta, group_size, v_old=None, clip_range=None):
+    """DGPO (Direct Group Preference Optimization, arXiv:2510.08425) on one training sigma, as Flow-Factory computes it
+    (src/flow_factory/trainers/dgpo.py at a0b2bc5: _compute_dsm_loss L633-640, _maybe_clip_dsm L642-671,
+    _compute_per_sample_preference L448-468, _compute_group_dgpo_loss L490-528). With the flow-matching errors
+    e_i = mean_dims (v_i - (eps_i - x0_i))^2 of the current model and e_ref_i of the reference, in each group g of G:
+
+        s_g  = sum_{i in g} A_i beta (e_i - e_ref_i) / G                   (stopgrad)
+        loss = mean_i sigmoid(s_{g(i)}) A_i e_i
+
+    Its gradient is that of the group's preference loss -log sigmoid(-s_g), up to the constant beta / G: samples of a
+    positive advantage are fit better, of a negative one worse, weighted by how far the group still is from preferring
+    its good samples over the reference's fit. With v_old and clip_range (its clip_dsm): r_i = exp(e_old_i - e_i) and
+    e_i is held constant (no gradient) where A_i > 0 and r_i > 1 + clip_range or A_i <= 0 and r_i < 1 - clip_range.
+    unit [B]: each sample's group (whole groups in the batch); adv [B]. Returns (loss, info)."""
+    err = flow_matching_error(v, x0, eps)  # [B]
+    with torch.no_grad():
+        ref_err = flow_matching_error(v_ref, x0, eps)
+    adv = adv.float()
+    clipped = torch.zeros_like(adv, dtype=torch.bool)
+    if v_old is not None and clip_range is not None:
+        with torch.no_grad():
+            ratio = torch.exp(flow_matching_error(v_old, x0, eps) - err)
+        clipped = torch.where(adv > 0, ratio > 1 + clip_range, ratio < 1 - clip_range)
+        err = torch.where(clipped, err.detach(), err)
+    preference = adv * beta * (err.detach() - ref_err) / group_size  # [B]
+    sums = torch.zeros(int(unit.max()) + 1, device=err.device).index_add_(0, unit, preference)
+    weight = torch.sigmoid(sums)[unit]
+    info = {"dgpo_weight": weight.mean().item(), "dsm_loss": err.detach().mean().item(),
+            "clipfrac": clipped.float().mean().item()}
+    return (weight * adv * err).mean(), info
 
 
 # ----------------------------------------------------------------------------- the algorithms, as train.py runs them
@@ -606,10 +637,33 @@ def sft(t, **hyper):
 def dpo(t, *, dpo_beta, **hyper):
     """Online DPO: Diffusion-DPO on each group's (best, worst) pair (dpo_loss) against the old copy, flow_grpo's "ref"
     adapter, which also samples and is refreshed every --ref-update-every optimizer steps (OLD_DECAYS "copy");
-    t["adv"] is preference_pairs' +1 (chosen) / -1 (rejected), 0 on both halves of a filler pair."""
-    half = t["adv"].shape[0] // 2
-    value, info = dpo_loss(t["v"], t["v_old"], t["x0"], t["noise"], beta=dpo_beta, weight=t["adv"][:half].abs())
+    t["adv"] is preference_pairs' +1 (chosen) / -1 (rejected), 0 on both samples of a filler pair."""
+    value, info = dpo_loss(t["v"], t["v_old"], t["x0"], t["noise"], beta=dpo_beta, weight=t["adv"][0::2].abs())
     return _velocity_reference_kl(value, info, t, **hyper)
+
+
+def dgpo(t, *, dpo_beta, group_size, dgpo_reference, dgpo_clip, clip_range, **hyper):
+    """DGPO: dgpo_loss against the base model (--dgpo-reference base, Flow-Factory's default) or the old copy (old,
+    its use_ema_ref), clipped against the old copy with --dgpo-clip (its clip_dsm), + the velocity KL to the base
+    (dgpo.py L689-702, 'v-based')."""
+    v_ref = t["v_ref"] if dgpo_reference == "base" else t["v_old"]
+    value, info = dgpo_loss(t["v"], v_ref, t["x0"], t["noise"], t["adv"], t["unit"], beta=dpo_beta,
+                            group_size=group_size, v_old=t["v_old"] if dgpo_clip else None, clip_range=clip_range)
+    return _velocity_reference_kl(value, info, t, **hyper)
+
+
+def _dgpo_times(batch, generator, *, num_steps, train_timesteps, timestep_fraction, **_):
+    """DGPO's training times (Flow-Factory TimeSampler.discrete, 'discrete', noise_schedule.py L185-259):
+    --train-timesteps strata over schedule indices 0 .. int(num_steps x fraction) (its timestep_range 0.6, "trunc_steps
+    6 at 10 steps"), one index drawn from each and shared by the micro-batch (dgpo.py L764). [batch, n] indices."""
+    return sde.awm_timesteps(num_steps, train_timesteps, fraction=timestep_fraction, kind="discrete",
+                             generator=generator).expand(batch, -1)
+
+
+def _dgpo_samples_with_old(step, *, dgpo_switch_step, **_):
+    """DGPO samples with the current weights, and with the old copy once past --dgpo-switch-step steps (its
+    switch_ema_ref 200: sampling_context, dgpo.py L191-207)."""
+    return step > dgpo_switch_step
 
 
 def _logit_normal_times(batch, generator, *, num_steps, timestep_fraction, **_):
@@ -641,6 +695,7 @@ OLD_DECAYS = {
     "nft-ocr": lambda k, **_: 0.0 if k < 75 else min(0.0075 * (k - 75), 0.999),  # decay_type 2 (OCR): more off-policy
     "awm": lambda k, **_: min(0.3, 0.001 * k),  # AWM's EMA-KL anchor (kl_ema_decay 0.3, 'linear')
     "on-policy": lambda k, **_: 0.0,  # decay_type 0: the old copy is the weights of the step before
+    "dgpo": lambda k, **_: min(0.3, 0.001 * k),  # DGPO's ema_ref (ema_ref_max_decay 0.3, ramp 0.001; dgpo.py L220-239)
     # flow_grpo's online DPO / SFT "ref" adapter (train_sd3_dpo.py L614-615, copy_learner_to_ref L136-140): a hard
     # copy of the trained weights every --ref-update-every optimizer steps, untouched in between.
     "copy": lambda k, ref_update_every=40, **_: 0.0 if k % ref_update_every == 0 else 1.0,
@@ -657,13 +712,15 @@ class Loss(NamedTuple):
     clip: bool = True  # its ratio is clipped at --clip-range: the on-policy deviation is compared with that
     sde_kinds: tuple = SDE_KINDS  # reverse: the --sde steps whose log-prob it can use
     old_copy: Callable = None  # flags -> True when it keeps an old copy of the weights, decayed by --old-decay
-    samples_with_old: bool = False  # rollouts run the old copy rather than the current weights
+    samples_with_old: object = False  # rollouts run the old copy: a bool, or (step, **flags) -> bool
     times: Callable = None  # forward: (b, generator, **flags) -> [b, n] indices into the schedule to train at
     old_stat: Callable = None  # forward: (t, **flags) -> [b], frozen for the optimizer steps after the batch's first
     advantages: Callable = group_advantages  # (rewards [N], group_ids [N], global_std=, clip=) -> t["adv"] [N]
-    pairs: bool = False  # forward: trains on (chosen, rejected) pairs, +1 / -1 of `advantages` in each group: each
-    # micro-batch is [chosen ..., rejected ...], both halves re-noised with the same noise and sigmas
+    unit: str = "sample"  # forward: what a micro-batch holds whole, re-noised with one noise and sigmas (t["unit"]:
+    # each sample's unit in the micro-batch): "sample"; "pair", the +1 and -1 of `advantages` in each group, as
+    # [chosen, rejected] rows; "group", every sample of a group (one noise for all its sigmas)
     old_velocity: bool = True  # forward, with an old copy: the loss reads its velocity v_old (a forward per term)
+    reference: Callable = None  # flags -> True when it reads the base model's v_ref / ref_mean even at --kl-beta 0
 
 
 # Defaults of the forward-process losses: CFG-free (guidance 1 on CFG models; FLUX.1 keeps its distilled guidance),
@@ -677,7 +734,7 @@ LOSSES = {
     "nft": Loss(nft, "forward", dict(sampler="dpm2", timestep_fraction=0.99, old_decay="nft", guidance_scale=1.0),
                 dict(kl_beta=1e-4), old_copy=lambda h: True, samples_with_old=True, times=_nft_times),
     "awm": Loss(awm, "forward", dict(sampler="dpm2", timestep_fraction=0.9, old_decay="awm", guidance_scale=1.0,
-                                     clip_range=1.0), dict(kl_beta=1e-3),
+                                     clip_range=1.0, train_timesteps=6), dict(kl_beta=1e-3),
                 old_copy=lambda h: h["ema_kl_beta"] > 0 and h["kl_beta"] > 0,
                 times=_awm_times, old_stat=_awm_log_prob),
     # flow_grpo's online SFT and DPO (scripts/train_sd3_sft.py, train_sd3_dpo.py; config/sft.py, dpo.py): the
@@ -686,9 +743,18 @@ LOSSES = {
     "sft": Loss(sft, "forward", dict(sampler="dpm2", timestep_fraction=0.99, old_decay="copy", train_cfg=False),
                 dict(kl_beta=0.0), old_copy=lambda h: True, samples_with_old=True, times=_logit_normal_times,
                 advantages=best_of_group, old_velocity=False),
-    "dpo": Loss(dpo, "forward", dict(sampler="dpm2", timestep_fraction=0.99, old_decay="copy", train_cfg=False),
+    "dpo": Loss(dpo, "forward", dict(sampler="dpm2", timestep_fraction=0.99, old_decay="copy", train_cfg=False,
+                                     dpo_beta=100.0),
                 dict(kl_beta=0.0), old_copy=lambda h: True, samples_with_old=True, times=_logit_normal_times,
-                advantages=preference_pairs, pairs=True),
+                advantages=preference_pairs, unit="pair"),
+    # DGPO (Flow-Factory trainers/dgpo.py; examples/dgpo/lora/sd3_5/default.yaml): deterministic Euler rollouts with
+    # CFG (the model's guidance), whole groups re-noised with one noise per group, 4 shared strata of the first 60 %
+    # of the schedule, an old copy (its ema_ref) to clip against and, after --dgpo-switch-step, to sample with.
+    "dgpo": Loss(dgpo, "forward", dict(sampler="euler", timestep_fraction=0.6, train_timesteps=4, old_decay="dgpo",
+                                       train_cfg=False, dpo_beta=100.0, clip_range=0.05, dgpo_reference="old"),
+                 dict(kl_beta=1e-3, dgpo_reference="base"), old_copy=lambda h: True,
+                 samples_with_old=_dgpo_samples_with_old, times=_dgpo_times, unit="group",
+                 reference=lambda h: h["dgpo_reference"] == "base"),
 }
 
 
@@ -729,15 +795,25 @@ def add_arguments(parser):
     g.add_argument("--awm-weighting", default="ghuber", choices=AWM_WEIGHTINGS,
                    help="AWM: weighting of the flow-matching error in its surrogate log-likelihood")
     g.add_argument("--ghuber-power", type=flags.POSITIVE, default=0.25, help="AWM: the power p of the ghuber weighting")
-    g.add_argument("--train-timesteps", type=flags.POSITIVE_INT, default=6,
-                   help="AWM: stratified schedule sigmas per micro-batch (one forward + backward each)")
+    g.add_argument("--train-timesteps", type=flags.POSITIVE_INT, default=None,
+                   help="AWM / DGPO: stratified schedule sigmas per micro-batch (one forward + backward each; default "
+                        "6 / 4)")
     g.add_argument("--awm-timesteps", default="discrete_wo_init", choices=sde.AWM_TIMESTEPS,
                    help="AWM: strata over schedule indices 1.. (never sigma = 1) or 0..")
     g.add_argument("--ema-kl-beta", type=flags.NONNEG, default=1.0,
                    help="AWM: weight of the velocity-space KL to the old copy (its EMA-KL anchor; 0: none); as in "
                         "AWM's code, only with --kl-beta > 0")
-    g.add_argument("--dpo-beta", type=flags.POSITIVE, default=100.0,
-                   help="--loss dpo: Diffusion-DPO's beta in -log sigmoid(-beta d / 2) (flow_grpo config/dpo.py: 100)")
+    g.add_argument("--dpo-beta", type=flags.POSITIVE, default=None,
+                   help="--loss dpo: Diffusion-DPO's beta in -log sigmoid(-beta d / 2) (flow_grpo config/dpo.py: 100); "
+                        "dgpo: the beta of its group preference (Flow-Factory: 100, its PickScore recipe 10)")
+    g.add_argument("--dgpo-reference", default=None, choices=["base", "old"],
+                   help="--loss dgpo: the reference of its preference, the base model (LoRA off; Flow-Factory's "
+                        "default, hub models) or the old copy (its use_ema_ref; the default on full fine-tunes)")
+    g.add_argument("--dgpo-clip", action=argparse.BooleanOptionalAction, default=True,
+                   help="--loss dgpo: hold the flow-matching error constant where its ratio to the old copy's leaves "
+                        "1 +- --clip-range in the advantage's direction (its clip_dsm)")
+    g.add_argument("--dgpo-switch-step", type=flags.NONNEG_INT, default=200,
+                   help="--loss dgpo: sample with the old copy after this many steps (its switch_ema_ref)")
     g.add_argument("--ref-update-every", type=flags.POSITIVE_INT, default=40,
                    help="--loss sft / dpo (--old-decay copy): optimizer steps between copies of the trained weights "
                         "into the sampling and reference snapshot (flow_grpo's ref_update_step: 40 online; its "

@@ -165,7 +165,7 @@ def sample(policy, loss, args, prompts, sigmas, step, reward_fn, run):
     batch = dict(embeds=embeds, prompts=[texts[i] for i in my_ids], trajectories=[])
     pending, size = [], args.sample_batch_size
     policy.transformer.eval()
-    with policy.frozen("old") if loss.samples_with_old else torch.no_grad():  # DiffusionNFT: train_nft_sd3.py L640
+    with policy.frozen("old") if samples_with_old(loss, step, args) else torch.no_grad():  # NFT: train_nft_sd3.py L640
         for b in range(len(my_ids) // size):
             idx = slice(b * size, (b + 1) * size)
             gen = data.seeded(args.seed, step, RANK, b)  # resumable noise
@@ -189,6 +189,12 @@ def sample(policy, loss, args, prompts, sigmas, step, reward_fn, run):
     if loss.process == "reverse":
         batch["steps"] = torch.cat([t["steps"].expand(len(t["latents"]), -1) for t in trajs])  # [n, K]
     return batch, pending
+
+
+def samples_with_old(loss, step, args):
+    """Whether step's rollouts run the old copy (loss.samples_with_old: a bool, or a function of the step and flags)."""
+    use = loss.samples_with_old
+    return bool(use(step, **vars(args)) if callable(use) else use)
 
 
 def starting_noise(pipe, args, step, group_ids, generator):
@@ -238,9 +244,13 @@ def advantages(got, loss, args, step, per_rank):
     # Samples with advantage 0 (saturated groups, dropped groups) carry no policy gradient and leave the update
     # (departure 4); each rank keeps its micro-batch count and trains its kept samples in smaller micro-batches.
     # The forward-process losses train every sample of the kept groups, as their references (departure 8).
-    live = keep[mine].float() if loss.process == "forward" and not loss.pairs else all_adv[mine]  # [per_rank]
-    ids = (trained_pairs if loss.pairs else trained_samples)(live, per_rank // args.train_batch_size,
-                                                             data.seeded(args.seed, step, RANK, 2))
+    n_micro, gen = per_rank // args.train_batch_size, data.seeded(args.seed, step, RANK, 2)
+    if loss.unit == "pair":  # [P, 2]: the (chosen, rejected) pairs
+        ids = trained_pairs(all_adv[mine], n_micro, gen)
+    elif loss.unit == "group":  # [groups, G]: every group whole (check_args: whole groups on each rank)
+        ids = torch.arange(per_rank).reshape(-1, args.group_size)
+    else:
+        ids = trained_samples(keep[mine].float() if loss.process == "forward" else all_adv[mine], n_micro, gen)
     counts = distributed.all_gather_cat(torch.tensor([len(ids)], device=device))  # [WORLD]
     info.update(reward_mean=all_rewards[keep].mean().item(),
                 reward_std=all_rewards[keep].std().item() if keep.sum() > 1 else 0.0,
@@ -295,7 +305,7 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
     def micro_batches(update, m):  # the micro-batches (sample indices) of optimizer step (update, m)
         micros = orders[update].split(len(adv["ids"]) // n_micro)  # n_micro of them
         micros = micros[m * n_micro // args.minibatches:(m + 1) * n_micro // args.minibatches]
-        return [ids.T.reshape(-1) if ids.ndim == 2 else ids for ids in micros]  # pairs: [chosen ..., rejected ...]
+        return [ids.reshape(-1) for ids in micros]  # pairs and groups ([units, width]): each unit's samples in a row
 
     old_stats = {}  # (update, m, i) -> [n, b]: the forward-process statistic of later optimizer steps (departure 10)
     if loss.old_stat is not None and args.updates_per_batch * args.minibatches > 1:
@@ -365,14 +375,15 @@ def forward_terms(policy, loss, batch, ids, sub, adv, sigmas, args, key, old_sta
     copy's, the base's with --kl-beta: each set up once per micro-batch), then per sigma its input and complete(v)."""
     fp, train_guidance, frozen = renoised(loss, batch, ids, sigmas, args, key), guidance_scales(args)[1], {}
     old = policy.copies["old"] is not None and loss.old_velocity  # the loss reads the old copy's velocity
-    for name, needed in (("old", old), ("reference", args.kl_beta > 0)):
+    reference = args.kl_beta > 0 or bool(loss.reference and loss.reference(vars(args)))  # the base model's velocity
+    for name, needed in (("old", old), ("reference", reference)):
         if needed:
             with policy.frozen(name):
                 frozen[name] = [policy.velocity(x, fp["s"][:, j], sub, train_guidance) for j, x in enumerate(fp["x_t"])]
     old_stat = old_stats.get(key[1:])  # [n, b] on the optimizer steps after the batch's first, else None
     for j, x_t in enumerate(fp["x_t"]):
         def complete(v):
-            return dict(v=v, x_t=x_t, x0=fp["x0"], noise=fp["noise"][j], sigma=fp["s"][:, j], adv=adv,
+            return dict(v=v, x_t=x_t, x0=fp["x0"], noise=fp["noise"][j], sigma=fp["s"][:, j], adv=adv, unit=fp["unit"],
                         v_old=frozen["old"][j] if "old" in frozen else None,
                         v_ref=frozen["reference"][j] if "reference" in frozen else None,
                         old_stat=None if old_stat is None else old_stat[j])
@@ -388,11 +399,19 @@ def renoised(loss, batch, ids, sigmas, args, key):
     x0 = batch["latents"][ids, -1]  # the clean rollout samples
     times = loss.times(len(ids), gen, **vars(args))  # [b, n]: indices into the schedule, or positions between them
     noise = torch.randn((times.shape[1],) + tuple(x0.shape), generator=gen)
-    if loss.pairs:  # a pair's two samples share their noise and sigmas (Diffusion-DPO; train_sd3_dpo.py L885-899)
-        half = len(ids) // 2
-        times[half:], noise[:, half:] = times[:half], noise[:, :half]
+    unit = torch.arange(len(ids)) // unit_width(loss, args)  # [b]: each sample's pair or group in the micro-batch
+    first = unit * unit_width(loss, args)  # ... and that unit's first sample, whose draws the unit shares
+    times, noise = times[first], noise[:, first]  # Diffusion-DPO's pair (train_sd3_dpo.py L885-899), DGPO's group
+    if loss.unit == "group":  # one noise per group for all its sigmas (Flow-Factory dgpo.py L403-445)
+        noise = noise[:1].expand_as(noise)
     s, noise = schedule_at(sigmas, times).to(x0.device), noise.to(x0.device)
-    return dict(x0=x0, s=s, noise=noise, x_t=[sde.renoise(x0, eps, s[:, j]) for j, eps in enumerate(noise)])
+    return dict(x0=x0, s=s, noise=noise, unit=unit.to(x0.device),
+                x_t=[sde.renoise(x0, eps, s[:, j]) for j, eps in enumerate(noise)])
+
+
+def unit_width(loss, args):
+    """Samples per unit of loss.unit: 1, a pair's 2, or a group's --group-size."""
+    return {"sample": 1, "pair": 2, "group": args.group_size}[loss.unit]
 
 
 def schedule_at(sigmas, times):
@@ -615,10 +634,13 @@ def check_args(p, args, world_size):
     if args.kl_beta > 0 and args.lora_rank == 0:
         p.error("--kl-beta > 0 needs a LoRA adapter (the reference is the base model with it disabled): "
                 "set --lora-rank > 0 or --kl-beta 0")
-    if loss.pairs and (per_rank % args.group_size or args.train_batch_size % 2):
-        p.error(f"--loss {args.loss} trains pairs of samples of one group, in micro-batches of whole pairs: make the "
-                f"{per_rank} samples per process a multiple of --group-size {args.group_size} and --train-batch-size "
-                "even")
+    if loss.reference and loss.reference(vars(args)) and args.lora_rank == 0:
+        p.error(f"--loss {args.loss} compares with the base model, which is the LoRA adapter disabled: set "
+                "--lora-rank > 0" + (" or --dgpo-reference old" if "dgpo_reference" in vars(args) else ""))
+    width = unit_width(loss, args)  # a pair or group must sit on one process, whole in each micro-batch
+    if loss.unit != "sample" and (per_rank % args.group_size or args.train_batch_size % width):
+        p.error(f"--loss {args.loss} trains whole {loss.unit}s of one group's samples: make the {per_rank} samples per "
+                f"process a multiple of --group-size {args.group_size} and --train-batch-size a multiple of {width}")
     if loss.advantages is not losses.group_advantages and args.reward_combine == "advantage":
         p.error(f"--loss {args.loss} turns the rewards into its own sample weights: drop --reward-combine advantage")
     if loss.process == "forward":
