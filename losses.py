@@ -545,6 +545,7 @@ def dgpo_loss(v, v_ref, x0, eps, adv, unit, *, beta, group_size, v_old=None, cli
 #     sigma [b]          the training sigma;   adv [b]
 #     v_old [b, ...]     the old copy's velocity at x_t (Loss.old_copy);   v_ref [b, ...]: the base's (--kl-beta > 0)
 #     old_stat [b]       Loss.old_stat of the weights before the batch's first optimizer step (after it; else None)
+#     unit [b]           each sample's pair or group in the micro-batch (Loss.unit; 0 .. b - 1 for "sample")
 #
 # and returns (loss, info) as the functions above. Everything else about an algorithm that train.py needs is a field
 # of its record in LOSSES, so that adding one is a function, a registry line and its flags (README, "Adding a loss").

@@ -83,6 +83,13 @@ Where this departs from the papers, and why
    training noise in fp16 (L1215-1220), here float32. Both draw each step's prompts as a fresh random subset
    (DistributedKRepeatSampler), here every prompt once per epoch (data.step_prompt_ids); both group advantages by the
    prompt's text, here by its place in the step, so duplicate lines of a prompt file stay separate groups.
+13. --loss sft / dpo (flow_grpo's online SFT and DPO) sample with a deterministic --sampler where flow_grpo samples its
+   SDE at noise level 0.7 (only the clean samples train). They train at sigmas interpolated between the rollout
+   schedule's at logit-normal positions, where flow_grpo indexes its 1000-step training grid (the same sigmas at the
+   schedule's own points). DPO leaves a group of equal rewards out; flow_grpo pairs its samples 1 and 0 there.
+14. --loss dgpo: its micro-batches hold whole groups on one process, where Flow-Factory splits a group over GPUs and
+   sums its preference across them (the same loss); its training sigmas are shared by a micro-batch, not by the
+   whole step, and its group noise is drawn per micro-batch from the run's seed, not from the prompt's id.
 """
 import argparse
 import math
