@@ -283,7 +283,7 @@ def trained_samples(adv, n_micro, generator):
 
 
 def trained_pairs(adv, n_micro, generator):
-    """The (chosen, rejected) pairs of this rank's samples for a Loss with pairs: [P, 2] int64 CPU indices of its
+    """The (chosen, rejected) pairs of this rank's samples for Loss.unit "pair": [P, 2] int64 CPU indices of its
     +1 and -1 samples, group by group (whole groups per rank: check_args), topped up to a multiple of n_micro (at
     least n_micro) with randomly drawn copies of its pairs, as flow_grpo's train_sd3_dpo.py pads its pairs to the
     process count (L801-815); a rank without a pair trains filler pairs of advantage-0 samples, which the loss
@@ -643,7 +643,7 @@ def check_args(p, args, world_size):
                 "set --lora-rank > 0 or --kl-beta 0")
     if loss.reference and loss.reference(vars(args)) and args.lora_rank == 0:
         p.error(f"--loss {args.loss} compares with the base model, which is the LoRA adapter disabled: set "
-                "--lora-rank > 0" + (" or --dgpo-reference old" if "dgpo_reference" in vars(args) else ""))
+                "--lora-rank > 0, or point the loss's reference at the old copy (its flags: --help)")
     width = unit_width(loss, args)  # a pair or group must sit on one process, whole in each micro-batch
     if loss.unit != "sample" and (per_rank % args.group_size or args.train_batch_size % width):
         p.error(f"--loss {args.loss} trains whole {loss.unit}s of one group's samples: make the {per_rank} samples per "
