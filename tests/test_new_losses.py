@@ -193,6 +193,25 @@ def test_trained_pairs_keep_each_groups_pair_and_micro_batches_put_chosen_first(
     assert pairs.reshape(-1).tolist() == [1, 2, 7, 4]  # the micro-batch train_on_batch builds: chosen, rejected
 
 
+def test_renoised_shares_a_pairs_draws_and_a_groups_noise():
+    """train.renoised, as train_on_batch calls it: a DPO pair shares its noise and sigmas (Diffusion-DPO), a DGPO
+    group one noise at all its sigmas and the micro-batch's shared strata; t["unit"] names each sample's unit."""
+    batch = dict(latents=torch.randn(8, 1, 4, 2, 2, generator=torch.Generator().manual_seed(0)))
+    sigmas = sde.sd3_sigmas(10)
+    _, args = train.parse_args(["--model", "tiny", "--loss", "dpo"])
+    fp = train.renoised(losses.LOSSES["dpo"], batch, torch.tensor([1, 2, 7, 4]), sigmas, args, (0, 0, 0, 0))
+    assert fp["unit"].tolist() == [0, 0, 1, 1] and fp["s"].shape == (4, 9)
+    assert torch.equal(fp["s"][0], fp["s"][1]) and torch.equal(fp["noise"][:, 0], fp["noise"][:, 1])
+    assert not torch.equal(fp["s"][0], fp["s"][2]) and not torch.equal(fp["noise"][:, 0], fp["noise"][:, 2])
+    assert torch.equal(fp["x0"][1], batch["latents"][2, -1])  # the rejected sample, re-noised with the chosen's noise
+    _, args = train.parse_args(["--model", "tiny", "--loss", "dgpo", "--group-size", "4"])
+    fp = train.renoised(losses.LOSSES["dgpo"], batch, torch.arange(8), sigmas, args, (0, 0, 0, 0))
+    assert fp["unit"].tolist() == [0, 0, 0, 0, 1, 1, 1, 1] and (fp["s"] == fp["s"][:1]).all()
+    noise = fp["noise"]  # [n, b, ...]: one per group, the same at every sigma
+    assert all(torch.equal(noise[j, i], noise[0, 4 * (i // 4)]) for j in range(len(noise)) for i in range(8))
+    assert not torch.equal(noise[0, 0], noise[0, 4])
+
+
 def test_pair_and_group_losses_refuse_split_units_and_a_missing_base(capsys):
     p, args = train.parse_args(["--model", "tiny", "--loss", "dpo", "--prompts-per-step", "3", "--group-size", "4",
                                 "--sample-batch-size", "2", "--train-batch-size", "2"])
