@@ -188,6 +188,45 @@ def combined_advantages(components, weights, group_ids, *, global_std=False, eps
     return total.clamp(-clip, clip), info
 
 
+def _groups(rewards, group_ids):
+    """rewards [N] float, group index 0 .. G-1 of each sample [N], G."""
+    rewards = torch.as_tensor(rewards).float()
+    ids = torch.as_tensor(group_ids, device=rewards.device).long()
+    if rewards.ndim != 1 or ids.shape != rewards.shape:
+        raise ValueError(f"rewards and group_ids must be [N] of one length, got {tuple(rewards.shape)} "
+                         f"and {tuple(ids.shape)}")
+    if not torch.isfinite(rewards).all():
+        raise ValueError(f"non-finite reward at sample(s) {torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()}")
+    _, group = torch.unique(ids, return_inverse=True)
+    return rewards, group, int(group.max()) + 1
+
+
+def best_of_group(rewards, group_ids, **_):
+    """Online SFT's sample weights (flow_grpo flow_grpo/stat_tracking.py L39-40, type 'sft'): 1 for every sample whose
+    reward equals its group's maximum, 0 for the rest. A group of equal rewards is all "best": each of its samples
+    is a target (as there). Returns [N] float."""
+    rewards, group, n = _groups(rewards, group_ids)
+    top = torch.full((n,), -torch.inf, device=rewards.device).scatter_reduce(0, group, rewards, "amax")
+    return (rewards == top[group]).float()
+
+
+def preference_pairs(rewards, group_ids, **_):
+    """Online DPO's pairs (flow_grpo flow_grpo/stat_tracking.py L41-55, type 'dpo'): in each group +1 for the first
+    sample of the highest reward (chosen), -1 for the first of the lowest (rejected), 0 for the rest. Returns [N]
+    float with exactly one +1 and one -1 per group whose rewards differ.
+
+    Departure: a group of equal rewards gets no pair (all 0) and leaves the update, as a saturated group leaves every
+    loss here; flow_grpo pairs its samples 1 (chosen) and 0 (rejected) there, a preference between equals."""
+    rewards, group, n = _groups(rewards, group_ids)
+    out = torch.zeros_like(rewards)
+    for g in range(n):
+        members = torch.nonzero(group == g).flatten()
+        r = rewards[members]
+        if r.max() > r.min():  # argmax / argmin return the first of equal values, as torch.argmax there
+            out[members[torch.argmax(r)]], out[members[torch.argmin(r)]] = 1.0, -1.0
+    return out
+
+
 def grpo_loss(log_prob, old_log_prob, adv, *, clip_range, adv_clip=None):
     """Flow-GRPO's clipped surrogate for one step (PPO arXiv:1707.06347, Eq. 7, per denoising step):
 
@@ -431,6 +470,85 @@ def awm_loss(log_prob, old_log_prob, adv, *, clip_range=1.0, adv_clip=5.0):
     return per_term.mean().float(), info
 
 
+def flow_matching_error(v, x0, eps):
+    """mean_dims (v - (eps - x0))^2 per sample, float32 [B]: v's flow-matching error at x_t = (1 - t) x0 + t eps."""
+    if v.shape != x0.shape or v.shape != eps.shape or v.ndim < 2:
+        raise ValueError(f"v, x0 and eps must be [B, ...] of one shape, got {tuple(v.shape)}, {tuple(x0.shape)}, "
+                         f"{tuple(eps.shape)}")
+    return _sq_dist(v, eps - x0)
+
+
+def sft_loss(v, x0, eps, weight):
+    """flow_grpo's online SFT (scripts/train_sd3_sft.py L835-837): the flow-matching loss of the current velocity on
+    the group's best samples,
+
+        loss = mean_i w_i mean_dims (v_i - (eps_i - x0_i))^2,    w = best_of_group(rewards) in {0, 1}
+
+    the mean over every sample of the batch (a weight-0 sample counts in the mean, as there). Its SD3 loss weighting
+    (compute_loss_weighting_for_sd3, 'logit_normal') is 1. weight [B]."""
+    err = flow_matching_error(v, x0, eps)  # [B]
+    w = weight.float().reshape(err.shape)
+    return (w * err).mean(), {"sft_error": err.detach().mean().item(), "sft_targets": w.mean().item()}
+
+
+def dpo_loss(v, v_ref, x0, eps, *, beta, weight=None):
+    """Diffusion-DPO (Wallace et al. arXiv:2311.12908, Eq. 14) in flow-matching form, as flow_grpo's online DPO
+    computes it (scripts/train_sd3_dpo.py L924-939). The batch is [chosen_1, rejected_1, chosen_2, rejected_2, ...],
+    each pair re-noised with the same noise and sigma; with e(v) = mean_dims (v - (eps - x0))^2
+
+        d_p  = (e(v)_w - e(v_ref)_w) - (e(v)_l - e(v_ref)_l)
+        loss = mean_p -log sigmoid(-beta d_p / 2)
+
+    (the 1/2 and the mean-reduced error are there; Eq. 14's T omega(lambda_t) is folded into beta). It falls when
+    the current model fits the chosen sample better, and the rejected one worse, than the reference does. v_ref is the
+    reference's velocity (detached). weight [P] (default 1) scales each pair's term: 0 for filler pairs.
+    Returns (loss, info) with implicit_acc, the fraction of pairs with d_p < 0 (flow_grpo's implicit_acc)."""
+    if v.shape[0] % 2:
+        raise ValueError(f"dpo_loss needs [chosen, rejected] pairs, got an odd batch of {v.shape[0]}")
+    err, ref_err = flow_matching_error(v, x0, eps), flow_matching_error(v_ref.detach(), x0, eps)
+    diff = err - ref_err  # [2P]
+    d = diff[0::2] - diff[1::2]  # [P]
+    inside = -0.5 * beta * d
+    per_pair = -torch.nn.functional.logsigmoid(inside)
+    if weight is not None:
+        per_pair = per_pair * weight.float().reshape(per_pair.shape)
+    info = {"dpo_w_diff": diff[0::2].detach().mean().item(), "dpo_l_diff": diff[1::2].detach().mean().item(),
+            "implicit_acc": (inside.detach() > 0).float().mean().item()}
+    return per_pair.mean(), info
+
+
+def dgpo_loss(v, v_ref, x0, eps, adv, unit, *, beta, group_size, v_old=None, clip_range=None):
+    """DGPO (Direct Group Preference Optimization, arXiv:2510.08425) on one training sigma, as Flow-Factory computes it
+    (src/flow_factory/trainers/dgpo.py at a0b2bc5: _compute_dsm_loss L633-640, _maybe_clip_dsm L642-671,
+    _compute_per_sample_preference L448-468, _compute_group_dgpo_loss L490-528). With the flow-matching errors
+    e_i = mean_dims (v_i - (eps_i - x0_i))^2 of the current model and e_ref_i of the reference, in each group g of G:
+
+        s_g  = sum_{i in g} A_i beta (e_i - e_ref_i) / G                   (stopgrad)
+        loss = mean_i sigmoid(s_{g(i)}) A_i e_i
+
+    Its gradient is that of the group's preference loss -log sigmoid(-s_g), up to the constant beta / G: samples of a
+    positive advantage are fit better, of a negative one worse, weighted by how far the group still is from preferring
+    its good samples over the reference's fit. With v_old and clip_range (its clip_dsm): r_i = exp(e_old_i - e_i) and
+    e_i is held constant (no gradient) where A_i > 0 and r_i > 1 + clip_range or A_i <= 0 and r_i < 1 - clip_range.
+    unit [B]: each sample's group (whole groups in the batch); adv [B]. Returns (loss, info)."""
+    err = flow_matching_error(v, x0, eps)  # [B]
+    with torch.no_grad():
+        ref_err = flow_matching_error(v_ref, x0, eps)
+    adv = adv.float()
+    clipped = torch.zeros_like(adv, dtype=torch.bool)
+    if v_old is not None and clip_range is not None:
+        with torch.no_grad():
+            ratio = torch.exp(flow_matching_error(v_old, x0, eps) - err)
+        clipped = torch.where(adv > 0, ratio > 1 + clip_range, ratio < 1 - clip_range)
+        err = torch.where(clipped, err.detach(), err)
+    preference = adv * beta * (err.detach() - ref_err) / group_size  # [B]
+    sums = torch.zeros(int(unit.max()) + 1, device=err.device).index_add_(0, unit, preference)
+    weight = torch.sigmoid(sums)[unit]
+    info = {"dgpo_weight": weight.mean().item(), "dsm_loss": err.detach().mean().item(),
+            "clipfrac": clipped.float().mean().item()}
+    return (weight * adv * err).mean(), info
+
+
 # ----------------------------------------------------------------------------- the algorithms, as train.py runs them
 # A loss is one function of the tensors of ONE trained term of a micro-batch, `t`, and of the flags as keywords:
 #
@@ -445,6 +563,7 @@ def awm_loss(log_prob, old_log_prob, adv, *, clip_range=1.0, adv_clip=5.0):
 #     sigma [b]          the training sigma;   adv [b]
 #     v_old [b, ...]     the old copy's velocity at x_t (Loss.old_copy);   v_ref [b, ...]: the base's (--kl-beta > 0)
 #     old_stat [b]       Loss.old_stat of the weights before the batch's first optimizer step (after it; else None)
+#     unit [b]           each sample's pair or group in the micro-batch (Loss.unit; 0 .. b - 1 for "sample")
 #
 # and returns (loss, info) as the functions above. Everything else about an algorithm that train.py needs is a field
 # of its record in LOSSES, so that adding one is a function, a registry line and its flags (README, "Adding a loss").
@@ -527,6 +646,57 @@ def awm(t, *, clip_range, adv_clip, ema_kl_beta, kl_beta, **hyper):
     return _velocity_reference_kl(value, info, t, kl_beta=kl_beta, **hyper)
 
 
+def sft(t, **hyper):
+    """Online SFT: the flow-matching loss on each group's best samples (sft_loss; t["adv"] is best_of_group's 0 / 1),
+    + the velocity KL to the base with --kl-beta (0 in flow_grpo's configs)."""
+    value, info = sft_loss(t["v"], t["x0"], t["noise"], t["adv"])
+    return _velocity_reference_kl(value, info, t, **hyper)
+
+
+def dpo(t, *, dpo_beta, **hyper):
+    """Online DPO: Diffusion-DPO on each group's (best, worst) pair (dpo_loss) against the old copy, flow_grpo's "ref"
+    adapter, which also samples and is refreshed every --ref-update-every optimizer steps (OLD_DECAYS "copy");
+    t["adv"] is preference_pairs' +1 (chosen) / -1 (rejected), 0 on both samples of a filler pair."""
+    value, info = dpo_loss(t["v"], t["v_old"], t["x0"], t["noise"], beta=dpo_beta, weight=t["adv"][0::2].abs())
+    return _velocity_reference_kl(value, info, t, **hyper)
+
+
+def dgpo(t, *, dpo_beta, group_size, dgpo_reference, dgpo_clip, clip_range, **hyper):
+    """DGPO: dgpo_loss against the base model (--dgpo-reference base, Flow-Factory's default) or the old copy (old,
+    its use_ema_ref), clipped against the old copy with --dgpo-clip (its clip_dsm), + the velocity KL to the base
+    (dgpo.py L689-702, 'v-based')."""
+    v_ref = t["v_ref"] if dgpo_reference == "base" else t["v_old"]
+    value, info = dgpo_loss(t["v"], v_ref, t["x0"], t["noise"], t["adv"], t["unit"], beta=dpo_beta,
+                            group_size=group_size, v_old=t["v_old"] if dgpo_clip else None, clip_range=clip_range)
+    return _velocity_reference_kl(value, info, t, **hyper)
+
+
+def _dgpo_times(batch, generator, *, num_steps, train_timesteps, timestep_fraction, **_):
+    """DGPO's training times (Flow-Factory TimeSampler.discrete, 'discrete', noise_schedule.py L185-259):
+    --train-timesteps strata over schedule indices 0 .. int(num_steps x fraction) (its timestep_range 0.6, "trunc_steps
+    6 at 10 steps"), one index drawn from each and shared by the micro-batch (dgpo.py L764). [batch, n] indices."""
+    return sde.awm_timesteps(num_steps, train_timesteps, fraction=timestep_fraction, kind="discrete",
+                             generator=generator).expand(batch, -1)
+
+
+def _dgpo_samples_with_old(step, *, dgpo_switch_step, **_):
+    """DGPO samples with the current weights, and with the old copy once past --dgpo-switch-step steps (its
+    switch_ema_ref 200: sampling_context, dgpo.py L191-207)."""
+    return step > dgpo_switch_step
+
+
+def _logit_normal_times(batch, generator, *, num_steps, timestep_fraction, **_):
+    """flow_grpo's online DPO / SFT training times (train_sd3_dpo.py L890-898): int(num_steps x timestep_fraction)
+    draws per sample, each u = sigmoid(n), n ~ N(0, 1) (compute_density_for_timestep_sampling 'logit_normal', mean 0,
+    std 1), at index int(1000 u) of the 1000-step training grid from sigma 1 down. Returned as positions
+    int(1000 u) / 1000 x num_steps in [0, num_steps) of the rollout schedule, between whose sigmas train.py
+    interpolates linearly (on SD3's shifted schedule the training grid's sigma up to the curvature of the shift
+    between two schedule points). [batch, n] float."""
+    n = max(1, int(num_steps * timestep_fraction))
+    u = torch.sigmoid(torch.randn(batch, n, generator=generator))
+    return torch.floor(u * 1000).clamp(max=999) / 1000 * num_steps
+
+
 def _nft_times(batch, generator, *, num_steps, timestep_fraction, **_):
     return sde.nft_timesteps(num_steps, batch, fraction=timestep_fraction, generator=generator)  # each its own
 
@@ -538,11 +708,16 @@ def _awm_times(batch, generator, *, num_steps, timestep_fraction, train_timestep
 
 # The decay d(k) of the old copy after k optimizer steps, old <- d old + (1 - d) current (DiffusionNFT
 # train_nft_sd3.py return_decay L169-189, applied L1034-1039; AWM train_sd3_awm.py L1409-1419).
+# d(k, **flags): the flags as keywords, for a schedule that has its own (--ref-update-every).
 OLD_DECAYS = {
-    "nft": lambda k: min(0.001 * k, 0.5),  # DiffusionNFT decay_type 1 (GenEval, PickScore)
-    "nft-ocr": lambda k: 0.0 if k < 75 else min(0.0075 * (k - 75), 0.999),  # decay_type 2 (OCR): more off-policy
-    "awm": lambda k: min(0.3, 0.001 * k),  # AWM's EMA-KL anchor (kl_ema_decay 0.3, 'linear')
-    "on-policy": lambda k: 0.0,  # decay_type 0: the old copy is the weights of the step before
+    "nft": lambda k, **_: min(0.001 * k, 0.5),  # DiffusionNFT decay_type 1 (GenEval, PickScore)
+    "nft-ocr": lambda k, **_: 0.0 if k < 75 else min(0.0075 * (k - 75), 0.999),  # decay_type 2 (OCR): more off-policy
+    "awm": lambda k, **_: min(0.3, 0.001 * k),  # AWM's EMA-KL anchor (kl_ema_decay 0.3, 'linear')
+    "on-policy": lambda k, **_: 0.0,  # decay_type 0: the old copy is the weights of the step before
+    "dgpo": lambda k, **_: min(0.3, 0.001 * k),  # DGPO's ema_ref (ema_ref_max_decay 0.3, ramp 0.001; dgpo.py L220-239)
+    # flow_grpo's online DPO / SFT "ref" adapter (train_sd3_dpo.py L614-615, copy_learner_to_ref L136-140): a hard
+    # copy of the trained weights every --ref-update-every optimizer steps, untouched in between.
+    "copy": lambda k, ref_update_every=40, **_: 0.0 if k % ref_update_every == 0 else 1.0,
 }
 SDE_KINDS = ("flow", "dance", "cps")
 
@@ -556,9 +731,15 @@ class Loss(NamedTuple):
     clip: bool = True  # its ratio is clipped at --clip-range: the on-policy deviation is compared with that
     sde_kinds: tuple = SDE_KINDS  # reverse: the --sde steps whose log-prob it can use
     old_copy: Callable = None  # flags -> True when it keeps an old copy of the weights, decayed by --old-decay
-    samples_with_old: bool = False  # rollouts run the old copy rather than the current weights
+    samples_with_old: object = False  # rollouts run the old copy: a bool, or (step, **flags) -> bool
     times: Callable = None  # forward: (b, generator, **flags) -> [b, n] indices into the schedule to train at
     old_stat: Callable = None  # forward: (t, **flags) -> [b], frozen for the optimizer steps after the batch's first
+    advantages: Callable = group_advantages  # (rewards [N], group_ids [N], global_std=, clip=) -> t["adv"] [N]
+    unit: str = "sample"  # forward: what a micro-batch holds whole, re-noised with one noise and sigmas (t["unit"]:
+    # each sample's unit in the micro-batch): "sample"; "pair", the +1 and -1 of `advantages` in each group, as
+    # [chosen, rejected] rows; "group", every sample of a group (one noise for all its sigmas)
+    old_velocity: bool = True  # forward, with an old copy: the loss reads its velocity v_old (a forward per term)
+    reference: Callable = None  # flags -> True when it reads the base model's v_ref / ref_mean even at --kl-beta 0
 
 
 # Defaults of the forward-process losses: CFG-free (guidance 1 on CFG models; FLUX.1 keeps its distilled guidance),
@@ -572,9 +753,27 @@ LOSSES = {
     "nft": Loss(nft, "forward", dict(sampler="dpm2", timestep_fraction=0.99, old_decay="nft", guidance_scale=1.0),
                 dict(kl_beta=1e-4), old_copy=lambda h: True, samples_with_old=True, times=_nft_times),
     "awm": Loss(awm, "forward", dict(sampler="dpm2", timestep_fraction=0.9, old_decay="awm", guidance_scale=1.0,
-                                     clip_range=1.0), dict(kl_beta=1e-3),
+                                     clip_range=1.0, train_timesteps=6), dict(kl_beta=1e-3),
                 old_copy=lambda h: h["ema_kl_beta"] > 0 and h["kl_beta"] > 0,
                 times=_awm_times, old_stat=_awm_log_prob),
+    # flow_grpo's online SFT and DPO (scripts/train_sd3_sft.py, train_sd3_dpo.py; config/sft.py, dpo.py): the
+    # rollouts of the "ref" snapshot (the old copy, hard-copied every --ref-update-every steps), its best samples
+    # (SFT) or best-worst pair (DPO) of each group re-noised at logit-normal sigmas, no CFG in the training forward.
+    "sft": Loss(sft, "forward", dict(sampler="dpm2", timestep_fraction=0.99, old_decay="copy", train_cfg=False),
+                dict(kl_beta=0.0), old_copy=lambda h: True, samples_with_old=True, times=_logit_normal_times,
+                advantages=best_of_group, old_velocity=False),
+    "dpo": Loss(dpo, "forward", dict(sampler="dpm2", timestep_fraction=0.99, old_decay="copy", train_cfg=False,
+                                     dpo_beta=100.0),
+                dict(kl_beta=0.0), old_copy=lambda h: True, samples_with_old=True, times=_logit_normal_times,
+                advantages=preference_pairs, unit="pair"),
+    # DGPO (Flow-Factory trainers/dgpo.py; examples/dgpo/lora/sd3_5/default.yaml): deterministic Euler rollouts with
+    # CFG (the model's guidance), whole groups re-noised with one noise per group, 4 shared strata of the first 60 %
+    # of the schedule, an old copy (its ema_ref) to clip against and, after --dgpo-switch-step, to sample with.
+    "dgpo": Loss(dgpo, "forward", dict(sampler="euler", timestep_fraction=0.6, train_timesteps=4, old_decay="dgpo",
+                                       train_cfg=False, dpo_beta=100.0, clip_range=0.05, dgpo_reference="old"),
+                 dict(kl_beta=1e-3, dgpo_reference="base"), old_copy=lambda h: True,
+                 samples_with_old=_dgpo_samples_with_old, times=_dgpo_times, unit="group",
+                 reference=lambda h: h["dgpo_reference"] == "base"),
 }
 
 
@@ -584,7 +783,7 @@ def add_arguments(parser):
     g = parser.add_argument_group("loss")
     g.add_argument("--loss", default=None, choices=list(LOSSES),
                    help="GRPO (PPO clip), GRPO-Guard (RatioNorm), FlowDPPO (KL-ADV mask); forward process: "
-                        "DiffusionNFT, Advantage Weighted Matching")
+                        "DiffusionNFT, Advantage Weighted Matching, online SFT and DPO (flow_grpo)")
     g.add_argument("--clip-range", type=flags.POSITIVE, default=None,
                    help="PPO clip range of the ratio (log-probs are means over latent dims, hence ~1e-4 on hub models; "
                         "--loss awm: 1)")
@@ -607,8 +806,8 @@ def add_arguments(parser):
     g.add_argument("--global-std", action=argparse.BooleanOptionalAction, default=None,
                    help="normalise advantages by the batch-wide reward std instead of each group's")
     g.add_argument("--old-decay", default=None, choices=list(OLD_DECAYS),
-                   help="--loss nft / awm: schedule of the old copy's decay d, old <- d old + (1 - d) current after "
-                        "each step (default: nft, awm)")
+                   help="forward-process losses: schedule of the old copy's decay d, old <- d old + (1 - d) current "
+                        "after each step (default: nft, awm; copy for sft / dpo)")
     g.add_argument("--nft-beta", type=flags.POSITIVE, default=1.0,
                    help="DiffusionNFT's beta: v+ = beta v + (1 - beta) v_old (its OCR setup: 0.1)")
     g.add_argument("--nft-adaptive", action=argparse.BooleanOptionalAction, default=True,
@@ -616,13 +815,29 @@ def add_arguments(parser):
     g.add_argument("--awm-weighting", default="ghuber", choices=AWM_WEIGHTINGS,
                    help="AWM: weighting of the flow-matching error in its surrogate log-likelihood")
     g.add_argument("--ghuber-power", type=flags.POSITIVE, default=0.25, help="AWM: the power p of the ghuber weighting")
-    g.add_argument("--train-timesteps", type=flags.POSITIVE_INT, default=6,
-                   help="AWM: stratified schedule sigmas per micro-batch (one forward + backward each)")
+    g.add_argument("--train-timesteps", type=flags.POSITIVE_INT, default=None,
+                   help="AWM / DGPO: stratified schedule sigmas per micro-batch (one forward + backward each; default "
+                        "6 / 4)")
     g.add_argument("--awm-timesteps", default="discrete_wo_init", choices=sde.AWM_TIMESTEPS,
                    help="AWM: strata over schedule indices 1.. (never sigma = 1) or 0..")
     g.add_argument("--ema-kl-beta", type=flags.NONNEG, default=1.0,
                    help="AWM: weight of the velocity-space KL to the old copy (its EMA-KL anchor; 0: none); as in "
                         "AWM's code, only with --kl-beta > 0")
+    g.add_argument("--dpo-beta", type=flags.POSITIVE, default=None,
+                   help="--loss dpo: Diffusion-DPO's beta in -log sigmoid(-beta d / 2) (flow_grpo config/dpo.py: 100); "
+                        "dgpo: the beta of its group preference (Flow-Factory: 100, its PickScore recipe 10)")
+    g.add_argument("--dgpo-reference", default=None, choices=["base", "old"],
+                   help="--loss dgpo: the reference of its preference, the base model (LoRA off; Flow-Factory's "
+                        "default, hub models) or the old copy (its use_ema_ref; the default on full fine-tunes)")
+    g.add_argument("--dgpo-clip", action=argparse.BooleanOptionalAction, default=True,
+                   help="--loss dgpo: hold the flow-matching error constant where its ratio to the old copy's leaves "
+                        "1 +- --clip-range in the advantage's direction (its clip_dsm)")
+    g.add_argument("--dgpo-switch-step", type=flags.NONNEG_INT, default=200,
+                   help="--loss dgpo: sample with the old copy after this many steps (its switch_ema_ref)")
+    g.add_argument("--ref-update-every", type=flags.POSITIVE_INT, default=40,
+                   help="--loss sft / dpo (--old-decay copy): optimizer steps between copies of the trained weights "
+                        "into the sampling and reference snapshot (flow_grpo's ref_update_step: 40 online; its "
+                        "published configs 10000000, i.e. never)")
     g.add_argument("--step-loss-weight", default="none", choices=["none", "wan"],
                    help="per-step weight of the reverse-process policy term: none (1), or wan: Flow-GRPO's Wan 2.1 "
                         "weight std_dev_t / sqrt(-dt) of its Wan SDE (losses.wan_step_weight), 7.49 at the first of "

@@ -98,6 +98,13 @@ Where this departs from the papers, and why
    it the preprocessed tensor in [-1, 1] (qwenimage_edit_pipeline_with_logprob.py L76-84), which the Qwen2-VL
    processor still rescales by 1/255: an almost uniform image (every pixel value within 0.015 of -mean/std), so its
    edits read the source through the VAE reference alone. --edit-vl-input authors reproduces that input.
+15. --loss sft / dpo (flow_grpo's online SFT and DPO) sample with a deterministic --sampler where flow_grpo samples its
+   SDE at noise level 0.7 (only the clean samples train). They train at sigmas interpolated between the rollout
+   schedule's at logit-normal positions, where flow_grpo indexes its 1000-step training grid (the same sigmas at the
+   schedule's own points). DPO leaves a group of equal rewards out; flow_grpo pairs its samples 1 and 0 there.
+16. --loss dgpo: its micro-batches hold whole groups on one process, where Flow-Factory splits a group over GPUs and
+   sums its preference across them (the same loss); its training sigmas are shared by a micro-batch, not by the
+   whole step, and its group noise is drawn per micro-batch from the run's seed, not from the prompt's id.
 """
 import argparse
 import math
@@ -184,7 +191,7 @@ def sample(policy, loss, args, prompts, sigmas, step, reward_fn, run):
     batch = dict(embeds=embeds, prompts=[texts[i] for i in my_ids], trajectories=[])
     pending, size = [], args.sample_batch_size
     policy.transformer.eval()
-    with policy.frozen("old") if loss.samples_with_old else torch.no_grad():  # DiffusionNFT: train_nft_sd3.py L640
+    with policy.frozen("old") if samples_with_old(loss, step, args) else torch.no_grad():  # NFT: train_nft_sd3.py L640
         for b in range(len(my_ids) // size):
             idx = slice(b * size, (b + 1) * size)
             gen = data.seeded(args.seed, step, RANK, b)  # resumable noise
@@ -220,6 +227,12 @@ def cache_prompts(policy, args, prompts, held_out):
                          negative_prompt=args.negative_prompt, max_sequence_length=args.max_sequence_length)
     if line:
         print0(line)
+
+
+def samples_with_old(loss, step, args):
+    """Whether step's rollouts run the old copy (loss.samples_with_old: a bool, or a function of the step and flags)."""
+    use = loss.samples_with_old
+    return bool(use(step, **vars(args)) if callable(use) else use)
 
 
 def starting_noise(pipe, args, step, group_ids, generator):
@@ -263,9 +276,9 @@ def advantages(got, loss, args, step, per_rank, batch):
         all_adv[keep], combined = losses.combined_advantages(parts, spec, groups[keep], global_std=args.global_std,
                                                              clip=args.adv_clip)
         info.update({f"reward/{k}": v for k, v in combined.items() if not k.endswith("_mean")})  # std, share
-    else:
-        all_adv[keep] = losses.group_advantages(all_rewards[keep], groups[keep], global_std=args.global_std,
-                                                clip=args.adv_clip)
+    else:  # the loss's rule: group-relative advantages, or its own (the best of each group, its best-worst pair)
+        all_adv[keep] = loss.advantages(all_rewards[keep], groups[keep], global_std=args.global_std,
+                                        clip=args.adv_clip)
     if args.gardo_diversity:  # GARDO: a positive advantage grows with how unlike its group's others the image is
         featurize = diversity.featurizer(args.diversity, args.diversity_path, device)
         features = distributed.all_gather_cat(featurize(batch["images"]).to(device))  # [samples, D]
@@ -276,8 +289,13 @@ def advantages(got, loss, args, step, per_rank, batch):
     # Samples with advantage 0 (saturated groups, dropped groups) carry no policy gradient and leave the update
     # (departure 4); each rank keeps its micro-batch count and trains its kept samples in smaller micro-batches.
     # The forward-process losses train every sample of the kept groups, as their references (departure 8).
-    live = keep[mine].float() if loss.process == "forward" else all_adv[mine]  # [per_rank]
-    ids = trained_samples(live, per_rank // args.train_batch_size, data.seeded(args.seed, step, RANK, 2))
+    n_micro, gen = per_rank // args.train_batch_size, data.seeded(args.seed, step, RANK, 2)
+    if loss.unit == "pair":  # [P, 2]: the (chosen, rejected) pairs
+        ids = trained_pairs(all_adv[mine], n_micro, gen)
+    elif loss.unit == "group":  # [groups, G]: every group whole (check_args: whole groups on each rank)
+        ids = torch.arange(per_rank).reshape(-1, args.group_size)
+    else:
+        ids = trained_samples(keep[mine].float() if loss.process == "forward" else all_adv[mine], n_micro, gen)
     counts = distributed.all_gather_cat(torch.tensor([len(ids)], device=device))  # [WORLD]
     info.update(reward_mean=all_rewards[keep].mean().item(),
                 reward_std=all_rewards[keep].std().item() if keep.sum() > 1 else 0.0,
@@ -302,6 +320,21 @@ def trained_samples(adv, n_micro, generator):
     return torch.cat([live, zero[torch.randperm(len(zero), generator=generator)[:size * n_micro - len(live)]]])
 
 
+def trained_pairs(adv, n_micro, generator):
+    """The (chosen, rejected) pairs of this rank's samples for Loss.unit "pair": [P, 2] int64 CPU indices of its
+    +1 and -1 samples, group by group (whole groups per rank: check_args), topped up to a multiple of n_micro (at
+    least n_micro) with randomly drawn copies of its pairs, as flow_grpo's train_sd3_dpo.py pads its pairs to the
+    process count (L801-815); a rank without a pair trains filler pairs of advantage-0 samples, which the loss
+    weights 0."""
+    adv = adv.cpu()
+    pairs = torch.stack([torch.nonzero(adv > 0).flatten(), torch.nonzero(adv < 0).flatten()], dim=1)  # in group order
+    if len(pairs) == 0:
+        zero = torch.nonzero(adv == 0).flatten()
+        return zero[torch.randperm(len(zero), generator=generator)[:2 * n_micro]].reshape(n_micro, 2)
+    extra = max(n_micro, math.ceil(len(pairs) / n_micro) * n_micro) - len(pairs)
+    return torch.cat([pairs, pairs[torch.randint(len(pairs), (extra,), generator=generator)]])
+
+
 # ----------------------------------------------------------------------------- TRAINING
 def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
     """--updates-per-batch passes over the trained samples, each in --minibatches optimizer steps of micro-batches;
@@ -317,7 +350,8 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
 
     def micro_batches(update, m):  # the micro-batches (sample indices) of optimizer step (update, m)
         micros = orders[update].split(len(adv["ids"]) // n_micro)  # n_micro of them
-        return micros[m * n_micro // args.minibatches:(m + 1) * n_micro // args.minibatches]
+        micros = micros[m * n_micro // args.minibatches:(m + 1) * n_micro // args.minibatches]
+        return [ids.reshape(-1) for ids in micros]  # pairs and groups ([units, width]): each unit's samples in a row
 
     old_stats = {}  # (update, m, i) -> [n, b]: the forward-process statistic of later optimizer steps (departure 10)
     if loss.old_stat is not None and args.updates_per_batch * args.minibatches > 1:
@@ -402,14 +436,16 @@ def forward_terms(policy, loss, batch, ids, sub, adv, sigmas, args, key, old_sta
     re-noised there with fresh noise (renoised), the frozen models' no-grad velocities at every x_t first (the old
     copy's, the base's with --kl-beta: each set up once per micro-batch), then per sigma its input and complete(v)."""
     fp, train_guidance, frozen = renoised(loss, batch, ids, sigmas, args, key), guidance_scales(args)[1], {}
-    for name, needed in (("old", policy.copies["old"] is not None), ("reference", args.kl_beta > 0)):
+    old = policy.copies["old"] is not None and loss.old_velocity  # the loss reads the old copy's velocity
+    reference = args.kl_beta > 0 or bool(loss.reference and loss.reference(vars(args)))  # the base model's velocity
+    for name, needed in (("old", old), ("reference", reference)):
         if needed:
             with policy.frozen(name):
                 frozen[name] = [policy.velocity(x, fp["s"][:, j], sub, train_guidance) for j, x in enumerate(fp["x_t"])]
     old_stat = old_stats.get(key[1:])  # [n, b] on the optimizer steps after the batch's first, else None
     for j, x_t in enumerate(fp["x_t"]):
         def complete(v):
-            return dict(v=v, x_t=x_t, x0=fp["x0"], noise=fp["noise"][j], sigma=fp["s"][:, j], adv=adv,
+            return dict(v=v, x_t=x_t, x0=fp["x0"], noise=fp["noise"][j], sigma=fp["s"][:, j], adv=adv, unit=fp["unit"],
                         v_old=frozen["old"][j] if "old" in frozen else None,
                         v_ref=frozen["reference"][j] if "reference" in frozen else None,
                         old_stat=None if old_stat is None else old_stat[j])
@@ -423,10 +459,29 @@ def renoised(loss, batch, ids, sigmas, args, key):
     step, update, m, i = key
     gen = data.seeded(args.seed, step, RANK, update, m, i, 2)
     x0 = batch["latents"][ids, -1]  # the clean rollout samples
-    times = loss.times(len(ids), gen, **vars(args))  # [b, n]
-    s = sigmas[times].to(x0.device)
-    noise = torch.randn((times.shape[1],) + tuple(x0.shape), generator=gen).to(x0.device)
-    return dict(x0=x0, s=s, noise=noise, x_t=[sde.renoise(x0, eps, s[:, j]) for j, eps in enumerate(noise)])
+    times = loss.times(len(ids), gen, **vars(args))  # [b, n]: indices into the schedule, or positions between them
+    noise = torch.randn((times.shape[1],) + tuple(x0.shape), generator=gen)
+    unit = torch.arange(len(ids)) // unit_width(loss, args)  # [b]: each sample's pair or group in the micro-batch
+    first = unit * unit_width(loss, args)  # ... and that unit's first sample, whose draws the unit shares
+    times, noise = times[first], noise[:, first]  # Diffusion-DPO's pair (train_sd3_dpo.py L885-899), DGPO's group
+    if loss.unit == "group":  # one noise per group for all its sigmas (Flow-Factory dgpo.py L403-445)
+        noise = noise[:1].expand_as(noise)
+    s, noise = schedule_at(sigmas, times).to(x0.device), noise.to(x0.device)
+    return dict(x0=x0, s=s, noise=noise, unit=unit.to(x0.device),
+                x_t=[sde.renoise(x0, eps, s[:, j]) for j, eps in enumerate(noise)])
+
+
+def unit_width(loss, args):
+    """Samples per unit of loss.unit: 1, a pair's 2, or a group's --group-size."""
+    return {"sample": 1, "pair": 2, "group": args.group_size}[loss.unit]
+
+
+def schedule_at(sigmas, times):
+    """The schedule's sigmas at integer indices, or linearly interpolated at float positions in [0, T)."""
+    if not times.is_floating_point():
+        return sigmas[times]
+    low = times.floor().long()
+    return torch.lerp(sigmas[low], sigmas[low + 1], (times - low).to(sigmas.dtype))
 
 
 def frozen_stats(policy, loss, batch, sigmas, micro_batches, args, step):
@@ -461,7 +516,7 @@ def after_update(policy, loss, batch, stats, optim_steps, failed, args, run):
                    "--train-cfg is off while sampling uses CFG" if train_guidance != sample_guidance
                    else f"{args.mixed_precision} rounding")
     if policy.copies["old"] is not None:  # old <- d old + (1 - d) current; d from the run's optimizer steps (resumed)
-        info["old_decay"] = decay = losses.OLD_DECAYS[args.old_decay](policy.optimizer_steps)
+        info["old_decay"] = decay = losses.OLD_DECAYS[args.old_decay](policy.optimizer_steps, **vars(args))
         policy.update_old(decay)
     if loss.process == "reverse":
         info.update(first_ratio_dev=first_ratio_dev, first_clip_dev=first_clip_dev)
@@ -654,6 +709,15 @@ def check_args(p, args, world_size):
     if args.kl_beta > 0 and args.lora_rank == 0:
         p.error("--kl-beta > 0 needs a LoRA adapter (the reference is the base model with it disabled): "
                 "set --lora-rank > 0 or --kl-beta 0")
+    if loss.reference and loss.reference(vars(args)) and args.lora_rank == 0:
+        p.error(f"--loss {args.loss} compares with the base model, which is the LoRA adapter disabled: set "
+                "--lora-rank > 0, or point the loss's reference at the old copy (its flags: --help)")
+    width = unit_width(loss, args)  # a pair or group must sit on one process, whole in each micro-batch
+    if loss.unit != "sample" and (per_rank % args.group_size or args.train_batch_size % width):
+        p.error(f"--loss {args.loss} trains whole {loss.unit}s of one group's samples: make the {per_rank} samples per "
+                f"process a multiple of --group-size {args.group_size} and --train-batch-size a multiple of {width}")
+    if loss.advantages is not losses.group_advantages and args.reward_combine == "advantage":
+        p.error(f"--loss {args.loss} turns the rewards into its own sample weights: drop --reward-combine advantage")
     if loss.process == "forward":
         if args.sde_window != "all" or args.flash or args.step_loss_weight != "none":
             p.error(f"--sde-window / --flash / --step-loss-weight concern the SDE steps of the reverse-process losses; "

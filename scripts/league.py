@@ -81,6 +81,9 @@ ENTRIES = {
                    "--iters-per-window", "5", "--flash"]),
     "nft": ("DiffusionNFT: forward process, ODE rollouts, as the default run", ["--loss", "nft"]),
     "awm": ("Advantage Weighted Matching: forward process, ODE rollouts", ["--loss", "awm"]),
+    "sft": ("online SFT (flow_grpo): each group's best samples as flow-matching targets", ["--loss", "sft"]),
+    "dpo": ("online DPO (flow_grpo): Diffusion-DPO on each group's best-worst pair", ["--loss", "dpo"]),
+    "dgpo": ("DGPO: group preferences on ODE rollouts", ["--loss", "dgpo"]),
 }
 LRS = [5e-5, 1e-4, 2e-4, 4e-4]
 

@@ -239,7 +239,7 @@ def two_steps(name, loss, folder):
                 "--num-steps", "4", "--prompts-per-step", "2", "--group-size", "4", "--sample-batch-size", "4",
                 "--train-batch-size", "4", "--log-images-every", "0", "--out", str(out)]
                + (["--guidance-scale", "2"] if "qwen" in name else [])  # true CFG: the negative sees the images
-               + (["--train-timesteps", "2"] if loss == "awm" else []))  # AWM's strata of a 4-step schedule
+               + (["--train-timesteps", "2"] if loss in ("awm", "dgpo") else []))  # strata of a 4-step schedule
     return [json.loads(line) for line in open(out / "metrics.jsonl")]
 
 

@@ -207,6 +207,37 @@ TABLE["sd3_flowdppo_pickscore.args"] = ("UniRL examples/diffusion/sd3_flowdppo.y
     loss="flowdppo", kl_mask_threshold=1e-5, kl_beta=0.0, global_std=True, lora_rank=32, lora_alpha=64.0, lr=3e-4,
     weight_decay=0.0, max_grad_norm=1.0, mixed_precision="bf16", ema_decay=0.0, reward="pickscore",
     pickscore_batch_size=8))
+# flow_grpo config/sft.py and config/dpo.py geneval_sd3 over config/base.py (scripts/train_sd3_sft.py, train_sd3_dpo.py,
+# launched on one GPU by scripts/single_node/dpo.sh): 24 images of one prompt per step, one micro-batch and one
+# optimizer step (gradient_accumulation_steps 1 x the 39 timesteps), int(40 x 0.99) = 39 training draws per sample,
+# the "ref" snapshot never refreshed (ref_update_step 10000000), its EMA (0.9, interval 8) stepped once per optimizer
+# step, the training forward without CFG (L906-912), train_sd3_*.py's compute_text_embeddings at 128 tokens; DPO's
+# beta 100 (train.beta, which SFT's loss does not read). Departure: dpm2 rollouts for its SDE at noise level 0.7.
+FLOW_GRPO_SFT = dict(
+    model="sd3", resolution=512, shift=3.0, max_sequence_length=128, num_steps=40, eval_steps=40, guidance_scale=4.5,
+    train_cfg=False, sampler="dpm2", timestep_fraction=0.99, group_size=24, prompts_per_step=1, sample_batch_size=24,
+    train_batch_size=24, minibatches=1, updates_per_batch=1, loss="sft", old_decay="copy", ref_update_every=10000000,
+    kl_beta=0.0, lora_rank=32, lora_alpha=64.0, lr=3e-4, weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="fp16",
+    ema_decay=0.9, ema_every=8, ema_repeat=1, eval_every=40, save_every=40, reward="geneval", geneval_jpeg=True)
+TABLE["sd3_sft_geneval.args"] = ("flow_grpo config/sft.py geneval_sd3 (scripts/train_sd3_sft.py)", FLOW_GRPO_SFT)
+TABLE["sd3_dpo_geneval.args"] = ("flow_grpo config/dpo.py geneval_sd3 (scripts/train_sd3_dpo.py)",
+                                 dict(FLOW_GRPO_SFT, loss="dpo", dpo_beta=100.0))
+# Flow-Factory examples/dgpo/lora/sd3_5/default.yaml (a0b2bc5; src/flow_factory/trainers/dgpo.py, hparams/
+# training_args.py DGPOTrainingArguments): 4 GPUs (num_processes), per_device_batch_size 12, group_size 24,
+# unique_sample_num_per_epoch 24, gradient_step_per_epoch 1; dpo_beta 10, use_ema_ref false (the base), clip_dsm with
+# clip_range 5e-2 (symmetric), switch_ema_ref 200, ema_ref decay min(0.3, 0.001 k); 'discrete' times, 4 of
+# timestep_range 0.6; kl_beta 1e-3 v-based; adv_clip_range 5; global_std; time_shift 3; ODE dynamics; training forward
+# at guidance 1 (dgpo.py L609); LoRA r64 / alpha 128; bf16; sampling EMA 0.9 every 8 epochs; eval 14 steps every 60.
+DGPO_PICKSCORE = dict(
+    model="sd3", resolution=512, shift=3.0, num_steps=10, eval_steps=14, guidance_scale=4.5, train_cfg=False,
+    sampler="euler", timestep_fraction=0.6, train_timesteps=4, same_noise_per_group=False, group_size=24,
+    prompts_per_step=24, sample_batch_size=12, train_batch_size=24, minibatches=1, updates_per_batch=1, loss="dgpo",
+    dpo_beta=10.0, dgpo_reference="base", dgpo_clip=True, clip_range=0.05, old_decay="dgpo", dgpo_switch_step=200,
+    kl_beta=1e-3, adv_clip=5.0, global_std=True, lora_rank=64, lora_alpha=128.0, lr=3e-4, weight_decay=1e-4,
+    max_grad_norm=1.0, mixed_precision="bf16", ema_decay=0.9, ema_every=8, ema_repeat=1, eval_every=60, save_every=60,
+    reward="pickscore")
+TABLE["sd3_dgpo_pickscore.args"] = ("Flow-Factory examples/dgpo/lora/sd3_5/default.yaml (trainers/dgpo.py)",
+                                    DGPO_PICKSCORE)
 # Recipes with no authors' configuration to check against, and why.
 UNCHECKED = {
     "sd3_bench.args": "the throughput anchor of bench.py, not a training recipe",
@@ -222,8 +253,10 @@ OPTIMIZER = {
     "sd3_flowdppo_pickscore.args": (2, 384),  # 768 samples in 2 disjoint mini-batches
     "flux_kontext_counting_grpo.args": (2, 504), "qwen_image_edit_counting_grpo.args": (2, 256),
     "qwen_image_edit_counting_fast.args": (2, 256),
+    "sd3_sft_geneval.args": (1, 24), "sd3_dpo_geneval.args": (1, 24),  # one GPU, one prompt's group
+    "sd3_dgpo_pickscore.args": (1, 576),
 }
-GPUS = {"wan_ocr_grpo.args": (1,), "sd3_flowdppo_pickscore.args": (8,), "flux_kontext_counting_grpo.args": (28,),
+GPUS = {"wan_ocr_grpo.args": (1,), "sd3_sft_geneval.args": (1,), "sd3_dpo_geneval.args": (1,), "sd3_dgpo_pickscore.args": (4,), "sd3_flowdppo_pickscore.args": (8,), "flux_kontext_counting_grpo.args": (28,),
         **{f"sd3_{loss}_{task}.args": (8,) for loss in ("nft", "awm")
                                        for task in ("geneval", "pickscore", "ocr")}}  # where not 8, 16 and 32
 

@@ -100,6 +100,8 @@ def test_recipe_runs_one_step_on_tiny(recipe, tmp_path, tiny_reward_models, coun
     assert published.model in TWIN
     out = str(tmp_path / "run")
     shrink = SHRINK + TWIN[published.model]
+    if losses.LOSSES[published.loss].unit == "group":  # micro-batches of whole groups (DGPO)
+        shrink += ["--train-batch-size", "4"]
     if not os.path.exists(published.prompts):  # the edit recipes name the authors' prompt files, not shipped
         shrink += ["--prompts", counting_edits, "--eval-prompts", counting_edits]
     train.main([f"@{recipe}", *shrink, *tiny_reward_models, "--steps", "1", "--out", out])
