@@ -665,7 +665,7 @@ def dgpo(t, *, dpo_beta, group_size, dgpo_reference, dgpo_clip, clip_range, **hy
     """DGPO: dgpo_loss against the base model (--dgpo-reference base, Flow-Factory's default) or the old copy (old,
     its use_ema_ref), clipped against the old copy with --dgpo-clip (its clip_dsm), + the velocity KL to the base
     (dgpo.py L689-702, 'v-based')."""
-    v_ref = t["v_ref"] if dgpo_reference == "base" else t["v_old"]
+    v_ref = t["v_ref"] if _dgpo_reference(dict(hyper, dgpo_reference=dgpo_reference)) == "base" else t["v_old"]
     value, info = dgpo_loss(t["v"], v_ref, t["x0"], t["noise"], t["adv"], t["unit"], beta=dpo_beta,
                             group_size=group_size, v_old=t["v_old"] if dgpo_clip else None, clip_range=clip_range)
     return _velocity_reference_kl(value, info, t, **hyper)
@@ -677,6 +677,12 @@ def _dgpo_times(batch, generator, *, num_steps, train_timesteps, timestep_fracti
     6 at 10 steps"), one index drawn from each and shared by the micro-batch (dgpo.py L764). [batch, n] indices."""
     return sde.awm_timesteps(num_steps, train_timesteps, fraction=timestep_fraction, kind="discrete",
                              generator=generator).expand(batch, -1)
+
+
+def _dgpo_reference(h):
+    """DGPO's reference: --dgpo-reference, else the base model where a LoRA adapter makes one (Flow-Factory's default,
+    the adapter switched off) and the old copy on a full fine-tune (its use_ema_ref), which keeps no base model."""
+    return h.get("dgpo_reference") or ("base" if (h.get("lora_rank") or 0) > 0 else "old")
 
 
 def _dgpo_samples_with_old(step, *, dgpo_switch_step, **_):
@@ -770,10 +776,10 @@ LOSSES = {
     # CFG (the model's guidance), whole groups re-noised with one noise per group, 4 shared strata of the first 60 %
     # of the schedule, an old copy (its ema_ref) to clip against and, after --dgpo-switch-step, to sample with.
     "dgpo": Loss(dgpo, "forward", dict(sampler="euler", timestep_fraction=0.6, train_timesteps=4, old_decay="dgpo",
-                                       train_cfg=False, dpo_beta=100.0, clip_range=0.05, dgpo_reference="old"),
-                 dict(kl_beta=1e-3, dgpo_reference="base"), old_copy=lambda h: True,
+                                       train_cfg=False, dpo_beta=100.0, clip_range=0.05),
+                 dict(kl_beta=1e-3), old_copy=lambda h: True,
                  samples_with_old=_dgpo_samples_with_old, times=_dgpo_times, unit="group",
-                 reference=lambda h: h["dgpo_reference"] == "base"),
+                 reference=lambda h: _dgpo_reference(h) == "base"),
 }
 
 
@@ -828,7 +834,8 @@ def add_arguments(parser):
                         "dgpo: the beta of its group preference (Flow-Factory: 100, its PickScore recipe 10)")
     g.add_argument("--dgpo-reference", default=None, choices=["base", "old"],
                    help="--loss dgpo: the reference of its preference, the base model (LoRA off; Flow-Factory's "
-                        "default, hub models) or the old copy (its use_ema_ref; the default on full fine-tunes)")
+                        "default, and the default of LoRA runs) or the old copy (its use_ema_ref; the default of full "
+                        "fine-tunes, which keep no base model)")
     g.add_argument("--dgpo-clip", action=argparse.BooleanOptionalAction, default=True,
                    help="--loss dgpo: hold the flow-matching error constant where its ratio to the old copy's leaves "
                         "1 +- --clip-range in the advantage's direction (its clip_dsm)")

@@ -302,3 +302,15 @@ def test_sft_dpo_and_dgpo_move_the_samples_to_the_rewarded_mode(base_model, loss
     right = (y[:, 0] > 0).float().mean().item()
     assert right >= 0.9, right
     assert (y[y[:, 0] > 0].std(dim=0) < spread).all()  # still one mode
+
+
+def test_dgpo_compares_with_the_base_model_on_lora_runs_and_with_the_old_copy_on_full_fine_tunes():
+    """Flow-Factory's default reference is the base model (use_ema_ref false): the LoRA adapter switched off. A full
+    fine-tune keeps no base model, so it compares with the old copy unless --dgpo-reference says otherwise."""
+    _, recipe = train.parse_args(["@recipes/sd3_dgpo_pickscore.args"])
+    assert recipe.dgpo_reference is None and losses._dgpo_reference(vars(recipe)) == "base"
+    assert losses.LOSSES["dgpo"].reference(vars(recipe))
+    _, full = train.parse_args(["@recipes/sd3_dgpo_pickscore.args", "--lora-rank", "0"])
+    assert losses._dgpo_reference(vars(full)) == "old" and not losses.LOSSES["dgpo"].reference(vars(full))
+    _, chosen = train.parse_args(["@recipes/sd3_dgpo_pickscore.args", "--dgpo-reference", "old"])
+    assert losses._dgpo_reference(vars(chosen)) == "old"

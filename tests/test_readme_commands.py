@@ -234,7 +234,8 @@ def test_recipe_tails_found():
     flat = [" ".join(t) for t in TAILS]
     assert "--resume auto" in flat and "" in flat
     assert "--lora-rank 0 --kl-beta 0 --mixed-precision bf16 --fsdp" in flat
-    assert WORLDS == {8} and ONE_GPU == {"recipes/wan_ocr_grpo.args"}
+    assert WORLDS == {8} and ONE_GPU == {"recipes/wan_ocr_grpo.args", "recipes/sd3_sft_geneval.args",
+                                         "recipes/sd3_dpo_geneval.args"}
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
