@@ -225,6 +225,39 @@ def test_resume_restores_the_cuda_rng_it_saved(tmp_path, monkeypatch):
     assert len(restored) == 1 and torch.equal(restored[0], torch.arange(16, dtype=torch.uint8))
 
 
+def test_a_checkpoint_hands_only_cpu_tensors_to_the_file_writers(tmp_path, monkeypatch):
+    """checkpoints.write from a run whose weights, EMA, old copy and Adam state are CUDA tensors: every tensor the
+    writers receive is on the CPU, the weights and copies in float32. Before the fix optimizer.pt was handed the
+    CUDA Adam state (torch.save copied it tensor by tensor and tagged it cuda:0, which resume then had to undo)."""
+    import safetensors.torch
+    args = parse("nft")
+    args.out = str(tmp_path)
+    handed = {}
+
+    def recorder(name_of):
+        def write(obj, path, *rest, **kwargs):  # fake tensors hold no data: record what would be written
+            handed[name_of(path)] = [(t.device, t.dtype) for t in tree_leaves(obj) if torch.is_tensor(t)]
+            open(path, "wb").close()
+        return write
+    monkeypatch.setattr(safetensors.torch, "save_file", recorder(os.path.basename))
+    monkeypatch.setattr(checkpoints.torch, "save", recorder(os.path.basename))
+    # its one read of the replicas' checksums is a deliberate sync per checkpoint, which fake tensors cannot give
+    monkeypatch.setattr(checkpoints.distributed, "check_replicas", lambda trainable, fsdp, device: [0.0])
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": torch.zeros(16, dtype=torch.uint8))
+    with fake_cuda() as cuda:
+        policy = StubPolicy(args, cuda, old_copy=True)
+        use_every_copy(policy)
+        checkpoints.write(args, 1, policy.transformer, policy.trainable, policy.optimizer, policy.copies, cuda,
+                          dict(optimizer_steps=policy.optimizer_steps))
+    assert sorted(handed) == ["ema.safetensors", "old.safetensors", "optimizer.pt", "rng.pt", "trainable.safetensors"]
+    n = len(policy.trainable)
+    assert len(handed["optimizer.pt"]) == 3 * n  # step, exp_avg, exp_avg_sq per parameter
+    for name, tensors in handed.items():
+        assert tensors and all(device.type == "cpu" for device, _ in tensors), (name, tensors)
+        if name.endswith(".safetensors"):
+            assert len(tensors) == n and all(dtype == torch.float32 for _, dtype in tensors), (name, tensors)
+
+
 def test_the_copies_update_and_swap_on_the_device():
     with fake_cuda() as cuda:
         policy = StubPolicy(parse("nft"), cuda, old_copy=True)
