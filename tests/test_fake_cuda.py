@@ -308,10 +308,11 @@ def test_sde_step_samples_and_scores_on_the_device(kind):
 
 def batch_for(loss, args, policy, n=4, channels=4, side=8):
     """What train.sample hands train_on_batch, built on the device as it builds it (latents, log-probs, means, steps,
-    embeddings on the GPU; images on the CPU)."""
+    embeddings on the GPU; images and the prompt mask of Qwen-Image and Z-Image on the CPU)."""
     d, T = policy.device, args.num_steps
     batch = dict(prompts=[f"p{i}" for i in range(n)], images=torch.zeros(n, 64, 64, 3, dtype=torch.uint8),
-                 embeds={"prompt_embeds": torch.randn(n, 7, 8, device=d), "pooled": torch.randn(n, 8, device=d)})
+                 embeds={"prompt_embeds": torch.randn(n, 7, 8, device=d), "pooled": torch.randn(n, 8, device=d),
+                         "prompt_mask": torch.arange(7) < torch.tensor([[3], [7], [5], [2]])})  # on the CPU
     if loss.process == "forward":
         batch["latents"] = torch.randn(n, 1, channels, side, side, device=d)
         return batch
@@ -396,8 +397,7 @@ def test_tiny_models_roll_out_evaluate_and_hand_cpu_images_to_the_reward(name):
 @pytest.mark.parametrize("name, resolution, frames", [("tiny-wan", 32, 5), ("tiny-flux2-klein", 64, None)])
 def test_the_other_families_encode_and_run_their_transformer_on_the_device(name, resolution, frames):
     """Wan 2.1 and FLUX.2 [klein] through models.encode_prompts and models.velocity (the rollout's and the training
-    forward's call), CFG on. Qwen-Image and Z-Image cannot run here: each forward reads the prompt mask on the host
-    (Qwen-Image's mask.all(), Z-Image's per-prompt token selection), a sync per call that fake tensors refuse."""
+    forward's call), CFG on."""
     pipe = models.load_pipeline(name)
     with fake_cuda() as cuda:
         mode = detect_fake_mode()
@@ -408,3 +408,33 @@ def test_the_other_families_encode_and_run_their_transformer_on_the_device(name,
         x = models.initial_noise(pipe, 2, resolution, generator=torch.Generator().manual_seed(0), **size).to(cuda)
         v = models.velocity(pipe, x, torch.full((2,), 0.5, device=cuda), embeds, guidance_scale=4.5)
         assert v.device == cuda and v.shape == x.shape
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen-image", "tiny-z-image"])
+def test_qwen_image_and_z_image_roll_out_from_cached_prompts_without_reading_the_device(name):
+    """Qwen-Image and Z-Image with prompts of their own lengths, CFG on: the embeddings come from the prompt cache
+    (models._assemble puts them on the device, their masks on the CPU), then the transformer forward and a rollout.
+    Before the fix each forward read the prompt mask on the device (Qwen-Image's mask.all(), Z-Image's e[mask] per
+    prompt): a sync per call, which fake tensors refuse. The encode itself reads its masks on the device inside
+    diffusers (once per prompt, then cached), so it runs here on the CPU, before the weights become fake."""
+    pipe = models.load_pipeline(name)
+    prompts = ["a red cube", "two cats on a long wooden bench at dusk"]
+    models.prompt_cache(pipe, 1)
+    real = models.encode_prompts(pipe, prompts, guidance_scale=4.5)
+    assert not real["prompt_mask"].all() and real["prompt_mask"].device.type == "cpu"
+    x_cpu = models.initial_noise(pipe, 2, 64, generator=torch.Generator().manual_seed(0))
+    with fake_cuda() as cuda:
+        mode = detect_fake_mode()
+        for module in models._modules(pipe):
+            to_fake_cuda(module, mode)
+        embeds = models.encode_prompts(pipe, prompts, guidance_scale=4.5)  # from the cache
+        assert pipe.prompt_cache.hits == 2 and embeds["prompt_embeds"].device == cuda
+        assert torch.equal(embeds["prompt_mask"], real["prompt_mask"])  # real values, on the CPU
+        x = x_cpu.to(cuda)
+        v = models.velocity(pipe, x, torch.full((2,), 0.5, device=cuda), embeds, guidance_scale=4.5)
+        assert v.device == cuda and v.shape == x.shape
+        traj, images = models.generate(pipe, x, models.sigmas(pipe, 2, 64), embeds, guidance_scale=4.5,
+                                       sde_steps=sde.sde_steps(2), kind="flow", eta=0.7,
+                                       generator=torch.Generator().manual_seed(1))
+        assert traj["latents"].device == traj["log_probs"].device == cuda
+        assert images.device.type == "cpu" and images.dtype == torch.uint8 and images.shape == (2, 64, 64, 3)
