@@ -10,7 +10,9 @@ host syncs of the trained terms).
 
 What fake tensors cannot do: a backward pass (the autograd engine asks the driver for a CUDA context; the stand-in
 policy checks the loss and sets gradients instead) and any read of a CUDA value (the one transfer of a step's
-statistics, train.host_stats, is checked on real tensors separately). Files are read for real, as on a GPU machine.
+statistics, train.host_stats, is checked on real tensors separately), nor Qwen-Image's and Z-Image's encode (diffusers
+cuts each prompt's tokens out on the device: it runs on the CPU and the forwards take its rows from the prompt cache).
+Files are read for real, as on a GPU machine; what the checkpoint writers would write is recorded instead.
 """
 import contextlib
 import os
