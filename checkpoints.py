@@ -331,7 +331,7 @@ def save(args, step, weights, optim_state, copies, extra, export=None):
             if tensors is not None:
                 save_file({n: t.cpu().contiguous() for n, t in tensors.items()},
                           os.path.join(tmp, f"{name}.safetensors"))
-        torch.save(optim_state, os.path.join(tmp, "optimizer.pt"))
+        torch.save(_on_cpu(optim_state), os.path.join(tmp, "optimizer.pt"))
         rng = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
@@ -355,6 +355,20 @@ def save(args, step, weights, optim_state, copies, extra, export=None):
     for old in checkpoint_dirs(args.out)[:-args.keep_checkpoints]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _on_cpu(state):
+    """optimizer.state_dict() with every tensor copied to the CPU (torch.save would copy CUDA tensors itself, one by
+    one as well, but tag them with their device, so that a file saved from a GPU run holds cuda:0 tensors). One copy
+    and wait per tensor, as for the weights above: at a checkpoint's cadence the syncs cost nothing worth a pinned
+    staging buffer the size of Adam's state."""
+    if torch.is_tensor(state):
+        return state.detach().cpu()
+    if isinstance(state, dict):
+        return {k: _on_cpu(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_on_cpu(v) for v in state)
+    return state
 
 
 @contextlib.contextmanager

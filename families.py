@@ -244,6 +244,13 @@ def _pad_tokens(embeds, mask, length):
             torch.nn.functional.pad(mask, (0, extra), value=False))
 
 
+def host_mask(mask, embeds):
+    """A prompt mask as the embeddings keep it: bool [B, L], right-padded, on the CPU (all valid when None). Copied
+    there once per encode, so that the forwards read it on the host (Qwen-Image's all-valid test, Z-Image's prompt
+    lengths) without waiting on the GPU each time; they move it to the device where the transformer needs it."""
+    return torch.ones(embeds.shape[:2], dtype=torch.bool) if mask is None else mask.bool().cpu()
+
+
 def _with_negative(out, encode, negative_prompt, batch, masked):
     """Add `neg_prompt_embeds` (and `neg_prompt_mask`): the negative prompt encoded once and expanded
     to the batch; with masks, both sides are right-padded to a common length so that the
@@ -543,8 +550,8 @@ def _qwen_noise(pipe, batch, height, width, num_frames, generator):
 def _qwen_encode(pipe, prompts, negative_prompt, guidance_scale, tokens):
     def encode(texts):
         embeds, mask = pipe.encode_prompt(list(texts), device=pipe._execution_device, max_sequence_length=tokens)
-        mask = torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device) if mask is None else mask.bool()
-        return {"prompt_embeds": embeds, "prompt_mask": mask}
+        # the mask is read once here, onto the CPU (host_mask), where every forward then reads it without a sync
+        return {"prompt_embeds": embeds, "prompt_mask": host_mask(mask, embeds)}
 
     out = encode(prompts)
     return _with_negative(out, encode, negative_prompt, len(prompts), masked=True) if guidance_scale > 1 else out
@@ -564,7 +571,8 @@ def _qwen_velocity(pipe, model, x, sigma, embeds, guidance_scale):
         x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])
     v = model(hidden_states=x.to(dtype), timestep=_pipeline_timestep(pipe, sigma, dtype),
               encoder_hidden_states=text.to(dtype),
-              encoder_hidden_states_mask=None if mask.all() else mask,  # the pipeline drops an all-valid mask
+              # the pipeline drops an all-valid mask; read on the CPU (host_mask), it costs no sync per forward
+              encoder_hidden_states_mask=None if mask.all() else mask.to(x.device),
               img_shapes=[shapes] * x.shape[0], return_dict=False)[0]
     v = v[:, :length]  # the target's tokens
     if guidance_scale > 1:
@@ -830,7 +838,7 @@ def _z_encode(pipe, prompts, negative_prompt, guidance_scale, tokens):
         per_prompt = pipe._encode_prompt(list(texts), device=pipe._execution_device, max_sequence_length=tokens)
         length = max(len(e) for e in per_prompt)
         embeds = torch.stack([torch.nn.functional.pad(e, (0, 0, 0, length - len(e))) for e in per_prompt])
-        mask = torch.stack([torch.arange(length, device=embeds.device) < len(e) for e in per_prompt])
+        mask = torch.stack([torch.arange(length) < len(e) for e in per_prompt])  # on the CPU (host_mask)
         return {"prompt_embeds": embeds, "prompt_mask": mask}
 
     out = encode(prompts)
@@ -843,7 +851,9 @@ def _z_velocity(pipe, model, x, sigma, embeds, guidance_scale):
     text, mask = _cfg_halves(embeds, keys) if guidance_scale > 1 else [embeds[k] for k in keys]
     if guidance_scale > 1:
         x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])
-    captions = [e[m].to(dtype) for e, m in zip(text, mask)]  # each prompt's own tokens, as the pipeline passes them
+    # each prompt's own tokens, as the pipeline passes them: the first n of its right-padded row (the same as e[m]),
+    # n counted on the CPU (host_mask), where e[m] on a GPU would wait for the mask's nonzero at every forward
+    captions = [e[:n].to(dtype) for e, n in zip(text, mask.sum(1).tolist())]
     out = model(x=list(x.to(dtype).unsqueeze(2).unbind(0)), t=1 - sigma, cap_feats=captions,  # float32 t, as there
                 return_dict=False)[0]
     pred = torch.stack([o.float() for o in out]).squeeze(2)  # predicts x0 - eps
@@ -1129,8 +1139,7 @@ def _qwen_edit_encode(pipe, prompts, negative_prompt, guidance_scale, tokens, im
         parts = [pipe.encode_prompt(prompt=[t], image=s if plus else s[0], device=pipe._execution_device,
                                     max_sequence_length=tokens) for t, s in zip(texts, shown)]
         length = max(e.shape[1] for e, _ in parts)
-        masks = [torch.ones(e.shape[:2], dtype=torch.bool, device=e.device) if m is None else m.bool()
-                 for e, m in parts]
+        masks = [host_mask(m, e) for e, m in parts]
         padded = [_pad_tokens(e, m, length) for (e, _), m in zip(parts, masks)]
         return {"prompt_embeds": torch.cat([e for e, _ in padded]), "prompt_mask": torch.cat([m for _, m in padded])}
 

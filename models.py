@@ -534,7 +534,7 @@ def encode_prompts(pipe, prompts, *, negative_prompt="", guidance_scale=1.0, max
     and for guidance_scale > 1 `neg_prompt_embeds`, `neg_pooled` (the negative prompt encoded
     once, expanded to B). flux: `prompt_embeds` [B, T5 tokens, D], `pooled` [B, P] (FLUX.1-dev
     has no negative prompt: guidance enters through its guidance embedding). The families in
-    families.py: `prompt_embeds` (+ `prompt_mask` where prompts have their own lengths) and the
+    families.py: `prompt_embeds` (+ `prompt_mask`, on the CPU, where prompts have their own lengths) and the
     `neg_` versions under CFG. max_sequence_length: text tokens (T5 for sd3 / flux); default
     default_tokens(pipe).
 
@@ -714,8 +714,9 @@ def _assemble(rows, neg, device):
         for part, prefix in [(r, "") for r in rows] + ([(neg, "neg_")] if neg else []):
             e, m = families._pad_tokens(part[prefix + "prompt_embeds"], part[prefix + "prompt_mask"], length)
             part[prefix + "prompt_embeds"], part[prefix + "prompt_mask"] = e, m
-    out = {k: torch.cat([r[k] for r in rows]).to(device) for k in rows[0]}
-    out.update({k: v.to(device).expand(len(rows), *v.shape[1:]) for k, v in neg.items()})
+    home = {k: "cpu" if k.endswith("prompt_mask") else device for k in list(rows[0]) + list(neg)}  # masks: the CPU
+    out = {k: torch.cat([r[k] for r in rows]).to(home[k]) for k in rows[0]}  # (families.host_mask)
+    out.update({k: v.to(home[k]).expand(len(rows), *v.shape[1:]) for k, v in neg.items()})
     return out
 
 

@@ -346,14 +346,16 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
     hyper, train_guidance = vars(args), guidance_scales(args)[1]
     n_micro = len(batch["prompts"]) // args.train_batch_size  # micro-batches per pass, the same on every rank
     stats, optim_steps, failed = {}, 0, {"overflow": 0, "skipped": 0}
-    orders = [adv["ids"][torch.randperm(len(adv["ids"]), generator=data.seeded(args.seed, step, RANK, u, 1))]
-              .to(policy.device) for u in range(args.updates_per_batch)]  # the trained samples' order in each pass,
-    # on the device: CPU indices into GPU tensors would copy them over (and wait) at every indexing
+    on_cpu = [adv["ids"][torch.randperm(len(adv["ids"]), generator=data.seeded(args.seed, step, RANK, u, 1))]
+              for u in range(args.updates_per_batch)]  # the trained samples' order in each pass, also on the
+    orders = [o.to(policy.device) for o in on_cpu]  # device: CPU indices into GPU tensors would copy them over (and
+    # wait) at every indexing; the CPU order indexes the prompt masks, which stay on the CPU (embed_rows)
 
-    def micro_batches(update, m):  # the micro-batches (sample indices) of optimizer step (update, m)
-        micros = orders[update].split(len(adv["ids"]) // n_micro)  # n_micro of them
-        micros = micros[m * n_micro // args.minibatches:(m + 1) * n_micro // args.minibatches]
-        return [ids.reshape(-1) for ids in micros]  # pairs and groups ([units, width]): each unit's samples in a row
+    def micro_batches(update, m):  # the micro-batches of optimizer step (update, m): (device ids, the same on the CPU)
+        micros = list(zip(*(o.split(len(adv["ids"]) // n_micro) for o in (orders[update], on_cpu[update]))))
+        micros = micros[m * n_micro // args.minibatches:(m + 1) * n_micro // args.minibatches]  # n_micro in a pass
+        return [(ids.reshape(-1), rows.reshape(-1)) for ids, rows in micros]  # pairs and groups ([units, width]):
+        # each unit's samples in a row
 
     old_stats = {}  # (update, m, i) -> [n, b]: the forward-process statistic of later optimizer steps (departure 10)
     if loss.old_stat is not None and args.updates_per_batch * args.minibatches > 1:
@@ -362,8 +364,8 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
         for m in range(args.minibatches):
             micro = micro_batches(update, m)
             n_terms, done = len(micro) * n_trained(loss, batch, args), 0
-            for i, ids in enumerate(micro):
-                sub = {k: v[ids.to(v.device)] for k, v in batch["embeds"].items()}
+            for i, (ids, rows) in enumerate(micro):
+                sub = embed_rows(batch["embeds"], ids, rows)
                 terms = reverse_terms(policy, batch, ids, sub, adv["adv"][ids], sigmas, args) \
                     if loss.process == "reverse" else forward_terms(policy, loss, batch, ids, sub, adv["adv"][ids],
                                                                     sigmas, args, (step, update, m, i), old_stats)
@@ -486,14 +488,20 @@ def schedule_at(sigmas, times):
     return torch.lerp(sigmas[low], sigmas[low + 1], (times - low).to(sigmas.dtype))
 
 
+def embed_rows(embeds, ids, rows):
+    """The micro-batch's rows of the prompt embeddings: `ids` (on the device) for the tensors on the device, `rows`
+    (the same on the CPU) for the prompt masks, which stay on the CPU (families.py: read there without a sync)."""
+    return {k: v[rows if v.device.type == "cpu" else ids] for k, v in embeds.items()}
+
+
 def frozen_stats(policy, loss, batch, sigmas, micro_batches, args, step):
     """loss.old_stat under the current weights for every micro-batch of the optimizer steps after the batch's first
     (AWM's old log-probs, departure 10), before the first step moves them: {(update, m, i): [n, b]}."""
     out, train_guidance = {}, guidance_scales(args)[1]
     for update in range(args.updates_per_batch):
         for m in range(args.minibatches):
-            for i, ids in enumerate(micro_batches(update, m) if (update, m) != (0, 0) else []):
-                sub = {k: v[ids.to(v.device)] for k, v in batch["embeds"].items()}
+            for i, (ids, rows) in enumerate(micro_batches(update, m) if (update, m) != (0, 0) else []):
+                sub = embed_rows(batch["embeds"], ids, rows)
                 fp = renoised(loss, batch, ids, sigmas, args, (step, update, m, i))
                 with torch.no_grad():
                     out[update, m, i] = torch.stack([loss.old_stat(dict(

@@ -10,7 +10,9 @@ host syncs of the trained terms).
 
 What fake tensors cannot do: a backward pass (the autograd engine asks the driver for a CUDA context; the stand-in
 policy checks the loss and sets gradients instead) and any read of a CUDA value (the one transfer of a step's
-statistics, train.host_stats, is checked on real tensors separately). Files are read for real, as on a GPU machine.
+statistics, train.host_stats, is checked on real tensors separately), nor Qwen-Image's and Z-Image's encode (diffusers
+cuts each prompt's tokens out on the device: it runs on the CPU and the forwards take its rows from the prompt cache).
+Files are read for real, as on a GPU machine; what the checkpoint writers would write is recorded instead.
 """
 import contextlib
 import os
@@ -225,6 +227,39 @@ def test_resume_restores_the_cuda_rng_it_saved(tmp_path, monkeypatch):
     assert len(restored) == 1 and torch.equal(restored[0], torch.arange(16, dtype=torch.uint8))
 
 
+def test_a_checkpoint_hands_only_cpu_tensors_to_the_file_writers(tmp_path, monkeypatch):
+    """checkpoints.write from a run whose weights, EMA, old copy and Adam state are CUDA tensors: every tensor the
+    writers receive is on the CPU, the weights and copies in float32. Before the fix optimizer.pt was handed the
+    CUDA Adam state (torch.save copied it tensor by tensor and tagged it cuda:0, which resume then had to undo)."""
+    import safetensors.torch
+    args = parse("nft")
+    args.out = str(tmp_path)
+    handed = {}
+
+    def recorder(name_of):
+        def write(obj, path, *rest, **kwargs):  # fake tensors hold no data: record what would be written
+            handed[name_of(path)] = [(t.device, t.dtype) for t in tree_leaves(obj) if torch.is_tensor(t)]
+            open(path, "wb").close()
+        return write
+    monkeypatch.setattr(safetensors.torch, "save_file", recorder(os.path.basename))
+    monkeypatch.setattr(checkpoints.torch, "save", recorder(os.path.basename))
+    # its one read of the replicas' checksums is a deliberate sync per checkpoint, which fake tensors cannot give
+    monkeypatch.setattr(checkpoints.distributed, "check_replicas", lambda trainable, fsdp, device: [0.0])
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": torch.zeros(16, dtype=torch.uint8))
+    with fake_cuda() as cuda:
+        policy = StubPolicy(args, cuda, old_copy=True)
+        use_every_copy(policy)
+        checkpoints.write(args, 1, policy.transformer, policy.trainable, policy.optimizer, policy.copies, cuda,
+                          dict(optimizer_steps=policy.optimizer_steps))
+    assert sorted(handed) == ["ema.safetensors", "old.safetensors", "optimizer.pt", "rng.pt", "trainable.safetensors"]
+    n = len(policy.trainable)
+    assert len(handed["optimizer.pt"]) == 3 * n  # step, exp_avg, exp_avg_sq per parameter
+    for name, tensors in handed.items():
+        assert tensors and all(device.type == "cpu" for device, _ in tensors), (name, tensors)
+        if name.endswith(".safetensors"):
+            assert len(tensors) == n and all(dtype == torch.float32 for _, dtype in tensors), (name, tensors)
+
+
 def test_the_copies_update_and_swap_on_the_device():
     with fake_cuda() as cuda:
         policy = StubPolicy(parse("nft"), cuda, old_copy=True)
@@ -275,10 +310,11 @@ def test_sde_step_samples_and_scores_on_the_device(kind):
 
 def batch_for(loss, args, policy, n=4, channels=4, side=8):
     """What train.sample hands train_on_batch, built on the device as it builds it (latents, log-probs, means, steps,
-    embeddings on the GPU; images on the CPU)."""
+    embeddings on the GPU; images and the prompt mask of Qwen-Image and Z-Image on the CPU)."""
     d, T = policy.device, args.num_steps
     batch = dict(prompts=[f"p{i}" for i in range(n)], images=torch.zeros(n, 64, 64, 3, dtype=torch.uint8),
-                 embeds={"prompt_embeds": torch.randn(n, 7, 8, device=d), "pooled": torch.randn(n, 8, device=d)})
+                 embeds={"prompt_embeds": torch.randn(n, 7, 8, device=d), "pooled": torch.randn(n, 8, device=d),
+                         "prompt_mask": torch.arange(7) < torch.tensor([[3], [7], [5], [2]])})  # on the CPU
     if loss.process == "forward":
         batch["latents"] = torch.randn(n, 1, channels, side, side, device=d)
         return batch
@@ -363,8 +399,7 @@ def test_tiny_models_roll_out_evaluate_and_hand_cpu_images_to_the_reward(name):
 @pytest.mark.parametrize("name, resolution, frames", [("tiny-wan", 32, 5), ("tiny-flux2-klein", 64, None)])
 def test_the_other_families_encode_and_run_their_transformer_on_the_device(name, resolution, frames):
     """Wan 2.1 and FLUX.2 [klein] through models.encode_prompts and models.velocity (the rollout's and the training
-    forward's call), CFG on. Qwen-Image and Z-Image cannot run here: each forward reads the prompt mask on the host
-    (Qwen-Image's mask.all(), Z-Image's per-prompt token selection), a sync per call that fake tensors refuse."""
+    forward's call), CFG on."""
     pipe = models.load_pipeline(name)
     with fake_cuda() as cuda:
         mode = detect_fake_mode()
@@ -375,3 +410,33 @@ def test_the_other_families_encode_and_run_their_transformer_on_the_device(name,
         x = models.initial_noise(pipe, 2, resolution, generator=torch.Generator().manual_seed(0), **size).to(cuda)
         v = models.velocity(pipe, x, torch.full((2,), 0.5, device=cuda), embeds, guidance_scale=4.5)
         assert v.device == cuda and v.shape == x.shape
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen-image", "tiny-z-image"])
+def test_qwen_image_and_z_image_roll_out_from_cached_prompts_without_reading_the_device(name):
+    """Qwen-Image and Z-Image with prompts of their own lengths, CFG on: the embeddings come from the prompt cache
+    (models._assemble puts them on the device, their masks on the CPU), then the transformer forward and a rollout.
+    Before the fix each forward read the prompt mask on the device (Qwen-Image's mask.all(), Z-Image's e[mask] per
+    prompt): a sync per call, which fake tensors refuse. The encode itself reads its masks on the device inside
+    diffusers (once per prompt, then cached), so it runs here on the CPU, before the weights become fake."""
+    pipe = models.load_pipeline(name)
+    prompts = ["a red cube", "two cats on a long wooden bench at dusk"]
+    models.prompt_cache(pipe, 1)
+    real = models.encode_prompts(pipe, prompts, guidance_scale=4.5)
+    assert not real["prompt_mask"].all() and real["prompt_mask"].device.type == "cpu"
+    x_cpu = models.initial_noise(pipe, 2, 64, generator=torch.Generator().manual_seed(0))
+    with fake_cuda() as cuda:
+        mode = detect_fake_mode()
+        for module in models._modules(pipe):
+            to_fake_cuda(module, mode)
+        embeds = models.encode_prompts(pipe, prompts, guidance_scale=4.5)  # from the cache
+        assert pipe.prompt_cache.hits == 2 and embeds["prompt_embeds"].device == cuda
+        assert torch.equal(embeds["prompt_mask"], real["prompt_mask"])  # real values, on the CPU
+        x = x_cpu.to(cuda)
+        v = models.velocity(pipe, x, torch.full((2,), 0.5, device=cuda), embeds, guidance_scale=4.5)
+        assert v.device == cuda and v.shape == x.shape
+        traj, images = models.generate(pipe, x, models.sigmas(pipe, 2, 64), embeds, guidance_scale=4.5,
+                                       sde_steps=sde.sde_steps(2), kind="flow", eta=0.7,
+                                       generator=torch.Generator().manual_seed(1))
+        assert traj["latents"].device == traj["log_probs"].device == cuda
+        assert images.device.type == "cpu" and images.dtype == torch.uint8 and images.shape == (2, 64, 64, 3)
