@@ -292,12 +292,7 @@ def advantages(got, loss, args, step, per_rank, batch):
     # (departure 4); each rank keeps its micro-batch count and trains its kept samples in smaller micro-batches.
     # The forward-process losses train every sample of the kept groups, as their references (departure 8).
     n_micro, gen = per_rank // args.train_batch_size, data.seeded(args.seed, step, RANK, 2)
-    if loss.unit == "pair":  # [P, 2]: the (chosen, rejected) pairs
-        ids = trained_pairs(all_adv[mine], n_micro, gen)
-    elif loss.unit == "group":  # [groups, G]: every group whole (check_args: whole groups on each rank)
-        ids = torch.arange(per_rank).reshape(-1, args.group_size)
-    else:
-        ids = trained_samples(keep[mine].float() if loss.process == "forward" else all_adv[mine], n_micro, gen)
+    ids = trained_ids(loss, all_adv[mine], keep[mine], n_micro, gen, args.group_size)
     counts = distributed.all_gather_cat(torch.tensor([len(ids)], device=device))  # [WORLD]
     info.update(reward_mean=all_rewards[keep].mean().item(),
                 reward_std=all_rewards[keep].std().item() if keep.sum() > 1 else 0.0,
@@ -308,6 +303,16 @@ def advantages(got, loss, args, step, per_rank, batch):
             info[key] = torch.nanmean(distributed.all_gather_cat(value.to(device))).item()
     # DDP averages the ranks' gradients: weighting each rank by its share makes the step the mean over all samples.
     return dict(adv=all_adv[mine], ids=ids, rank_weight=WORLD * len(ids) / counts.sum().item()), info
+
+
+def trained_ids(loss, adv, keep, n_micro, generator, group_size):
+    """This rank's trained samples, in the loss's units: [n] samples, [P, 2] (chosen, rejected) pairs, or [groups, G]
+    whole groups (check_args: whole groups on each rank). adv, keep: this rank's advantages and kept samples."""
+    if loss.unit == "pair":
+        return trained_pairs(adv, n_micro, generator)
+    if loss.unit == "group":
+        return torch.arange(len(adv)).reshape(-1, group_size)
+    return trained_samples(keep.float() if loss.process == "forward" else adv, n_micro, generator)
 
 
 def trained_samples(adv, n_micro, generator):

@@ -116,7 +116,7 @@ class StubPolicy(policy_mod.Policy):
     def velocity(self, x, sigma, embeds, guidance_scale, *, train=False):
         net, shape = self.transformer, (1, -1) + (1,) * (x.dim() - 2)
         if self.reference_on:
-            return x + 0 * net.proj(embeds["pooled"]).view(*shape[:2], *[1] * (x.dim() - 2))
+            return x + 0 * net.proj(embeds["pooled"]).view(x.shape[0], -1, *[1] * (x.dim() - 2))
         return x * net.scale.view(shape) + net.shift.view(shape) + net.proj(embeds["pooled"]).view(
             x.shape[0], -1, *[1] * (x.dim() - 2))
 
@@ -340,7 +340,8 @@ def test_every_loss_trains_on_the_device_without_reading_it_back(name, monkeypat
     loss = losses.LOSSES[name]
     extra = ["--kl-beta", "0.01", "--updates-per-batch", "2"] + (
         ["--step-loss-weight", "wan"] if loss.process == "reverse" else []) + (
-        ["--train-timesteps", "2"] if name == "awm" else [])
+        ["--train-timesteps", "2"] if name == "awm" else []) + (
+        ["--train-batch-size", "2", "--train-timesteps", "2"] if loss.unit != "sample" else [])  # whole pairs / groups
     args = parse(name, *extra)
     fetched = []
 
@@ -349,8 +350,10 @@ def test_every_loss_trains_on_the_device_without_reading_it_back(name, monkeypat
         fetched.append(sorted(stats))
         return {k: [0.0] * len(values) for k, values in stats.items()}
     monkeypatch.setattr(train, "host_stats", host_stats, raising=False)
-    adv_cpu = torch.tensor([1.0, -1.0, 0.5, 0.0])
-    ids = train.trained_samples(adv_cpu, 4 // args.train_batch_size, torch.Generator().manual_seed(0))
+    rewards, groups = torch.tensor([1.0, 0.0, 0.5, 0.5]), torch.tensor([0, 0, 1, 1])  # a saturated second group
+    adv_cpu = loss.advantages(rewards, groups, global_std=False, clip=5.0)  # the loss's own rule (pairs: +-1 and 0)
+    ids = train.trained_ids(loss, adv_cpu, adv_cpu != 0, 4 // args.train_batch_size, torch.Generator().manual_seed(0),
+                            args.group_size)
     sigmas = sde.sd3_sigmas(args.num_steps)
     with fake_cuda() as cuda:
         policy = StubPolicy(args, cuda, old_copy=bool(loss.old_copy and loss.old_copy(vars(args))))
