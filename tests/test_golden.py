@@ -51,6 +51,9 @@ RUNS = {
     "grpo-mix-flash-same-noise": ["--loss", "grpo", "--sde-window", "mix", "--window-size", "2",
                                   "--iters-per-window", "1", "--flash", "--same-noise-per-group"],
     "grpo-bf16": ["--loss", "grpo", "--mixed-precision", "bf16"],
+    "sft": ["--loss", "sft"],
+    "dpo": ["--loss", "dpo"],
+    "dgpo": ["--loss", "dgpo", "--train-timesteps", "2"],
     "shapes-geneval": ["--model", "shapes", "--loss", "grpo", "--eval-every", "0", "--resolution", "32"],
     "shapes-default": ["--model", "shapes", "--eval-every", "0", "--resolution", "32"],  # the default run: nft
 }
