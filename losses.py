@@ -109,16 +109,8 @@ def group_advantages(rewards, group_ids, *, global_std=False, eps=1e-4, clip=5.0
     rewards [N]; group_ids: N ints (list or tensor), equal for samples of the same prompt. The arithmetic is in
     `dtype`; where a group's spread overflows float32 (finite rewards near 1e38) it is redone in float64.
     """
-    rewards = torch.as_tensor(rewards).to(dtype)
-    ids = torch.as_tensor(group_ids, device=rewards.device).long()
-    if rewards.ndim != 1 or ids.shape != rewards.shape:
-        raise ValueError(f"rewards and group_ids must be [N] of one length, got {tuple(rewards.shape)} "
-                         f"and {tuple(ids.shape)}")
-    if not torch.isfinite(rewards).all():
-        raise ValueError(f"non-finite reward at sample(s) {torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()}")
-    _, group = torch.unique(ids, return_inverse=True)  # 0 .. G-1
-    n = torch.zeros(int(group.max()) + 1, device=rewards.device, dtype=dtype).index_add_(0, group,
-                                                                                     torch.ones_like(rewards))
+    rewards, group, groups = _groups(rewards, group_ids, dtype)  # group: 0 .. G-1
+    n = torch.zeros(groups, device=rewards.device, dtype=dtype).index_add_(0, group, torch.ones_like(rewards))
     group_mean = torch.zeros_like(n).index_add_(0, group, rewards) / n
     centred = rewards - group_mean[group]
     # A group of equal rewards gets exactly 0, not the rounding residue of its mean (~1e-9 / (std + eps) ~ 1e-5):
@@ -132,7 +124,7 @@ def group_advantages(rewards, group_ids, *, global_std=False, eps=1e-4, clip=5.0
         std = (torch.zeros_like(n).index_add_(0, group, centred**2) / n).sqrt()[group]
     if not (torch.isfinite(centred).all() and torch.isfinite(std).all()) and dtype != torch.float64:
         # a spread beyond float32 (finite rewards near 1e38): the std is inf and every advantage would be 0
-        return group_advantages(rewards, ids, global_std=global_std, eps=eps, clip=clip, dtype=torch.float64).float()
+        return group_advantages(rewards, group, global_std=global_std, eps=eps, clip=clip, dtype=torch.float64).float()
     return (centred / (std + eps)).clamp(-clip, clip)
 
 
@@ -188,9 +180,9 @@ def combined_advantages(components, weights, group_ids, *, global_std=False, eps
     return total.clamp(-clip, clip), info
 
 
-def _groups(rewards, group_ids):
-    """rewards [N] float, group index 0 .. G-1 of each sample [N], G."""
-    rewards = torch.as_tensor(rewards).float()
+def _groups(rewards, group_ids, dtype=torch.float32):
+    """rewards [N] in dtype, group index 0 .. G-1 of each sample [N], G; one line for mismatched or non-finite input."""
+    rewards = torch.as_tensor(rewards).to(dtype)
     ids = torch.as_tensor(group_ids, device=rewards.device).long()
     if rewards.ndim != 1 or ids.shape != rewards.shape:
         raise ValueError(f"rewards and group_ids must be [N] of one length, got {tuple(rewards.shape)} "
