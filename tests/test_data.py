@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 import data
 
@@ -263,6 +263,7 @@ def test_fuzz_random_bytes(fuzz_dir, raw, ext):
 
 @settings(max_examples=200, deadline=None)
 @given(rows=st.lists(_rows, max_size=8), newline=st.sampled_from(["\n", "\r\n"]))
+@example(rows=['{"input": "a red cube"}', '{"input": "a\x00b"}'], newline="\n")  # a NUL: the whole file is refused
 def test_fuzz_malformed_json_lines(fuzz_dir, rows, newline):
     path = write(fuzz_dir, "fuzz.jsonl", newline.join(rows))
     check_load(path)
@@ -276,7 +277,10 @@ def test_fuzz_malformed_json_lines(fuzz_dir, rows, newline):
         if (isinstance(obj, dict) and isinstance(obj.get("input"), str) and obj["input"].strip()
                 and isinstance(obj.get("metadata", {}), (dict, type(None)))):
             expected.append(obj["input"].strip())
-    if expected:
+    if "\x00" in newline.join(rows):  # a NUL byte: UTF-16 or binary, refused whole in one line (data.load_prompts)
+        with pytest.raises(ValueError, match="NUL bytes"):
+            load_quiet(path)
+    elif expected:
         assert load_quiet(path)[0] == expected
 
 
