@@ -264,7 +264,9 @@ class Run:
                     **{f"seconds_{k}": v for k, v in self.marks.items() if k not in ("start", "last")})
         if "updates" in info:
             info["seconds_training"] = time.time() - self.marks["last"]
-        if getattr(args, "diversity", "off") != "off" and "images" in batch:  # feature diversity of the groups
+        if "features" in batch:  # featurized for --gardo-diversity's advantages already: not twice
+            info.update(diversity.feature_diversity(batch["features"], batch["prompts"]))
+        elif getattr(args, "diversity", "off") != "off" and "images" in batch:  # feature diversity of the groups
             info.update(diversity.measure(batch["images"], batch["prompts"], [], device=self.device, exact=False,
                                           **diversity.options(args)))
         self._append(info)

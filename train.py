@@ -283,7 +283,8 @@ def advantages(got, loss, args, step, per_rank, batch):
                                         clip=args.adv_clip)
     if args.gardo_diversity:  # GARDO: a positive advantage grows with how unlike its group's others the image is
         featurize = diversity.featurizer(args.diversity, args.diversity_path, device)
-        features = distributed.all_gather_cat(featurize(batch["images"]).to(device))  # [samples, D]
+        batch["features"] = featurize(batch["images"])  # [n, D]: run.log's feature diversity reads them too
+        features = distributed.all_gather_cat(batch["features"].to(device))  # [samples, D]
         weight = regularizers.diversity_weights(all_adv[keep], features[keep], groups[keep]).to(all_adv)
         all_adv[keep] = all_adv[keep] * weight
         info["gardo_weight_max"] = weight.max().item()
