@@ -266,6 +266,9 @@ def test_a_checkpoint_refused_by_a_file_size_limit_is_one_line(tmp_path, monkeyp
     import safetensors.torch
     from safetensors import SafetensorError
 
+    import diffusers.models.modeling_utils  # noqa: F401  these bind save_file at import: import them before the
+    import transformers.modeling_utils  # noqa: F401  patch, which is for checkpoints' call, made at save time
+
     def too_large(*a, **k):
         raise SafetensorError("Error while serializing: IoError(Os { code: 27, kind: FileTooLarge })")
     monkeypatch.setattr(safetensors.torch, "save_file", too_large)
