@@ -13,7 +13,8 @@ first column. A checkpoint with EMA weights is scored by its EMA, as train.py's 
 evaluates; `--no-ema` scores its live weights instead.
 
 What it writes into --out: summary.json; grid.png, the samples before and after side by side (rows: prompts,
-columns: base and checkpoints, each captioned with its verdict and score; 24 prompts spread over the GenEval tags,
+columns: base and checkpoints, each captioned with its verdict and score, after the source image for an edit
+model; 24 prompts spread over the GenEval tags,
 those whose verdict changed first, or every prompt with --grid-all, in pages grid-2.png, ... of at most 2000 px;
 videos show their first, middle and last frame, and grid.gif plays them); bars.png, the accuracy per tag of each
 column. The table it prints has one row per column.
@@ -313,6 +314,19 @@ def compare_pages(columns, names, prompts, notes, captions, *, key="", max_heigh
                     draw.text((left + 4, top + tile_h + 3), text, fill=ink, font=font)
         pages.append(page)
     return pages
+
+
+def source_column(metadata, size):
+    """The grid's first column for an edit model: each row's (first) source image at the samples' size (uint8
+    [N, H, W, 3]; nearest neighbour, as the grid enlarges its tiles; black where a row has none)."""
+    import numpy as np
+    from PIL import Image
+    h, w = size
+    cells = np.zeros((len(metadata), h, w, 3), dtype=np.uint8)
+    for i, m in enumerate(metadata):
+        if sources := data.source_images(m):
+            cells[i] = np.asarray(Image.fromarray(sources[0]).resize((w, h), Image.NEAREST))
+    return cells
 
 
 def page_paths(folder, stem, n, ext):
@@ -687,9 +701,13 @@ def main(argv=None):
     else:
         heads = [f"{label}\nreward {t['reward']:+.4f}" for label, t in zip(labels, tables)]
         key = f"under each sample: its reward; under each name: the mean over all {len(prompts)} prompts"
-    paths = save_compare_grid(args.out, [c[rows] for c in columns], heads, [prompts[i] for i in rows],
-                              [f"{tags[i]} #{i}".strip() for i in rows], [[c[i] for i in rows] for c in captions],
-                              key=key, fps=args.fps)
+    cells, captions = [c[rows] for c in columns], [[c[i] for i in rows] for c in captions]
+    if columns[0].ndim == 4 and any(data.source_images(metadata[i]) for i in rows):  # an edit: what it started from
+        cells, heads = [source_column([metadata[i] for i in rows], columns[0].shape[1:3])] + cells, ["source"] + heads
+        captions = [[(f"{len(data.source_images(metadata[i]))} sources, the first" if
+                      len(data.source_images(metadata[i])) > 1 else "", None) for i in rows]] + captions
+    paths = save_compare_grid(args.out, cells, heads, [prompts[i] for i in rows],
+                              [f"{tags[i]} #{i}".strip() for i in rows], captions, key=key, fps=args.fps)
     paths.append(save_bars(os.path.join(args.out, "bars.png"), labels, tables,
                            title=f"{args.prompts}: {len(prompts)} prompts, the same noise in every column"))
     print(f"wrote {os.path.join(args.out, 'summary.json')}, " + ", ".join(paths))

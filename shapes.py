@@ -18,7 +18,9 @@ with this world's shape names as classes and GenEval's colour words.
 """
 
 import itertools
+import json
 import math
+import os
 
 import numpy as np
 
@@ -607,30 +609,59 @@ def edit_reward(*, shapes_edit_score, **_):
 
 
 def write_edit_prompts(folder="prompts", seed=0):
-    """Write prompts/shapes_edit_{train,test}.jsonl and their source PNGs in prompts/shapes_edit/{train,test}/:
-    EDIT_ROWS rows of each kind, from independent streams (train seed, test seed + 1), so the test sources are
-    scenes training never saw."""
-    import json
-    import os
+    """Write prompts/shapes_edit_{train,test,unseen}.jsonl and their source PNGs in prompts/shapes_edit/<split>/:
+    EDIT_ROWS rows of each kind, from independent streams (train seed, test seed + 1, unseen seed + 2), so the
+    held-out sources are scenes training never saw.
 
-    from PIL import Image
-
+    The test split is held out by scene, not by instruction: the instruction space of this world is small (a count
+    edit has 9 possible instructions, a removal 21), and 146 of the 200 test instructions appear verbatim in
+    training. The unseen split holds only instructions no training row has: 50 additions and 50 recolourings
+    (UNSEEN_EDITS). Counting and removal cannot have one: training holds all 9 count instructions and 20 of the 21
+    removals (the other is "remove the white square", one instruction)."""
     for offset, split_name in enumerate(("train", "test")):
         rng = np.random.default_rng(seed + offset)
-        images = os.path.join(folder, "shapes_edit", split_name)
-        os.makedirs(images, exist_ok=True)
-        rows = []
-        for kind in EDITS:
-            for _ in range(EDIT_ROWS[split_name]):
-                row, source, _ = edit_example(rng, kind)
-                name = f"shapes_edit/{split_name}/{len(rows):04d}.png"
-                Image.fromarray(source).save(os.path.join(folder, name))
-                rows.append({"prompt": row["prompt"], "image": name, **{k: v for k, v in row.items() if k != "prompt"}})
-        path = os.path.join(folder, f"shapes_edit_{split_name}.jsonl")
-        with open(path, "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-        print(f"wrote {path}: {len(rows)} rows, sources in {images}")
+        rows = [_edit_row(rng, kind, split_name, i, folder) for i, kind in
+                enumerate(k for k in EDITS for _ in range(EDIT_ROWS[split_name]))]
+        _write_edit_rows(folder, split_name, rows)
+    seen = {r["prompt"] for r in _read_jsonl(os.path.join(folder, "shapes_edit_train.jsonl"))}
+    rng, rows = np.random.default_rng(seed + 2), []
+    for kind in UNSEEN_EDITS:
+        kept = 0
+        while kept < EDIT_ROWS["test"]:
+            row, source, _ = edit_example(rng, kind)
+            if row["prompt"] not in seen:  # repeats among the unseen rows are allowed: other scenes, as in test
+                rows.append(_edit_row_from(row, source, "unseen", len(rows), folder))
+                kept += 1
+    _write_edit_rows(folder, "unseen", rows)
+
+
+UNSEEN_EDITS = ("add", "recolor")  # the kinds whose instructions can be held out (write_edit_prompts)
+
+
+def _edit_row(rng, kind, split_name, index, folder):
+    row, source, _ = edit_example(rng, kind)
+    return _edit_row_from(row, source, split_name, index, folder)
+
+
+def _edit_row_from(row, source, split_name, index, folder):
+    from PIL import Image
+    name = f"shapes_edit/{split_name}/{index:04d}.png"
+    os.makedirs(os.path.join(folder, "shapes_edit", split_name), exist_ok=True)
+    Image.fromarray(source).save(os.path.join(folder, name))
+    return {"prompt": row["prompt"], "image": name, **{k: v for k, v in row.items() if k != "prompt"}}
+
+
+def _write_edit_rows(folder, split_name, rows):
+    path = os.path.join(folder, f"shapes_edit_{split_name}.jsonl")
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    print(f"wrote {path}: {len(rows)} rows, sources in {os.path.join(folder, 'shapes_edit', split_name)}")
+
+
+def _read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 # The edit model: FLUX.1 Kontext's pipeline (the `flux-kontext` family of families.py) at toy size in pixel space.
@@ -711,7 +742,8 @@ def main(argv=None):
     p.add_argument("--write-prompts", action="store_true",
                    help="write prompts/shapes_train.jsonl and prompts/shapes_test.jsonl")
     p.add_argument("--write-edit-prompts", action="store_true",
-                   help="write prompts/shapes_edit_{train,test}.jsonl and their source PNGs (prompts/shapes_edit/)")
+                   help="write prompts/shapes_edit_{train,test,unseen}.jsonl and their source PNGs "
+                        "(prompts/shapes_edit/)")
     args = p.parse_args(argv)
     if not (args.write_prompts or args.write_edit_prompts):
         p.error("nothing to do: pass --write-prompts or --write-edit-prompts")

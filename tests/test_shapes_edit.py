@@ -119,6 +119,32 @@ def test_prompt_files_are_what_write_edit_prompts_writes(tmp_path):
     scenes = [{json.dumps(m["source"]) for m in data.load_prompts(f, input_key="prompt", metadata_key="")[1]}
               for f in files]
     assert not scenes[0] & scenes[1]  # held-out scenes
+    name = "shapes_edit_unseen.jsonl"
+    assert (tmp_path / name).read_bytes() == open(os.path.join(ROOT, "prompts", name), "rb").read()
+
+
+def test_the_unseen_split_holds_instructions_training_never_has():
+    """prompts/shapes_edit_test.jsonl is held out by scene; shapes_edit_unseen.jsonl by instruction too, for the kinds
+    whose instructions can be held out: all 9 count instructions the world can phrase are in training, and 20 of the
+    21 removals."""
+    def rows(split):
+        return data.load_prompts(os.path.join(ROOT, "prompts", f"shapes_edit_{split}.jsonl"), input_key="prompt",
+                                 metadata_key="")
+    train, (unseen, metadata) = set(rows("train")[0]), rows("unseen")
+    assert len(unseen) == 50 * len(shapes.UNSEEN_EDITS) and not set(unseen) & train
+    assert sorted({m["edit"] for m in metadata}) == sorted(shapes.UNSEEN_EDITS) == ["add", "recolor"]
+    test = rows("test")
+    assert sum(p in train for p in test[0]) == 146  # the scene split's instructions are mostly seen ones
+    numbers = shapes.geneval.NUMBERS
+    counts = {f"make {numbers[k]} {shapes.geneval._plural(s) if k > 1 else s} into {numbers[k + 1]}"
+              for s in shapes.SHAPES for k in (1, 2, 3)}
+    removals = {f"remove the {s}" for s in shapes.SHAPES} | {f"remove the {c} {s}" for s in shapes.SHAPES
+                                                              for c in shapes.COLORS}
+    assert counts <= train and len(counts) == 9
+    assert len(removals) == 21 and {p for p in train if p.startswith("remove")} <= removals
+    assert len(removals - train) == 1  # "remove the white square": one instruction, too few to make a split of
+    assert all(metadata[i]["source"] and np.array_equal(data.source_images(metadata[i])[0],
+                                                        shapes.draw(metadata[i]["source"])) for i in (0, 50, 99))
 
 
 def test_shapes_edit_reward():
@@ -247,3 +273,29 @@ def test_edit_rl_raises_held_out_edit_accuracy_on_three_seeds(tmp_path):
         assert last["edit_correct"] >= max(r["edit_correct"] for r in rows) - 0.03, (seed, rows)
         rises.append(last["rise"])
     assert sum(rises) / 3 >= 0.10, rises
+
+
+def test_the_edit_grid_shows_each_source_before_base_and_checkpoint(tmp_path, monkeypatch):
+    """eval.py on an edit model: the grid's first column is what each edit started from, at the samples' size."""
+    import eval as evaluation
+    shown = {}
+    real = evaluation.save_compare_grid
+
+    def keep(folder, columns, names, prompts, notes, captions, **kw):
+        shown.update(columns=columns, names=names, prompts=prompts, captions=captions)
+        return real(folder, columns, names, prompts, notes, captions, **kw)
+    monkeypatch.setattr(evaluation, "save_compare_grid", keep)
+    monkeypatch.chdir(ROOT)
+    evaluation.main(["--model", "shapes-edit", "--prompts", "prompts/shapes_edit_unseen.jsonl", "--input-key", "prompt",
+                     "--metadata-key", "", "--reward", "shapes_edit", "--resolution", "32", "--eval-steps", "2",
+                     "--max-prompts", "3", "--grid-all", "--out", str(tmp_path / "eval")])
+    _, metadata = data.load_prompts(os.path.join(ROOT, "prompts", "shapes_edit_unseen.jsonl"), input_key="prompt",
+                                    metadata_key="")
+    assert shown["names"][0] == "source" and shown["names"][1].startswith("base")
+    assert len(shown["columns"]) == 2 and shown["columns"][0].shape == (3, 32, 32, 3)
+    for row in range(3):
+        assert np.array_equal(shown["columns"][0][row], data.source_images(metadata[row])[0])
+        assert not np.array_equal(np.asarray(shown["columns"][1][row]), shown["columns"][0][row])  # a sample, not it
+    assert shown["captions"][0] == [("", None)] * 3 and (tmp_path / "eval" / "grid.png").is_file()
+    tall = evaluation.source_column([{}, metadata[0]], (64, 48))  # another size: enlarged; black for no source
+    assert tall.shape == (2, 64, 48, 3) and not tall[0].any() and tall[1].any()
