@@ -1,14 +1,20 @@
-"""The suite runs on pytest-xdist workers (pytest.ini: `-n auto --maxprocesses 2 --dist loadgroup`).
+"""The suite runs on pytest-xdist workers (pytest.ini: `-n auto --dist loadfile --no-loadscope-reorder`).
 
-Two things keep the parallel run as fast and as exact as the serial one:
-- each worker's torch uses cores / workers threads (1 on 2 cores), and so do the runs it starts: two workers of
-  two threads each on 2 cores oversubscribe them, which slows small torch ops several-fold;
-- the tests of a file that builds a module- or session-scoped fixture (a trained run, a loaded model) go to one
-  worker together, so the fixture is built once; every other test is handed to whichever worker is free.
+- A test file runs whole on one worker, so a module-scoped fixture (a trained run, a loaded model) is built once.
+- Workers: one more than the cores (at most 8). Many tests wait (on a subprocess starting, a rank, a signal, a file
+  being written); the extra worker fills those waits. Each worker's torch, and the runs it starts, use
+  cores / workers threads, at least one: more threads than cores slows small torch ops several-fold.
+- The longest files start first (LONGEST_FIRST), so that the workers finish together; the rest keep their order.
 """
 import os
 
-import pytest
+# The files whose tests take longest in all (about 1 to 3 minutes each on one thread), longest first.
+LONGEST_FIRST = ("test_default_run.py", "test_fsdp.py", "test_faults.py", "test_train.py", "test_golden.py",
+                 "test_recipes.py", "test_bench.py", "test_run_safety.py", "test_forward_train.py", "test_ranks.py")
+
+
+def pytest_xdist_auto_num_workers(config):
+    return min(8, (os.cpu_count() or 1) + 1)
 
 
 def pytest_configure(config):
@@ -20,14 +26,8 @@ def pytest_configure(config):
         torch.set_num_threads(int(threads))
 
 
-def _shares_a_fixture(item):
-    info = getattr(item, "_fixtureinfo", None)
-    defs = getattr(info, "name2fixturedefs", {}) if info is not None else {}
-    return any(d and d[-1].scope in ("module", "package", "session") for d in defs.values())
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks into the test ids
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if _shares_a_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    def rank(item):
+        name = os.path.basename(str(item.path))
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+    items.sort(key=rank)  # stable: within a file, and among the other files, collection order
