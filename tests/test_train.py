@@ -64,6 +64,7 @@ def test_two_steps(tmp_path, flags):
     assert os.path.isfile(os.path.join(out, "samples", "000002.png"))
 
 
+@pytest.mark.slow  # tests/test_golden.py::test_resumed_run_equals_the_uninterrupted_one checks it bit for bit
 def test_resume_matches_uninterrupted_run(tmp_path):
     _, full = train(tmp_path, "--steps", "4", "--save-every", "2", out="full")
     _, part = train(tmp_path, "--steps", "2", out="part")
@@ -140,6 +141,7 @@ def test_bad_flags_are_refused_in_one_line(tmp_path, flags, needle):
     assert needle in proc.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow  # tests/test_multinode.py checks the same replicas (and more) over a c10d rendezvous
 def test_torchrun_two_processes_keep_identical_weights(tmp_path):
     out = str(tmp_path / "ddp")
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *SMALL,
