@@ -316,16 +316,17 @@ def compare_pages(columns, names, prompts, notes, captions, *, key="", max_heigh
     return pages
 
 
-def source_column(metadata, size):
-    """The grid's first column for an edit model: each row's (first) source image at the samples' size (uint8
-    [N, H, W, 3]; nearest neighbour, as the grid enlarges its tiles; black where a row has none)."""
+def source_column(sources, size):
+    """The grid's first column for an edit model: each row's first source image (sources: per row, the list of
+    data.source_images) at the samples' size, uint8 [N, H, W, 3]; nearest neighbour, as the grid enlarges its tiles;
+    black where a row has none."""
     import numpy as np
     from PIL import Image
     h, w = size
-    cells = np.zeros((len(metadata), h, w, 3), dtype=np.uint8)
-    for i, m in enumerate(metadata):
-        if sources := data.source_images(m):
-            cells[i] = np.asarray(Image.fromarray(sources[0]).resize((w, h), Image.NEAREST))
+    cells = np.zeros((len(sources), h, w, 3), dtype=np.uint8)
+    for i, images in enumerate(sources):
+        if images:
+            cells[i] = np.asarray(Image.fromarray(images[0]).resize((w, h), Image.NEAREST))
     return cells
 
 
@@ -702,10 +703,10 @@ def main(argv=None):
         heads = [f"{label}\nreward {t['reward']:+.4f}" for label, t in zip(labels, tables)]
         key = f"under each sample: its reward; under each name: the mean over all {len(prompts)} prompts"
     cells, captions = [c[rows] for c in columns], [[c[i] for i in rows] for c in captions]
-    if columns[0].ndim == 4 and any(data.source_images(metadata[i]) for i in rows):  # an edit: what it started from
-        cells, heads = [source_column([metadata[i] for i in rows], columns[0].shape[1:3])] + cells, ["source"] + heads
-        captions = [[(f"{len(data.source_images(metadata[i]))} sources, the first" if
-                      len(data.source_images(metadata[i])) > 1 else "", None) for i in rows]] + captions
+    sources = [data.source_images(metadata[i]) for i in rows]
+    if columns[0].ndim == 4 and any(sources):  # an edit model: what each edit started from comes first
+        cells, heads = [source_column(sources, columns[0].shape[1:3])] + cells, ["source"] + heads
+        captions = [[(f"{len(s)} sources, the first" if len(s) > 1 else "", None) for s in sources]] + captions
     paths = save_compare_grid(args.out, cells, heads, [prompts[i] for i in rows],
                               [f"{tags[i]} #{i}".strip() for i in rows], captions, key=key, fps=args.fps)
     paths.append(save_bars(os.path.join(args.out, "bars.png"), labels, tables,

@@ -297,5 +297,5 @@ def test_the_edit_grid_shows_each_source_before_base_and_checkpoint(tmp_path, mo
         assert np.array_equal(shown["columns"][0][row], data.source_images(metadata[row])[0])
         assert not np.array_equal(np.asarray(shown["columns"][1][row]), shown["columns"][0][row])  # a sample, not it
     assert shown["captions"][0] == [("", None)] * 3 and (tmp_path / "eval" / "grid.png").is_file()
-    tall = evaluation.source_column([{}, metadata[0]], (64, 48))  # another size: enlarged; black for no source
+    tall = evaluation.source_column([[], data.source_images(metadata[0])], (64, 48))  # enlarged; black for none
     assert tall.shape == (2, 64, 48, 3) and not tall[0].any() and tall[1].any()
