@@ -16,8 +16,9 @@ What it writes into --out: summary.json; grid.png, the samples before and after 
 columns: base and checkpoints, each captioned with its verdict and score, after the source image for an edit
 model; 24 prompts spread over the GenEval tags,
 those whose verdict changed first, or every prompt with --grid-all, in pages grid-2.png, ... of at most 2000 px;
-videos show their first, middle and last frame, and grid.gif plays them); bars.png, the accuracy per tag of each
-column. The table it prints has one row per column.
+videos show their first, middle and last frame, and grid.gif plays them); diversity.png, where the file repeats a
+prompt, several images of each of a few such prompts side by side (those that leave a colour free first) for every
+column; bars.png, the accuracy per tag of each column. The table it prints has one row per column.
 """
 import argparse
 import contextlib
@@ -328,6 +329,56 @@ def source_column(sources, size):
         if images:
             cells[i] = np.asarray(Image.fromarray(images[0]).resize((w, h), Image.NEAREST))
     return cells
+
+
+def diversity_groups(prompts, metadata, *, rows=6, per=8):
+    """The diversity panel's rows: prompts the file repeats (each repeat on its own noise), those that leave an
+    object's colour free first (a GenEval include clause without "color"), at most `rows`, taken in turn from each
+    tag in order of first appearance -> per row the indices of its first k images, k the fewest repeats of the rows
+    chosen (at most `per`); [] when no prompt repeats."""
+    groups = {}
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(prompt, []).append(i)
+    repeated = [g for g in groups.values() if len(g) > 1]
+
+    def free_colour(g):
+        meta = metadata[g[0]]
+        return isinstance(meta, dict) and any(isinstance(c, dict) and c.get("color") is None
+                                              for c in meta.get("include") or ())
+    repeated = [g for g in repeated if free_colour(g)] or repeated
+    by_tag = {}
+    for g in repeated:
+        meta = metadata[g[0]]
+        by_tag.setdefault(meta.get("tag", "") if isinstance(meta, dict) else "", []).append(g)
+    chosen = []
+    while len(chosen) < rows and any(by_tag.values()):
+        for tag_groups in by_tag.values():
+            if tag_groups and len(chosen) < rows:
+                chosen.append(tag_groups.pop(0))
+    k = min([per] + [len(g) for g in chosen])
+    return [g[:k] for g in chosen]
+
+
+def save_diversity_panel(path, panel, columns, results, tables, labels, prompts, tags):
+    """diversity.png: per row a prompt's first k images (diversity_groups), one cell per column (base, then the
+    checkpoints), the same noise in every column; each column headed by its free-colour diversity where the shapes
+    world measures it, each cell captioned with how many of its images are right (or their mean reward)."""
+    cells = [torch.stack([torch.as_tensor(c)[g] for g in panel]).numpy() for c in columns]  # [rows, k, H, W, 3]
+    heads = [label + (f"\ncolour diversity {t['diversity_color']:.3f}" if "diversity_color" in t else "")
+             for label, t in zip(labels, tables)]
+    captions = []
+    for result in results:
+        if "geneval_correct" in result:
+            right = result["geneval_correct"].float() > 0.5
+            captions.append([(f"{int(right[g].sum())} of {len(g)} right", None) for g in panel])
+        else:
+            captions.append([(f"reward {result['reward'][g].float().mean():+.3f}", None) for g in panel])
+    k = len(panel[0])
+    page = compare_pages(cells, heads, [prompts[g[0]] for g in panel], [tags[g[0]] for g in panel], captions,
+                         key=f"each cell: {k} images of the prompt, each on its own noise, the same noise in every "
+                             "column; colour diversity: the entropy of the colours prompts leave free (docs/shapes.md)")[0]
+    page.save(path)
+    return path
 
 
 def page_paths(folder, stem, n, ext):
@@ -709,6 +760,9 @@ def main(argv=None):
         captions = [[(f"{len(s)} sources, the first" if len(s) > 1 else "", None) for s in sources]] + captions
     paths = save_compare_grid(args.out, cells, heads, [prompts[i] for i in rows],
                               [f"{tags[i]} #{i}".strip() for i in rows], captions, key=key, fps=args.fps)
+    if columns[0].ndim == 4 and (panel := diversity_groups(prompts, metadata)):  # several images of one prompt
+        paths.append(save_diversity_panel(os.path.join(args.out, "diversity.png"), panel, columns, results, tables,
+                                          labels, prompts, tags))
     paths.append(save_bars(os.path.join(args.out, "bars.png"), labels, tables,
                            title=f"{args.prompts}: {len(prompts)} prompts, the same noise in every column"))
     print(f"wrote {os.path.join(args.out, 'summary.json')}, " + ", ".join(paths))

@@ -309,3 +309,42 @@ def test_eval_of_a_video_model_writes_frames_and_gifs(tmp_path, monkeypatch):
                      "--max-prompts", "2", "--out", str(out)])
     still = Image.open(out / "grid.png")
     assert still.size[0] == 220 + 3 * 128 + 2 * 4 + 4 and Image.open(out / "grid.gif").n_frames == 5
+
+
+def test_diversity_groups_prefer_free_colours_spread_over_tags():
+    prompts = ["a red circle", "a circle", "a red circle", "a circle", "two squares", "a circle", "two squares", "x"]
+    free, fixed = {"tag": "single_object", "include": [{"class": "circle"}]}, {"tag": "colors", "include": [
+        {"class": "circle", "color": "red"}]}
+    metadata = [fixed, free, fixed, free, {"tag": "counting", "include": [{"class": "square", "count": 2}]}, free,
+                {"tag": "counting", "include": [{"class": "square", "count": 2}]}, free]
+    assert evaluation.diversity_groups(prompts, metadata) == [[1, 3], [4, 6]]  # "a circle" and "two squares", k = 2
+    assert evaluation.diversity_groups(prompts, metadata, rows=1, per=8) == [[1, 3, 5]]
+    only_fixed = [fixed] * 8
+    assert evaluation.diversity_groups(prompts, only_fixed, rows=1) == [[0, 2]]  # no free colour: any repeat
+    assert evaluation.diversity_groups(["a", "b"], [{}, {}]) == []
+
+
+def test_eval_writes_a_diversity_panel_of_repeated_prompts(shapes_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    rows = [json.loads(line) for line in open("prompts/shapes_test.jsonl")]
+    chosen = [next(r for r in rows if r["prompt"] == p) for p in ("a photo of a circle", "a photo of a green square")]
+    prompts = tmp_path / "repeats.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for _ in range(5) for r in chosen))  # each prompt 5 times
+    shown = {}
+    real = evaluation.compare_pages
+
+    def keep(columns, names, prompts, notes, captions, **kw):
+        shown.setdefault("calls", []).append(dict(columns=columns, names=names, prompts=prompts, captions=captions))
+        return real(columns, names, prompts, notes, captions, **kw)
+    monkeypatch.setattr(evaluation, "compare_pages", keep)
+    out = tmp_path / "eval"
+    summary = evaluation.main(["--model", "shapes", "--resolution", "32", "--eval-steps", "4", "--reward", "geneval",
+                               "--geneval-detector", "shapes", "--prompts", str(prompts), "--input-key", "prompt",
+                               "--max-prompts", "10", "--checkpoints", shapes_checkpoint, "--out", str(out)])
+    panel = shown["calls"][-1]
+    assert panel["prompts"] == ["a photo of a circle"]  # the green square names its colour: not a free-colour row
+    assert [c.shape for c in panel["columns"]] == [(1, 5, 32, 32, 3)] * 2  # base and checkpoint, 5 images each
+    assert len({panel["columns"][0][0, j].tobytes() for j in range(5)}) > 1  # each image on its own noise
+    assert panel["names"][0] == f"base\ncolour diversity {summary['results']['base']['diversity_color']:.3f}"
+    assert all(text.endswith("of 5 right") for column in panel["captions"] for text, _ in column)
+    assert Image.open(out / "diversity.png").size[0] == 220 + 2 * (5 * 128 + 4 * 4 + 4)
