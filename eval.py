@@ -760,7 +760,8 @@ def main(argv=None):
         captions = [[(f"{len(s)} sources, the first" if len(s) > 1 else "", None) for s in sources]] + captions
     paths = save_compare_grid(args.out, cells, heads, [prompts[i] for i in rows],
                               [f"{tags[i]} #{i}".strip() for i in rows], captions, key=key, fps=args.fps)
-    if columns[0].ndim == 4 and (panel := diversity_groups(prompts, metadata)):  # several images of one prompt
+    if columns[0].ndim == 4 and not any(kw["source_images"]) and (panel := diversity_groups(prompts, metadata)):
+        # several images of one prompt (an edit model's repeats edit other sources: not one prompt's spread)
         paths.append(save_diversity_panel(os.path.join(args.out, "diversity.png"), panel, columns, results, tables,
                                           labels, prompts, tags))
     paths.append(save_bars(os.path.join(args.out, "bars.png"), labels, tables,

@@ -282,20 +282,21 @@ def test_the_edit_grid_shows_each_source_before_base_and_checkpoint(tmp_path, mo
     real = evaluation.save_compare_grid
 
     def keep(folder, columns, names, prompts, notes, captions, **kw):
-        shown.update(columns=columns, names=names, prompts=prompts, captions=captions)
+        shown.update(columns=columns, names=names, rows=[int(n.split("#")[1]) for n in notes], captions=captions)
         return real(folder, columns, names, prompts, notes, captions, **kw)
     monkeypatch.setattr(evaluation, "save_compare_grid", keep)
     monkeypatch.chdir(ROOT)
     evaluation.main(["--model", "shapes-edit", "--prompts", "prompts/shapes_edit_unseen.jsonl", "--input-key", "prompt",
                      "--metadata-key", "", "--reward", "shapes_edit", "--resolution", "32", "--eval-steps", "2",
-                     "--max-prompts", "3", "--grid-all", "--out", str(tmp_path / "eval")])
+                     "--max-prompts", "60", "--grid-rows", "3", "--out", str(tmp_path / "eval")])
     _, metadata = data.load_prompts(os.path.join(ROOT, "prompts", "shapes_edit_unseen.jsonl"), input_key="prompt",
                                     metadata_key="")
     assert shown["names"][0] == "source" and shown["names"][1].startswith("base")
     assert len(shown["columns"]) == 2 and shown["columns"][0].shape == (3, 32, 32, 3)
-    for row in range(3):
-        assert np.array_equal(shown["columns"][0][row], data.source_images(metadata[row])[0])
-        assert not np.array_equal(np.asarray(shown["columns"][1][row]), shown["columns"][0][row])  # a sample, not it
+    for cell, row in enumerate(shown["rows"]):  # the grid's rows, as it chose them
+        assert np.array_equal(shown["columns"][0][cell], data.source_images(metadata[row])[0])
+        assert not np.array_equal(np.asarray(shown["columns"][1][cell]), shown["columns"][0][cell])  # a sample
     assert shown["captions"][0] == [("", None)] * 3 and (tmp_path / "eval" / "grid.png").is_file()
+    assert not (tmp_path / "eval" / "diversity.png").exists()  # an edit's repeats edit other sources
     tall = evaluation.source_column([[], data.source_images(metadata[0])], (64, 48))  # enlarged; black for none
     assert tall.shape == (2, 64, 48, 3) and not tall[0].any() and tall[1].any()
