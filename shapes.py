@@ -620,17 +620,18 @@ def write_edit_prompts(folder="prompts", seed=0):
     removals (the other is "remove the white square", one instruction)."""
     for offset, split_name in enumerate(("train", "test")):
         rng = np.random.default_rng(seed + offset)
-        rows = [_edit_row(rng, kind, split_name, i, folder) for i, kind in
-                enumerate(k for k in EDITS for _ in range(EDIT_ROWS[split_name]))]
+        kinds = [kind for kind in EDITS for _ in range(EDIT_ROWS[split_name])]
+        rows = [_edit_row(*edit_example(rng, kind)[:2], split_name, i, folder) for i, kind in enumerate(kinds)]
         _write_edit_rows(folder, split_name, rows)
-    seen = {r["prompt"] for r in _read_jsonl(os.path.join(folder, "shapes_edit_train.jsonl"))}
+        if split_name == "train":
+            seen = {r["prompt"] for r in rows}  # the instructions the unseen split must avoid
     rng, rows = np.random.default_rng(seed + 2), []
     for kind in UNSEEN_EDITS:
         kept = 0
         while kept < EDIT_ROWS["test"]:
             row, source, _ = edit_example(rng, kind)
             if row["prompt"] not in seen:  # repeats among the unseen rows are allowed: other scenes, as in test
-                rows.append(_edit_row_from(row, source, "unseen", len(rows), folder))
+                rows.append(_edit_row(row, source, "unseen", len(rows), folder))
                 kept += 1
     _write_edit_rows(folder, "unseen", rows)
 
@@ -638,12 +639,8 @@ def write_edit_prompts(folder="prompts", seed=0):
 UNSEEN_EDITS = ("add", "recolor")  # the kinds whose instructions can be held out (write_edit_prompts)
 
 
-def _edit_row(rng, kind, split_name, index, folder):
-    row, source, _ = edit_example(rng, kind)
-    return _edit_row_from(row, source, split_name, index, folder)
-
-
-def _edit_row_from(row, source, split_name, index, folder):
+def _edit_row(row, source, split_name, index, folder):
+    """A prompt-file row for edit_example's (row, source): the source saved as its split's index-th PNG."""
     from PIL import Image
     name = f"shapes_edit/{split_name}/{index:04d}.png"
     os.makedirs(os.path.join(folder, "shapes_edit", split_name), exist_ok=True)
@@ -657,11 +654,6 @@ def _write_edit_rows(folder, split_name, rows):
         for row in rows:
             f.write(json.dumps(row) + "\n")
     print(f"wrote {path}: {len(rows)} rows, sources in {os.path.join(folder, 'shapes_edit', split_name)}")
-
-
-def _read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 # The edit model: FLUX.1 Kontext's pipeline (the `flux-kontext` family of families.py) at toy size in pixel space.
