@@ -275,6 +275,29 @@ def test_edit_rl_raises_held_out_edit_accuracy_on_three_seeds(tmp_path):
     assert sum(rises) / 3 >= 0.10, rises
 
 
+
+@pytest.mark.slow
+def test_edit_rl_holds_on_seeds_the_preset_was_not_chosen_on(tmp_path):
+    """The same command on seeds 3 and 4 (the preset was chosen on seed 2; docs/shapes.md, "On seeds the preset was
+    not chosen on": +0.123 +- 0.024 and +0.145 +- 0.024, one thread each, as here): each rises by 3 or more paired
+    standard errors, the rises average 0.10 or more, and no kind of edit ends more than 0.03 under its step 0.
+    Seed 7 did not meet this bar (+0.043 +- 0.025 as reported); seeds 5 and 6 are not measured yet."""
+    import subprocess
+    import sys
+    rises = []
+    for seed in (3, 4):
+        out = tmp_path / f"edit{seed}"
+        subprocess.run([sys.executable, "train.py", "--model", "shapes-edit", "--seed", str(seed), "--out", str(out)],
+                       cwd=ROOT, check=True, timeout=5400, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                       stdout=subprocess.DEVNULL)
+        rows = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+        first, last = rows[0], rows[-1]
+        assert last["step"] == 100 and last["rise"] >= 3 * last["rise_se"], (seed, last["rise"], last["rise_se"])
+        for kind in shapes.EDITS:
+            assert last[f"edit_{kind}"] >= first[f"edit_{kind}"] - 0.03, (seed, kind, first, last)
+        rises.append(last["rise"])
+    assert sum(rises) / len(rises) >= 0.10, rises
+
 def test_the_edit_grid_shows_each_source_before_base_and_checkpoint(tmp_path, monkeypatch):
     """eval.py on an edit model: the grid's first column is what each edit started from, at the samples' size."""
     import eval as evaluation
