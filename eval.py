@@ -754,7 +754,7 @@ def main(argv=None):
         heads = [f"{label}\nreward {t['reward']:+.4f}" for label, t in zip(labels, tables)]
         key = f"under each sample: its reward; under each name: the mean over all {len(prompts)} prompts"
     cells, captions = [c[rows] for c in columns], [[c[i] for i in rows] for c in captions]
-    sources = [data.source_images(metadata[i]) for i in rows]
+    sources = [kw["source_images"][i] for i in rows]  # read once, for the sampling
     if columns[0].ndim == 4 and any(sources):  # an edit model: what each edit started from comes first
         cells, heads = [source_column(sources, columns[0].shape[1:3])] + cells, ["source"] + heads
         captions = [[(f"{len(s)} sources, the first" if len(s) > 1 else "", None) for s in sources]] + captions
