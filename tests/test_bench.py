@@ -5,12 +5,12 @@ No wall-clock thresholds here: speed is what bench.py reports, never what a test
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 
 import bench
+import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 2 prompts x 2 samples, one rollout batch of 4, 4 denoising steps at 32 px (full fine-tune, no KL: tiny's preset);
@@ -24,7 +24,7 @@ def run_bench(tmp_path, *flags, train_flags=SMALL):
     path = tmp_path / "bench.json"
     cmd = [sys.executable, "bench.py", "--model", "tiny", "--steps", "1", "--warmup", "1", "--repeats", "2", "--threads", "1",
            "--json", str(path), *flags, "--", *train_flags]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = forkserver.run(cmd, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(path.read_text()), proc.stdout
 
@@ -128,7 +128,7 @@ def test_windows_speedups(tmp_path):
     path = tmp_path / "windows.json"
     cmd = [sys.executable, "bench.py", "--windows", "--model", "tiny", "--steps", "1", "--warmup", "1", "--repeats", "1", "--threads", "1",
            "--json", str(path), "--", *SMALL_FULL, "--num-steps", "6"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = forkserver.run(cmd, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(path.read_text())
     assert set(result["speedup_vs_all"]) == set(bench.WINDOWS)
@@ -159,7 +159,7 @@ def test_losses_side_by_side(tmp_path):
     path = tmp_path / "losses.json"
     cmd = [sys.executable, "bench.py", "--losses", "--model", "tiny", "--steps", "1", "--warmup", "1", "--repeats", "1",
            "--threads", "1", "--json", str(path), "--", *SMALL, "--train-timesteps", "2"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = forkserver.run(cmd, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(path.read_text())
     assert result["speedup_vs_grpo"]["grpo"] == 1.0 and set(result["losses"]) == set(bench.LOSSES)
@@ -178,8 +178,8 @@ def test_losses_side_by_side(tmp_path):
 
 def test_reward_throughput_times_every_offline_scorer(tmp_path):
     path = tmp_path / "rewards.json"
-    proc = subprocess.run([sys.executable, "bench.py", "--rewards", "--reward-images", "2", "--reward-size", "64",
-                           "--ocr-workers", "1", "--json", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = forkserver.run([sys.executable, "bench.py", "--rewards", "--reward-images", "2", "--reward-size", "64",
+                           "--ocr-workers", "1", "--json", str(path)], cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(path.read_text())
     rates = result["reward_images_per_s"]

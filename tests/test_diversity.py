@@ -4,7 +4,6 @@ DINOv2 and CLIP), with one error line naming the flag when the weights are not t
 
 import math
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 import diversity
+import forkserver
 import shapes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,9 +117,9 @@ def test_feature_models_from_a_local_folder(tmp_path, name, make, dim):
 def test_missing_weights_fail_in_one_line_naming_the_flag(tmp_path):
     with pytest.raises(ValueError, match="--diversity-path"):
         diversity.featurizer("dinov2", str(tmp_path / "absent"))
-    proc = subprocess.run([sys.executable, "train.py", "--model", "tiny", "--steps", "1", "--out", str(tmp_path / "run"),
+    proc = forkserver.run([sys.executable, "train.py", "--model", "tiny", "--steps", "1", "--out", str(tmp_path / "run"),
                            "--diversity", "dinov2", "--diversity-path", str(tmp_path / "absent")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, timeout=300)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and lines[-1].startswith("error: --diversity dinov2") and "--diversity-path" in lines[-1]
     assert "Traceback" not in proc.stderr
@@ -132,12 +132,13 @@ def test_train_logs_diversity_per_step_and_per_evaluation(tmp_path):
     held_out = tmp_path / "held_out.jsonl"
     held_out.write_text("".join(json.dumps(r) + "\n" for r in rows * 3))  # 4 prompts, 3 images each
     path, out = tiny_dinov2(tmp_path / "dinov2"), tmp_path / "run"
-    subprocess.run([sys.executable, "train.py", "--model", "tiny", "--prompts", "prompts/shapes_train.jsonl",
+    done = forkserver.run([sys.executable, "train.py", "--model", "tiny", "--prompts", "prompts/shapes_train.jsonl",
                     "--input-key", "prompt", "--eval-prompts", str(held_out), "--reward", "geneval",
                     "--geneval-detector", "shapes", "--prompts-per-step", "2", "--group-size", "4",
                     "--sample-batch-size", "4", "--train-batch-size", "4", "--num-steps", "2", "--eval-steps", "2",
                     "--resolution", "32", "--steps", "1", "--eval-every", "1", "--diversity", "dinov2",
-                    "--diversity-path", path, "--out", str(out)], cwd=ROOT, check=True, capture_output=True, timeout=600)
+                    "--diversity-path", path, "--out", str(out)], cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
     step = [json.loads(line) for line in open(out / "metrics.jsonl")][-1]
     assert 0 <= step["diversity_features"] <= 2
     evals = [json.loads(line) for line in open(out / "eval.jsonl")]

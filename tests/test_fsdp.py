@@ -3,11 +3,12 @@
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # tests/test_train.py's SMALL run, as a full fine-tune with two optimizer steps per step (the second one off-policy)
@@ -28,7 +29,7 @@ def torchrun(out, *flags):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *FLAGS,
            "--out", str(out), *flags]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    proc = forkserver.run(cmd, cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -119,8 +120,8 @@ def test_fsdp_and_ddp_are_the_same_algorithm(runs):
 
 
 def test_fsdp_with_lora_is_refused_in_one_line():
-    proc = subprocess.run([sys.executable, "train.py", "--fsdp", "--lora-rank", "4", "--steps", "1"], cwd=ROOT,
-                          capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=120)
+    proc = forkserver.run([sys.executable, "train.py", "--fsdp", "--lora-rank", "4", "--steps", "1"], cwd=ROOT,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=120)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "--fsdp" in proc.stderr.strip().splitlines()[-1] and "--lora-rank 0" in proc.stderr.strip().splitlines()[-1]
 

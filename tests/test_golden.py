@@ -18,11 +18,12 @@ import hashlib
 import json
 import os
 import platform
-import subprocess
 import sys
 
 import pytest
 import torch
+
+import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(ROOT, "tests", "golden.json")
@@ -125,8 +126,7 @@ def run_all(root):
     out = os.path.join(root, FSDP)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *SMALL,
            "--lora-rank", "0", "--fsdp", "--minibatches", "2", "--train-batch-size", "2", "--steps", "2", "--out", out]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"))
+    proc = forkserver.run(cmd, cwd=ROOT, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     results[FSDP] = digest(out)
     return results

@@ -13,6 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 sys.path.insert(0, ROOT)
 import league  # noqa: E402
+import forkserver  # noqa: E402
 import train  # noqa: E402
 
 TAGS = ["single_object", "two_object", "counting", "colors", "position", "color_attr"]
@@ -160,8 +161,8 @@ def test_table_has_the_six_tags_the_lr_the_samples_the_minutes_command_and_machi
 
 def test_report_of_a_missing_folder_is_one_error_line(tmp_path):
     missing = tmp_path / "nothing"
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "league.py"), "--report", "--out",
-                           str(missing)], capture_output=True, text=True, timeout=300)
+    done = forkserver.run([sys.executable, os.path.join(ROOT, "scripts", "league.py"), "--report", "--out",
+                           str(missing)], timeout=300)
     assert done.returncode != 0
     assert done.stderr.strip().splitlines() == [f"error: {missing} is not a folder: run the league first "
                                                 "(python scripts/league.py), or give the --out it wrote"]

@@ -1,11 +1,12 @@
 """Subprocess runs of the real command lines on the tiny model: every loss and sampler, resume, DDP, eval."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small but complete: 2 prompts x 4 samples, 4 denoising steps (3 trained), 32 px.
@@ -16,7 +17,7 @@ SMALL = ["--model", "tiny", "--prompts-per-step", "2", "--group-size", "4", "--s
 def run(cmd, tmp_path, *, check=True, env=None, timeout=300):
     full_env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     full_env.update(env or {})
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=full_env, timeout=timeout)
+    proc = forkserver.run(cmd, cwd=ROOT, env=full_env, timeout=timeout)  # a fork of a process that imported train
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc

@@ -1,0 +1,253 @@
+"""`python train.py ...` for the tests, as a fork of one process that has imported the project already.
+
+A tiny two-step run takes about 10 s of CPU, 7 of them importing torch, diffusers, peft and scipy; the suite starts
+such a run about a hundred times. One server per pytest worker imports it all once and forks a child for each run:
+the child is a fresh process (its own pid, signals, exit status, files) that starts where the imports end. A
+`torchrun --standalone --nproc_per_node=N` of a script becomes N forked ranks with torchrun's worker environment,
+the others stopped when one fails, as torchrun's agent does.
+
+    proc = forkserver.run([sys.executable, "train.py", ...], cwd=ROOT, env=env, timeout=300)  # a CompletedProcess
+
+`run` falls back to a real subprocess where a fork could differ from one: another interpreter or `-c` / `-m`, an
+environment that differs from the server's beyond the thread count, or FLOW_RL_TEST_FORK=0 (every run a subprocess,
+to check that both agree). What the child redoes so that it starts as a new process would: the working directory,
+the environment, the project's own modules (imported anew: a few read the environment when imported), stdin / stdout / stderr, sys.argv and sys.path[0], torch's thread count and default seed, Python's
+and numpy's global seeds from the OS; at its end the interpreter's own exit steps (non-daemon threads joined, atexit
+handlers, flushed streams).
+"""
+import atexit
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # applied in the child with torch.set_num_threads
+PER_TEST = ("PYTEST_CURRENT_TEST",)
+BASE_PATH = []  # the server's sys.path as a new interpreter starts it, less the script's folder  # pytest's, set anew for every test; read by nothing at import
+
+
+# --- the server ------------------------------------------------------------------------------------------------------
+
+def _exit_code(exc):
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)  # sys.exit("message"), as the interpreter prints it
+    return 1
+
+
+def _child(request):
+    code = 1
+    try:
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        for fd, path, flags in ((0, os.devnull, os.O_RDONLY),
+                                (1, request["stdout"], os.O_WRONLY | os.O_APPEND),  # ranks share them
+                                (2, request["stderr"], os.O_WRONLY | os.O_APPEND)):
+            opened = os.open(path, flags, 0o644)
+            os.dup2(opened, fd)
+            os.close(opened)
+        import random
+
+        import numpy
+        import torch
+        random.seed()
+        numpy.random.seed()
+        torch.random.default_generator.manual_seed(torch.random.default_generator.initial_seed())
+        threads = request["env"].get("OMP_NUM_THREADS")
+        if threads and threads.isdigit() and int(threads) > 0:
+            torch.set_num_threads(int(threads))
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for name, module in list(sys.modules.items()):  # the project's own modules import anew, as in a new process:
+            path = getattr(module, "__file__", None) or ""  # some read the environment when imported (the ranks)
+            if path.startswith(ROOT + os.sep) and not path.startswith(os.path.join(ROOT, "tests") + os.sep):
+                del sys.modules[name]
+        sys.argv = list(request["argv"])
+        sys.path[:] = [os.path.dirname(os.path.abspath(sys.argv[0]))] + BASE_PATH  # as `python script.py` has it
+        import runpy
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code(exc)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    try:  # the interpreter's own exit: wait for non-daemon threads, run atexit handlers, flush
+        threading._shutdown()
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def serve():
+    """Reads one JSON request a line from stdin: a run, or a "group" of runs (the ranks of a torchrun); answers
+    {"pids"} when the children start and {"code"} when they have all ended."""
+    BASE_PATH[:] = sys.path[1:]  # less this file's folder
+    sys.path.insert(0, ROOT)
+    import diffusers  # noqa: F401  the imports every run pays for
+    import scipy.stats  # noqa: F401
+    import eval  # noqa: F401
+    import train  # noqa: F401
+    reply = sys.stdout
+    reply.write('{"ready": true}\n')
+    reply.flush()
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pids = []
+        for one in request.get("group", [request]):
+            pid = os.fork()
+            if pid == 0:
+                _child(one)
+            pids.append(pid)
+        reply.write(json.dumps({"pids": pids}) + "\n")
+        reply.flush()
+        codes = {}
+        while len(codes) < len(pids):
+            pid, status = os.wait()
+            codes[pid] = os.waitstatus_to_exitcode(status)
+            if codes[pid] != 0:  # as torchrun: one rank failed, the others are stopped
+                for other in set(pids) - set(codes):
+                    os.kill(other, signal.SIGTERM)
+        code = codes[pids[0]] if "group" not in request else int(any(codes.values()))
+        reply.write(json.dumps({"code": code}) + "\n")
+        reply.flush()
+
+
+# --- the client, in the pytest worker --------------------------------------------------------------------------------
+
+_server = None  # (Popen, its environment)
+
+
+def _start(env):
+    global _server
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)], cwd=ROOT, env=env, bufsize=0,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc.pending = b""
+    if (_read(proc, 120) or {}).get("ready"):
+        _server = (proc, dict(env))
+    else:
+        proc.kill()
+        _server = (None, dict(env))  # failed to start: every run a subprocess
+
+
+def _torchrun(cmd):
+    """(ranks, the script's argv) of `python -m torch.distributed.run --standalone --nproc_per_node=N script.py ...`;
+    None for any other command, or other launcher options."""
+    if cmd[:3] != [sys.executable, "-m", "torch.distributed.run"]:
+        return None
+    rest, ranks, standalone = list(cmd[3:]), "", False
+    while rest and rest[0].startswith("--"):
+        option = rest.pop(0)
+        if option == "--standalone":
+            standalone = True
+        elif option.startswith(("--nproc_per_node=", "--nproc-per-node=")):
+            ranks = option.split("=", 1)[1]
+        elif option in ("--nproc_per_node", "--nproc-per-node") and rest:
+            ranks = rest.pop(0)
+        else:
+            return None
+    if not standalone or not ranks.isdigit() or int(ranks) < 1 or not rest or not rest[0].endswith(".py"):
+        return None
+    return int(ranks), rest
+
+
+def _rank_env(env, rank, ranks, port):
+    """The environment torchrun's local agent gives a worker (torch/distributed/elastic/agent/server/
+    local_elastic_agent.py), with rank 0 hosting the rendezvous store (no agent store)."""
+    return dict(env, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_NAME="default",
+                LOCAL_WORLD_SIZE=str(ranks), WORLD_SIZE=str(ranks), GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(ranks),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
+                TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none", TORCHELASTIC_USE_AGENT_STORE="False",
+                OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _forkable(cmd, env):
+    if os.environ.get("FLOW_RL_TEST_FORK", "1") == "0" or not hasattr(os, "fork"):
+        return False
+    single = len(cmd) >= 2 and cmd[0] == sys.executable and cmd[1].endswith(".py")
+    if not single and _torchrun(cmd) is None:
+        return False
+    if _server is not None:
+        differs = {k for k in set(env) | set(_server[1]) if env.get(k) != _server[1].get(k)}
+        if differs - set(THREAD_VARS) - set(PER_TEST):
+            return False
+    return True
+
+
+def _read(proc, timeout):
+    """The server's next reply, or None after `timeout` seconds (None: no limit) or when it has exited. Reads the pipe
+    unbuffered: a buffered readline could hold the next reply where select() cannot see it."""
+    fd = proc.stdout.fileno()
+    while b"\n" not in proc.pending:
+        if not select.select([fd], [], [], timeout)[0]:
+            return None
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return None
+        proc.pending += chunk
+    line, proc.pending = proc.pending.split(b"\n", 1)
+    return json.loads(line)
+
+
+def run(cmd, *, cwd=ROOT, env=None, timeout=None):
+    """subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout), forked where it can;
+    `python -m torch.distributed.run --standalone --nproc_per_node=N script.py ...` as N forked ranks."""
+    env = dict(os.environ if env is None else env)
+    if not _forkable(cmd, env):
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if _server is None:
+        _start(env)
+    proc = _server[0]
+    if proc is None or proc.poll() is not None:
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        open(out, "w").close()
+        open(err, "w").close()
+        base = dict(cwd=os.path.abspath(cwd), stdout=out, stderr=err)
+        launch = _torchrun(cmd)
+        if launch is None:
+            request = dict(base, argv=cmd[1:], env=env)
+        else:
+            ranks, argv, port = *launch, _free_port()
+            request = dict(group=[dict(base, argv=argv, env=_rank_env(env, r, ranks, port)) for r in range(ranks)])
+        proc.stdin.write(json.dumps(request).encode() + b"\n")
+        pids = _read(proc, 60)["pids"]
+        done = _read(proc, timeout)
+        if done is None:  # past the timeout: kill the children, as subprocess.run does
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            _read(proc, 60)
+            raise subprocess.TimeoutExpired(cmd, timeout, output=_text(out), stderr=_text(err))
+        return subprocess.CompletedProcess(cmd, done["code"], _text(out), _text(err))
+
+
+def _text(path):
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+if __name__ == "__main__":
+    serve()

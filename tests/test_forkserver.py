@@ -1,0 +1,79 @@
+"""tests/forkserver.py, which runs most of the suite's `python train.py` commands: a forked run is the run a new
+process makes (the same numbers, weights, output and exit status), a torchrun of N ranks is N ranks, and a run past
+its timeout is killed."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file
+
+import forkserver
+from test_train import ROOT, SMALL
+
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+TIMING = ("seconds",)
+
+
+def rows(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(TIMING)} for line in f]
+
+
+def test_a_forked_run_is_the_run_a_new_process_makes(tmp_path):
+    cmd = [sys.executable, "train.py", *SMALL, "--steps", "2", "--save-every", "2"]
+    fresh = subprocess.run(cmd + ["--out", str(tmp_path / "fresh")], cwd=ROOT, env=ENV, capture_output=True,
+                           text=True, timeout=300)
+    forked = forkserver.run(cmd + ["--out", str(tmp_path / "forked")], env=ENV, timeout=300)
+    assert fresh.returncode == forked.returncode == 0, forked.stderr[-3000:]
+    assert rows(tmp_path / "fresh") == rows(tmp_path / "forked")
+    weights = [load_file(tmp_path / run / "checkpoints" / "2" / "trainable.safetensors") for run in ("fresh", "forked")]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(weights[0][k].equal(weights[1][k]) for k in weights[0])  # bit for bit
+    lines = [[line.split(" | ")[:3] for line in p.stdout.splitlines()] for p in (fresh, forked)]  # less the timings
+    assert [line for line in lines[0] if "/tmp" not in str(line)] == [line for line in lines[1] if "/tmp" not in str(line)]
+
+
+def test_a_refusal_reads_and_exits_as_from_a_new_process():
+    cmd = [sys.executable, "train.py", "--lr", "nan"]
+    fresh = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    forked = forkserver.run(cmd, env=ENV, timeout=300)
+    assert fresh.returncode == forked.returncode == 2
+    assert fresh.stderr == forked.stderr and "Traceback" not in forked.stderr
+
+
+def test_torchrun_ranks_see_their_ranks_and_a_failing_rank_fails_the_launch(tmp_path):
+    script = tmp_path / "ranks.py"
+    script.write_text("import os, sys\nimport torch.distributed as dist\n"
+                      "dist.init_process_group('gloo')\n"
+                      "t = __import__('torch').tensor([float(dist.get_rank() + 1)])\n"
+                      "dist.all_reduce(t)\n"
+                      "print(os.environ['RANK'], os.environ['LOCAL_WORLD_SIZE'], int(t.item()))\n"
+                      "dist.destroy_process_group()\n"
+                      "sys.exit(3 if sys.argv[1:] == ['fail'] and os.environ['RANK'] == '1' else 0)\n")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    done = forkserver.run(launch, env=ENV, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(done.stdout.split("\n")[:2]) == ["0 2 3", "1 2 3"]  # both ranks, the sum over both
+    assert forkserver.run(launch + ["fail"], env=ENV, timeout=120).returncode == 1  # torchrun's code for a failure
+
+
+def test_a_run_past_its_timeout_is_killed(tmp_path):
+    script = tmp_path / "sleeps.py"
+    script.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
+    with pytest.raises(subprocess.TimeoutExpired) as expired:
+        forkserver.run([sys.executable, str(script)], env=ENV, timeout=5)
+    assert "started" in expired.value.output
+    assert forkserver.run([sys.executable, "-c", "print(1)"], env=ENV, timeout=60).stdout == "1\n"  # not forked
+
+
+def test_another_environment_runs_as_a_subprocess(monkeypatch):
+    assert forkserver._forkable([sys.executable, "train.py"], dict(ENV))
+    forkserver.run([sys.executable, "-c", "pass"], env=ENV)  # starts nothing: -c is never forked
+    monkeypatch.setattr(forkserver, "_server", (None, dict(ENV)))
+    assert not forkserver._forkable([sys.executable, "train.py"], dict(ENV, PYTHONPATH="/elsewhere"))
+    assert forkserver._forkable([sys.executable, "train.py"], dict(ENV, OMP_NUM_THREADS="2"))
+    assert not forkserver._forkable([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "train.py"], ENV)
+    monkeypatch.setenv("FLOW_RL_TEST_FORK", "0")
+    assert not forkserver._forkable([sys.executable, "train.py"], dict(ENV))
