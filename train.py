@@ -91,11 +91,19 @@ Where this departs from the papers, and why
    training noise in fp16 (L1215-1220), here float32. Both draw each step's prompts as a fresh random subset
    (DistributedKRepeatSampler), here every prompt once per epoch (data.step_prompt_ids); both group advantages by the
    prompt's text, here by its place in the step, so duplicate lines of a prompt file stay separate groups.
-13. --gardo-diversity scales this project's advantages (normalised by the group's std and clipped) where GARDO's
-   tracker scales the raw centred reward, undivided (flow_grpo/stat_tracking.py L135), so its size stays that of
-   every other loss's advantages; features come from --diversity (DINOv2 or CLIP through transformers), GARDO's
-   from DINOv3 ViT-L/16 through timm; a group of identical images keeps weight 1 where GARDO divides 0 by 0.
-   GARDO's gated KL and adaptive reference are functions of regularizers.py, not yet flags.
+13. GARDO (regularizers.py; G = its scripts/train_sd3_grpo_gardo.py, N = train_sd3_nft_gardo.py) acts on every loss
+   here, where its scripts wire it into GRPO and DiffusionNFT. --gardo-diversity scales this project's advantages
+   (normalised by the group's std and clipped) where GARDO's tracker scales the raw centred reward, undivided
+   (flow_grpo/stat_tracking.py L135), so its size stays that of every other loss's advantages; features come from
+   --diversity (DINOv2 or CLIP through transformers), GARDO's from DINOv3 ViT-L/16 through timm; a group of identical
+   images keeps weight 1 where GARDO divides 0 by 0. --gardo-gate ranks the kept samples (groups a failed reward
+   service dropped never carry the KL), ties in the sort's stable order. --gardo-reference keeps its snapshot as a
+   float32 copy of the trained weights exchanged in place (as the old copy of 8), where GARDO keeps a second peft
+   adapter: it also serves full fine-tunes (N L990-991 asserts LoRA), and every reader of the reference (DGPO's
+   --dgpo-reference base too) reads the snapshot. The renewal waits for a step that trains (a skipped step neither
+   renews nor measures); its trigger is a fixed --gardo-kl-thres on the KL as --kl-form scales it, where N starts at
+   0.15 and nudges it after each renewal (L777-780). At --kl-beta 0 both rules are off, where N still computes its
+   reference velocity. The gate's share and the snapshot are saved and resumed; GARDO's scripts restart both.
 14. Qwen-Image-Edit's VL encoder is shown the resized source image, as diffusers' pipeline shows it. Flow-GRPO hands
    it the preprocessed tensor in [-1, 1] (qwenimage_edit_pipeline_with_logprob.py L76-84), which the Qwen2-VL
    processor still rescales by 1/255: an almost uniform image (every pixel value within 0.015 of -mean/std), so its
@@ -647,6 +655,9 @@ def parse_args(argv=None):
         args.lora_alpha = float(args.lora_rank)
     if args.train_cfg is None:
         args.train_cfg = args.guidance_scale > 1 and args.model not in GUIDANCE_EMBEDDED
+    if args.kl_beta == 0 and (args.gardo_gate or args.gardo_reference):  # e.g. a GARDO recipe + --kl-beta 0 (a full
+        print0("warning: --kl-beta 0 leaves no KL term for --gardo-gate / --gardo-reference to shape: both are off")
+        args.gardo_gate, args.gardo_reference = None, False  # fine-tune without a snapshot): nothing to gate or renew
     return p, args
 
 
@@ -769,8 +780,6 @@ def check_args(p, args, world_size):
     if args.kl_beta > 0 and args.lora_rank == 0 and not args.gardo_reference:
         p.error("--kl-beta > 0 needs a LoRA adapter (the reference is the base model with it disabled): "
                 "set --lora-rank > 0, --kl-beta 0, or --gardo-reference (a snapshot of the weights as the reference)")
-    if (args.gardo_gate or args.gardo_reference) and not args.kl_beta > 0:
-        p.error("--gardo-gate and --gardo-reference shape the KL term, which --kl-beta 0 leaves out: set --kl-beta > 0")
     if args.gardo_reset_freq < 1 or args.gardo_kl_thres < 0:
         p.error(f"--gardo-reset-freq {args.gardo_reset_freq} / --gardo-kl-thres {args.gardo_kl_thres:g}: a number of "
                 "steps >= 1 and a KL >= 0")

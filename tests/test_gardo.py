@@ -95,10 +95,12 @@ def test_the_gated_kl_term_is_beta_times_the_mean_over_the_flagged_samples(name)
         assert info["kl"].item() == plain_info["kl"].item() and none.item() == plain.item()
 
 
-def test_the_gate_needs_a_kl_and_scored_auxiliary_rewards(gate, capsys):
+def test_the_gate_needs_scored_auxiliary_rewards_and_both_rules_a_kl(gate, capsys):
     base = ["--model", "tiny", "--lora-rank", "4"]
-    for flags, needle in ((["--gardo-gate", "custom"], "--kl-beta > 0"),
-                          (["--kl-beta", "0.1", "--gardo-gate", "custom"], "components of --reward"),
+    _, args = train.parse_args(base + [*gate[0], *gate[1], "--gardo-reference", "--kl-beta", "0"])
+    assert args.gardo_gate is None and not args.gardo_reference  # no KL term: said, and both off
+    assert "--kl-beta 0 leaves no KL term" in capsys.readouterr().out
+    for flags, needle in ((["--kl-beta", "0.1", "--gardo-gate", "custom"], "components of --reward"),
                           ([*gate[0], "--kl-beta", "0.1", "--gardo-gate", "jpeg_compressibility"],
                            "other than the trained"),
                           (["--kl-beta", "0.1", "--gardo-reference", "--gardo-reset-freq", "0"], "--gardo-reset-freq")):
