@@ -189,3 +189,34 @@ def test_the_forward_process_renews_its_reference_and_gates_as_well(tmp_path, ga
     assert all(torch.equal(ref[n], before[n]) for n in ref)
     resumed = train_in_process(tmp_path / "resumed", *flags, "--resume", str(tmp_path / "full" / "checkpoints" / "1"))
     assert same_rows(full[1:], resumed)
+
+
+@pytest.mark.slow  # two torchrun launches of two processes: about a minute on two cores
+def test_two_processes_share_the_gate_and_a_sharded_snapshot_that_resumes_exactly(tmp_path, gate):
+    """Under torchrun, a full fine-tune sharded by FSDP keeps a KL through the snapshot (no base model to switch to):
+    the gate ranks both ranks' samples, the snapshot is sharded like the weights, gathered into reference.safetensors,
+    renewed at the due step and scattered back on resume, which then continues as the uninterrupted run."""
+    import subprocess
+    import sys
+    flags = [*SMALL, "--log-images-every", "0", "--train-batch-size", "2", "--steps", "3", "--save-every", "1",
+             "--keep-checkpoints", "9", "--lora-rank", "0", "--fsdp", "--mixed-precision", "bf16", "--kl-beta", "0.1",
+             *gate[0], *gate[1], "--gardo-reference", "--gardo-reset-freq", "1"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def torchrun(out, *extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+               *flags, "--out", str(out), *extra]
+        proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return metrics(str(out))
+    full = torchrun(tmp_path / "full")
+    assert [r["gardo_reset"] for r in full] == [0, 0, 1] and full[2]["gardo_kl_max"] == 0  # every rank's KL: 0
+    assert (full[1]["gardo_kl_max"] > 0) == (full[1]["gardo_flagged"] > 0)  # over the ranks (G L1041)
+    assert all(r["gardo_flagged"] <= 0.25 for r in full)  # a share of the 8 samples of both ranks
+    ref, before = weights(tmp_path / "full", 3, "reference"), weights(tmp_path / "full", 2, "trainable")
+    assert all(torch.equal(ref[n], before[n]) for n in ref)
+    resumed = torchrun(tmp_path / "resumed", "--resume", str(tmp_path / "full" / "checkpoints" / "1"))
+    assert same_rows(full[1:], resumed)
+    last = weights(tmp_path / "resumed", 3, "reference")
+    assert all(torch.equal(last[n], ref[n]) for n in last)
