@@ -7,6 +7,7 @@ A run folder (`--out`) holds
     samples/              sample grids
     checkpoints/<step>/   trainable.safetensors (weights by parameter name), optimizer.pt, rng.pt, state.json,
                           ema.safetensors (EMA on), old.safetensors (the old policy of --loss nft / awm),
+                          reference.safetensors (GARDO's reference snapshot, --gardo-reference),
                           lora/ (LoRA runs: loads with diffusers' load_lora_weights; it holds the EMA weights
                           when the run keeps an EMA, the live ones otherwise)
 
@@ -26,8 +27,8 @@ torch.load(weights_only=True).
     swapped(trainable, weights)   context: the trained parameters hold another copy of their weights inside
     ema_weights(params, ema)   context: the trained parameters hold their EMA inside, their live values after
 
-`copies` are further {name: tensor} copies of the trained weights, kept beside them: {"ema": ..., "old": ...}
-(COPIES), None where a run keeps none; each is saved as <name>.safetensors and restored exactly.
+`copies` are further {name: tensor} copies of the trained weights, kept beside them: {"ema": ..., "old": ...,
+"reference": ...} (COPIES), None where a run keeps none; each is saved as <name>.safetensors and restored exactly.
 """
 import contextlib
 import datetime
@@ -46,7 +47,8 @@ from safetensors import SafetensorError
 
 import distributed
 
-COPIES = ("ema", "old")  # the evaluation EMA; the old (sampling, anchor) policy of the forward-process losses
+COPIES = ("ema", "old", "reference")  # the evaluation EMA; the old (sampling, anchor) policy of the forward-process
+# losses; GARDO's KL reference snapshot
 
 
 def checkpoint_dirs(out):

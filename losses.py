@@ -42,6 +42,7 @@ from typing import Callable, NamedTuple
 import torch
 
 import flags
+import regularizers
 import sde
 
 
@@ -247,12 +248,18 @@ def kl_penalty(mean, ref_mean, std, *, dt=None):
         kl = mean_dims((mean - ref_mean)^2) / (2 std^2 / |dt|) = exact KL x |dt|
     which weights the steps by their length. (Its cps sampler returns the transition std itself, so
     there its form is the exact one: pass dt=None.) Returns (mean over samples, info)."""
+    kl = _kl_per_sample(mean, ref_mean, std, dt)  # [B]
+    return kl.mean(), {"kl_mean": kl.detach().mean(), "kl_max": kl.detach().max()}
+
+
+def _kl_per_sample(mean, ref_mean, std, dt):
+    """kl_penalty's KL of each sample, [B]."""
     kl = _sq_dist(mean, ref_mean) / (2 * _per_sample(std, mean) ** 2)  # [B]
     if dt is not None:
         dt = _per_sample(dt, mean)
         _require(dt < 0, "kl_penalty: dt = s' - s must be negative")
         kl = kl * -dt
-    return kl.mean(), {"kl_mean": kl.detach().mean(), "kl_max": kl.detach().max()}
+    return kl
 
 
 def guard_loss(log_prob, old_log_prob, mean, old_mean, std, dt, adv, *, clip_range, adv_clip=None):
@@ -549,33 +556,43 @@ def dgpo_loss(v, v_ref, x0, eps, adv, unit, *, beta, group_size, v_old=None, cli
 #     old_log_prob [b]   ... recorded by the rollout;   mean, old_mean [b, ...]: the transition means, now and then
 #     std [b]            the transition std;   dt [b]: s' - s < 0;   adv [b]
 #     sigma, sigma_next [b]   the step's noise levels s, s';   schedule [T + 1]: the rollout's sigmas
-#     ref_mean [b, ...]  the frozen base model's transition mean (only with --kl-beta > 0)
+#     ref_mean [b, ...]  the frozen reference's transition mean (--kl-beta > 0; the base, or --gardo-reference)
 #   forward process (one training sigma of each of b samples; train.py's forward_terms):
 #     v [b, ...]         the current velocity at x_t = (1 - sigma) x0 + sigma noise;   x_t, x0, noise [b, ...]
 #     sigma [b]          the training sigma;   adv [b]
-#     v_old [b, ...]     the old copy's velocity at x_t (Loss.old_copy);   v_ref [b, ...]: the base's (--kl-beta > 0)
+#     v_old [b, ...]     the old copy's velocity at x_t (Loss.old_copy);   v_ref [b, ...]: the reference's (--kl-beta)
 #     old_stat [b]       Loss.old_stat of the weights before the batch's first optimizer step (after it; else None)
 #     unit [b]           each sample's pair or group in the micro-batch (Loss.unit; 0 .. b - 1 for "sample")
+#   both, with --gardo-gate: kl_gate [b] bool, the samples whose KL term counts (regularizers.py; absent: every one)
 #
 # and returns (loss, info) as the functions above. Everything else about an algorithm that train.py needs is a field
 # of its record in LOSSES, so that adding one is a function, a registry line and its flags (README, "Adding a loss").
 
 
+def _gated(kl, t, empty):
+    """The KL term from the per-sample kl [b]: their mean, or with GARDO's gate (t["kl_gate"] [b] bool, the samples
+    whose KL counts: regularizers.py) the mean over the flagged samples."""
+    gate = t.get("kl_gate")
+    return kl.mean() if gate is None else regularizers.gated_kl(kl, gate, empty=empty)
+
+
 def _reference_kl(value, info, t, *, kl_beta, kl_form, sde, **_):
-    """+ kl_beta KL to the frozen base model (LoRA off) of the step's Gaussian transitions (kl_penalty; Flow-GRPO's
-    |dt|-weighted form unless --kl-form exact; the cps step's own form is the exact one, as in Flow-GRPO)."""
+    """+ kl_beta KL to the frozen reference (the base model, LoRA off; GARDO's snapshot) of the step's Gaussian
+    transitions (kl_penalty; Flow-GRPO's |dt|-weighted form unless --kl-form exact; the cps step's own form is the
+    exact one, as in Flow-GRPO). Gated: no flagged sample, no KL term (GARDO's GRPO)."""
     if kl_beta > 0:
         dt = None if kl_form == "exact" or sde == "cps" else t["dt"]
-        kl, _ = kl_penalty(t["mean"], t["ref_mean"], t["std"], dt=dt)
+        kl = _gated(_kl_per_sample(t["mean"], t["ref_mean"], t["std"], dt), t, "zero")
         value = value + kl_beta * kl
         info["kl"] = kl.detach()
     return value, info
 
 
 def _velocity_reference_kl(value, info, t, *, kl_beta, **_):
-    """+ kl_beta velocity-space KL to the frozen base model (DiffusionNFT L966-970, AWM L1337)."""
+    """+ kl_beta velocity-space KL to the frozen reference (DiffusionNFT L966-970, AWM L1337; velocity_kl). Gated: no
+    flagged sample, every sample's (GARDO's DiffusionNFT)."""
     if kl_beta > 0:
-        kl, _ = velocity_kl(t["v"], t["v_ref"])
+        kl = _gated(_sq_dist(t["v"], t["v_ref"]), t, "all")
         value = value + kl_beta * kl
         info["kl"] = kl.detach()
     return value, info

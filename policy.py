@@ -1,13 +1,15 @@
 """The trained policy: the pipeline, the weights that train, how they are sharded and stepped, and their copies.
 
     policy = Policy(args, device)      load the model; LoRA adapter or every weight; FSDP2 shards or DDP; compile;
-                                       AdamW; fp16 loss scaling; the evaluation EMA and the old copy (float32)
+                                       AdamW; fp16 loss scaling; the evaluation EMA, the old copy and GARDO's
+                                       reference snapshot (float32)
     policy.velocity(x, sigma, embeds, guidance_scale, train=False)   a forward (train: through DDP / compile)
-    policy.frozen("old" | "reference") context: the old copy's weights, or the base model (LoRA off)
+    policy.frozen("old" | "reference") context: the old copy's weights, or the KL reference: the base model (LoRA
+                                       off), or with --gardo-reference the snapshot
     policy.sync_gradients(last)        before a training forward: reduce gradients over ranks after it or not
     policy.backward(loss)              backward (fp16: of the scaled loss)
     policy.step() -> "ok" | "overflow" | "skipped", grad norm      one optimizer step (clip; skip non-finite)
-    policy.update_old(decay), policy.ema_weights()
+    policy.update_old(decay), policy.reset_reference(), policy.ema_weights()
     policy.checkpoint(args, step, device, extra) / policy.resume(path, args)
 
 The algorithm lives in train.py and losses.py; this is what they run it on.
@@ -63,11 +65,17 @@ class Policy:
         # log-probs underflow its range (26 % of the gradient norm lost on the tiny model). Off: each call a no-op.
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
         self.amp_dtype, self.device, self.args = amp_dtype, device, args
-        self.copies = {"ema": self._copy() if args.ema_decay > 0 else None, "old": self._copy() if old_copy else None}
+        self.copies = self._copies(args, old_copy)
         self.optimizer_steps = 0  # all of the run's, for the EMA warm-up and the old copy's decay
 
     def _copy(self):  # float32, sharded like the trained weights under FSDP
         return {n: q.detach().float().clone() for n, q in self.trainable}
+
+    def _copies(self, args, old_copy):
+        """The copies of the trained weights the run keeps, each a copy of them now (checkpoints.COPIES): the
+        evaluation EMA, the loss's old copy, GARDO's reference snapshot (G L636-641: a copy of the trained LoRA)."""
+        return {"ema": self._copy() if args.ema_decay > 0 else None, "old": self._copy() if old_copy else None,
+                "reference": self._copy() if getattr(args, "gardo_reference", False) else None}
 
     # ------------------------------------------------------------------------- forwards
     def autocast(self):
@@ -85,8 +93,10 @@ class Policy:
     @contextlib.contextmanager
     def frozen(self, name):
         """Inside, the transformer runs a frozen model, without gradients: "old", the old copy of the weights
-        (exchanged in place, checkpoints.swapped), or "reference", the base model (the LoRA adapter off)."""
-        with torch.no_grad(), (checkpoints.swapped(self.trainable, self.copies["old"]) if name == "old"
+        (exchanged in place, checkpoints.swapped), or "reference", the KL anchor: the base model (the LoRA adapter
+        off), or GARDO's snapshot where the run keeps one (exchanged in place as the old copy)."""
+        snapshot = self.copies["old"] if name == "old" else self.copies.get("reference")
+        with torch.no_grad(), (checkpoints.swapped(self.trainable, snapshot) if snapshot is not None
                                else models.reference(self.pipe)):
             yield
 
@@ -142,6 +152,10 @@ class Policy:
         """old <- decay old + (1 - decay) current (decay 0 copies exactly)."""
         _lerp(self.copies["old"], self.trainable, 1 - decay)
 
+    def reset_reference(self):
+        """GARDO's reference snapshot <- the current weights, exactly (G L790-792)."""
+        _lerp(self.copies["reference"], self.trainable, 1.0)  # lerp at weight 1 is `end` itself (torch.lerp)
+
     def ema_weights(self):
         """Context: the trained weights hold their EMA (what is evaluated and exported), if the run keeps one."""
         return checkpoints.ema_weights(dict(self.trainable), self.copies["ema"])
@@ -161,9 +175,11 @@ class Policy:
         self.optimizer_steps = state.get("optimizer_steps", 0)
         if state.get("grad_scaler") and self.scaler.is_enabled():  # fp16: the loss scale continues where it was
             self.scaler.load_state_dict(state["grad_scaler"])
-        for name in self.copies:  # the EMA and the old policy continue where they were (if this run keeps them);
-            if self.copies[name] is not None and name in saved:  # load put them beside the weights, in float32
-                self.copies[name] = saved[name]
+        for name in self.copies:  # the EMA, the old policy and the reference snapshot continue where they were (if
+            if self.copies[name] is not None and name in saved:  # this run keeps them); load put them beside the
+                self.copies[name] = saved[name]  # weights, in float32
+        if self.copies["reference"] is not None and "reference" not in saved:  # from a run without one: a snapshot
+            self.reset_reference()  # of the weights it resumes from
         return state
 
 

@@ -34,7 +34,14 @@ S = flow_grpo/stat_tracking.py, C = config/gardo.py. What they do, and where thi
   distance is the MINIMUM of 1 - cos to the others (S L120-124, named avg_distances); samples at or above the group
   mean reward get (r - mean) x d_i / mean_group(d), those below it (r - mean) x 1 (S L127); NOT divided by the
   group's std (S L135). Kept as written, without the std.
+
+The flags (add_arguments; train.py composes them with every loss, departure 13): --gardo-gate AUX,... (the gated KL,
+AUX naming components of --reward that are scored and not trained), --gardo-reference with --gardo-reset-freq and
+--gardo-kl-thres (the adaptive reference: a third copy of the trained weights in policy.py, beside the EMA and the old
+copy, saved with every checkpoint), --gardo-diversity (the advantage). The gate's share and the reference's last
+renewal are carried from step to step in run.carry and resumed exactly.
 """
+import argparse
 
 import torch
 
@@ -88,12 +95,12 @@ def kl_gate(u, fraction):
 
 def gated_kl(kl, flagged, *, empty="zero"):
     """The KL term over the flagged samples only: kl [N] per sample, flagged [N] bool -> scalar mean over them.
-    No flagged sample: 0 (GRPO, G L988-989) or the mean over all (`empty="all"`, DiffusionNFT, N L1054-1056)."""
-    if flagged.any():
-        return kl[flagged].mean()
-    if empty == "all":
-        return kl.mean()
-    return kl.sum() * 0.0  # keeps the graph and the dtype
+    No flagged sample: 0 (GRPO, G L988-989) or the mean over all (`empty="all"`, DiffusionNFT, N L1054-1056).
+    Written as a weighted sum, without a branch on the flags: no wait for the GPU (G L983 reads them on the host)."""
+    weight = flagged.to(kl.dtype)  # [N]
+    if empty == "all":  # none flagged: every sample
+        weight = torch.where(weight.sum() > 0, weight, torch.ones_like(weight))
+    return (kl * weight).sum() / weight.sum().clamp(min=1)  # none flagged, "zero": 0, the graph kept
 
 
 def reference_due(step, last_reset, max_kl, *, reset_freq, kl_thres):
@@ -145,9 +152,34 @@ def diversity_advantages(rewards, features, groups):
 
 
 def add_arguments(parser):
-    """GARDO's flags (train.py composes them with every loss)."""
+    """GARDO's flags (train.py composes them with every loss and checks their values: flags.py's types sit beside
+    this module, in its layer)."""
     group = parser.add_argument_group("GARDO (regularizers.py)")
     group.add_argument("--gardo-diversity", action="store_true",
                        help="diversity-aware advantage (GARDO): each positive advantage times its sample's nearest "
                             "feature distance in its group over the group's mean; the features of --diversity")
+    group.add_argument("--gardo-gate", type=_names, default=None, metavar="AUX[,AUX...]",
+                       help="gated KL (GARDO): the KL term (--kl-beta) only on the samples that the trained reward "
+                            "(--reward-key) ranks furthest below where these auxiliary rewards rank them on average: "
+                            "components of --reward, scored and not trained (GARDO: aesthetic,imagereward); their "
+                            "share adapts from 0.1 within [0.02, 0.2], carried across steps and checkpoints")
+    group.add_argument("--gardo-reference", action="store_true",
+                       help="adaptive reference (GARDO): the KL anchor (--kl-beta) is a snapshot of the trained "
+                            "weights, taken at the start and renewed at the start of a step once an optimizer step's "
+                            "KL since the last renewal exceeded --gardo-kl-thres, or more than --gardo-reset-freq "
+                            "steps after it; with LoRA in place of the base model, and possible without LoRA")
+    group.add_argument("--gardo-reset-freq", type=int, default=15,
+                       help="--gardo-reference: steps after which the snapshot is renewed at the latest (GARDO: 15)")
+    group.add_argument("--gardo-kl-thres", type=float, default=3e-4,
+                       help="--gardo-reference: a KL term (an optimizer step's mean, over ranks) above this renews the "
+                            "snapshot at the next step (GARDO's GRPO: 3e-4 in Flow-GRPO's KL form; its DiffusionNFT "
+                            "script: 0.15 on the velocity KL)")
     return group
+
+
+def _names(text):
+    """'aesthetic,imagereward' -> ['aesthetic', 'imagereward']."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("name at least one auxiliary reward, e.g. aesthetic,imagereward")
+    return names

@@ -2,6 +2,8 @@
 
     run = Run(args)                 before any model loads: --out checked and locked, the checkpoint to resume found
     run.start(policy, held_out, reward_fn)   resume (weights, Adam, copies, RNG, counters) or start; args.json; wandb
+    run.carry                       {name: JSON value}: the algorithm's state carried from step to step (GARDO's gate
+                                    share, its reference's last reset), saved in state.json and resumed with the run
     run.wait_for_rewards(pending, step) -> Rewards(scores, dropped, skip)
     run.log(step, info, batch, got) metrics.jsonl (and wandb), the step line, the sample grid, the held-out
                                     evaluation (eval.jsonl) when due; skipped steps too
@@ -99,6 +101,7 @@ class Run:
             check_loggers(args)  # before prepare: --overwrite must not delete a run that then fails to log
         self.resume_from, self.stale = checkpoints.prepare(args)  # verified, or None; the old run's files
         self.step = self.bad_in_a_row = self.trained = 0  # trained: steps of this process that updated the weights
+        self.carry = {}  # train.py's state across steps (JSON values), checkpointed
         self.signal, self.policy, self.wandb, self.tensorboard, self.ratio_warned = None, None, None, None, False
         self.pool = ThreadPoolExecutor(max_workers=1)  # scores batch b while batch b + 1 is sampled
         self.bar, self.marks, self.last_skip = None, {}, None
@@ -119,6 +122,7 @@ class Run:
         if self.resume_from:
             state = policy.resume(self.resume_from, args)
             self.step, self.bad_in_a_row = state["step"], state.get("bad_in_a_row", 0)
+            self.carry = state.get("carry", {})
             print0(f"resumed from {self.resume_from} at step {self.step}")
             if self.step >= args.steps:
                 print0(f"the run is already at step {self.step} of --steps {args.steps}: nothing to train; "
@@ -244,7 +248,7 @@ class Run:
 
     # ------------------------------------------------------------------------- LOG / SAVE
     def _state(self):  # what a checkpoint's state.json carries besides the step
-        return dict(bad_in_a_row=self.bad_in_a_row)
+        return dict(bad_in_a_row=self.bad_in_a_row, carry=self.carry)
 
     def log(self, step, info, batch, got):
         """The step's metrics (a row of metrics.jsonl, wandb) and line; a skipped step (info has a skip_reason) is

@@ -91,11 +91,19 @@ Where this departs from the papers, and why
    training noise in fp16 (L1215-1220), here float32. Both draw each step's prompts as a fresh random subset
    (DistributedKRepeatSampler), here every prompt once per epoch (data.step_prompt_ids); both group advantages by the
    prompt's text, here by its place in the step, so duplicate lines of a prompt file stay separate groups.
-13. --gardo-diversity scales this project's advantages (normalised by the group's std and clipped) where GARDO's
-   tracker scales the raw centred reward, undivided (flow_grpo/stat_tracking.py L135), so its size stays that of
-   every other loss's advantages; features come from --diversity (DINOv2 or CLIP through transformers), GARDO's
-   from DINOv3 ViT-L/16 through timm; a group of identical images keeps weight 1 where GARDO divides 0 by 0.
-   GARDO's gated KL and adaptive reference are functions of regularizers.py, not yet flags.
+13. GARDO (regularizers.py; G = its scripts/train_sd3_grpo_gardo.py, N = train_sd3_nft_gardo.py) acts on every loss
+   here, where its scripts wire it into GRPO and DiffusionNFT. --gardo-diversity scales this project's advantages
+   (normalised by the group's std and clipped) where GARDO's tracker scales the raw centred reward, undivided
+   (flow_grpo/stat_tracking.py L135), so its size stays that of every other loss's advantages; features come from
+   --diversity (DINOv2 or CLIP through transformers), GARDO's from DINOv3 ViT-L/16 through timm; a group of identical
+   images keeps weight 1 where GARDO divides 0 by 0. --gardo-gate ranks the kept samples (groups a failed reward
+   service dropped never carry the KL), ties in the sort's stable order. --gardo-reference keeps its snapshot as a
+   float32 copy of the trained weights exchanged in place (as the old copy of 8), where GARDO keeps a second peft
+   adapter: it also serves full fine-tunes (N L990-991 asserts LoRA), and every reader of the reference (DGPO's
+   --dgpo-reference base too) reads the snapshot. The renewal waits for a step that trains (a skipped step neither
+   renews nor measures); its trigger is a fixed --gardo-kl-thres on the KL as --kl-form scales it, where N starts at
+   0.15 and nudges it after each renewal (L777-780). At --kl-beta 0 both rules are off, where N still computes its
+   reference velocity. The gate's share and the snapshot are saved and resumed; GARDO's scripts restart both.
 14. Qwen-Image-Edit's VL encoder is shown the resized source image, as diffusers' pipeline shows it. Flow-GRPO hands
    it the preprocessed tensor in [-1, 1] (qwenimage_edit_pipeline_with_logprob.py L76-84), which the Qwen2-VL
    processor still rescales by 1/255: an almost uniform image (every pixel value within 0.015 of -mean/std), so its
@@ -162,7 +170,7 @@ def main(argv=None, *, on_step=None):
         info = {"skip_reason": got.skip} if got.skip else {}
         if not got.skip:
             # ================================================================= ADVANTAGES
-            adv, info = advantages(got, loss, args, step, per_rank, batch)
+            adv, info = advantages(got, loss, args, step, per_rank, batch, run.carry)
             # ================================================================= TRAINING
             info |= train_on_batch(policy, loss, batch, adv, sigmas, args, step, run)
         # ===================================================================== LOG / EVAL / SAVE
@@ -263,10 +271,11 @@ def guidance_scales(args):
 
 
 # ----------------------------------------------------------------------------- ADVANTAGES
-def advantages(got, loss, args, step, per_rank, batch):
+def advantages(got, loss, args, step, per_rank, batch, carry):
     """Group-relative advantages over every rank's rewards (each group normalised over all its members, then this
     rank's slice; with --gardo-diversity the positive ones scaled by their images' novelty in the group, from
-    batch["images"]) -> ({adv [per_rank], ids: the samples to train, rank_weight}, the step's reward statistics)."""
+    batch["images"]; with --gardo-gate the samples whose KL counts, batch["kl_gate"], the gate's share carried in
+    `carry`) -> ({adv [per_rank], ids: the samples to train, rank_weight}, the step's reward statistics)."""
     device = got.dropped.device
     all_rewards = distributed.all_gather_cat(got.scores[args.reward_key].to(device))  # [samples]
     groups = torch.arange(args.prompts_per_step, device=device).repeat_interleave(args.group_size)  # [samples]
@@ -289,6 +298,10 @@ def advantages(got, loss, args, step, per_rank, batch):
         all_adv[keep] = all_adv[keep] * weight
         info["gardo_weight_max"] = weight.max().item()
     mine = slice(RANK * per_rank, (RANK + 1) * per_rank)
+    if args.gardo_gate:  # GARDO: the KL only where the auxiliary rewards rank a sample well above the trained one
+        flagged = gardo_gate(got, all_rewards, keep, args, carry)  # [samples] bool
+        batch["kl_gate"] = flagged[mine]  # [per_rank]: read by the loss's KL term (losses._gated)
+        info.update(gardo_fraction=carry["gate_fraction"], gardo_flagged=flagged[keep].float().mean().item())
     # Samples with advantage 0 (saturated groups, dropped groups) carry no policy gradient and leave the update
     # (departure 4); each rank keeps its micro-batch count and trains its kept samples in smaller micro-batches.
     # The forward-process losses train every sample of the kept groups, as their references (departure 8).
@@ -304,6 +317,19 @@ def advantages(got, loss, args, step, per_rank, batch):
             info[key] = torch.nanmean(distributed.all_gather_cat(value.to(device))).item()
     # DDP averages the ranks' gradients: weighting each rank by its share makes the step the mean over all samples.
     return dict(adv=all_adv[mine], ids=ids, rank_weight=WORLD * len(ids) / counts.sum().item()), info
+
+
+def gardo_gate(got, rewards, keep, args, carry):
+    """GARDO's gate over every rank's kept samples (regularizers.py, G L827-837): each one's uncertainty (its rank under
+    the trained reward less its mean rank under the --gardo-gate rewards), the share of flagged samples adapted to it
+    (its state in `carry`, saved with the run) and the flagged samples -> [samples] bool, beside `rewards`."""
+    aux = [distributed.all_gather_cat(got.scores[name].to(rewards.device))[keep].cpu() for name in args.gardo_gate]
+    u = regularizers.uncertainty(rewards[keep].cpu(), aux)  # [kept], ranks over the whole step
+    carry["gate_fraction"], carry["gate_history"] = regularizers.gate_fraction(
+        carry.get("gate_fraction", regularizers.GATE["base"]), carry.get("gate_history", []), u)
+    flagged = torch.zeros_like(keep)  # dropped groups: never flagged (they do not train)
+    flagged[keep] = regularizers.kl_gate(u, carry["gate_fraction"]).to(keep.device)
+    return flagged
 
 
 def trained_ids(loss, adv, keep, n_micro, generator, group_size):
@@ -347,11 +373,13 @@ def trained_pairs(adv, n_micro, generator):
 def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
     """--updates-per-batch passes over the trained samples, each in --minibatches optimizer steps of micro-batches;
     one loss term per micro-batch and trained step (or training sigma), built by reverse_terms / forward_terms and
-    scored by loss.fn. Then the on-policy check (departure 2) and the old copy's decay. -> the step's statistics."""
+    scored by loss.fn. Then the on-policy check (departure 2) and the old copy's decay; with --gardo-reference the
+    KL anchor renewed first when due. -> the step's statistics."""
     policy.model.train()
     hyper, train_guidance = vars(args), guidance_scales(args)[1]
     n_micro = len(batch["prompts"]) // args.train_batch_size  # micro-batches per pass, the same on every rank
-    stats, optim_steps, failed = {}, 0, {"overflow": 0, "skipped": 0}
+    stats, optim_steps, failed, step_kls = {}, 0, {"overflow": 0, "skipped": 0}, []
+    renewed = args.gardo_reference and renew_reference(policy, run.carry, args, step)  # GARDO: before any forward
     on_cpu = [adv["ids"][torch.randperm(len(adv["ids"]), generator=data.seeded(args.seed, step, RANK, u, 1))]
               for u in range(args.updates_per_batch)]  # the trained samples' order in each pass, also on the
     orders = [o.to(policy.device) for o in on_cpu]  # device: CPU indices into GPU tensors would copy them over (and
@@ -393,13 +421,35 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
                     info["loss"] = value.detach()
                     for key, val in info.items():  # 0-dim tensors, fetched once per step (host_stats)
                         stats.setdefault(key, []).append(val)
+            if args.gardo_reference:  # the optimizer step's KL term: the mean over its micro-steps (G L1040)
+                step_kls.append(torch.stack(stats["kl"][-n_terms:]).mean())
             status, grad_norm = policy.step()  # one optimizer step per minibatch; a non-finite gradient skips it
             if status != "ok":
                 failed[status] += 1
                 continue
             optim_steps += 1
             stats.setdefault("grad_norm", []).append(grad_norm)
-    return after_update(policy, loss, batch, host_stats(stats), optim_steps, failed, args, run)
+    if args.gardo_reference:  # the step's largest, each optimizer step's averaged over the ranks (G L1041)
+        stats["gardo_kl_max"] = [distributed.all_gather_cat(torch.stack(step_kls)).view(WORLD, -1).mean(0).max()]
+    info = after_update(policy, loss, batch, host_stats(stats), optim_steps, failed, args, run)
+    if args.gardo_reference:  # above --gardo-kl-thres: renewed at the next step (G L1042-1043, L789)
+        run.carry["max_kl"] = max(run.carry["max_kl"], info["gardo_kl_max"])
+        info["gardo_reset"] = int(renewed)
+    return info
+
+
+def renew_reference(policy, carry, args, step):
+    """GARDO's adaptive reference at the start of `step` (regularizers.reference_due; G L788-799): the snapshot <- the
+    current weights when a KL since the last renewal exceeded --gardo-kl-thres or more than --gardo-reset-freq steps
+    passed; its state (the last renewal, the largest KL since) in `carry`. -> whether it was renewed."""
+    carry.setdefault("last_reset", 0)
+    carry.setdefault("max_kl", 0.0)
+    due = regularizers.reference_due(step, carry["last_reset"], carry["max_kl"], reset_freq=args.gardo_reset_freq,
+                                     kl_thres=args.gardo_kl_thres)
+    if due:
+        policy.reset_reference()
+        carry.update(last_reset=step, max_kl=0.0)
+    return due
 
 
 def host_stats(stats):
@@ -419,25 +469,26 @@ def host_stats(stats):
 def reverse_terms(policy, batch, ids, sub, adv, sigmas, args):
     """The trained sampler steps of micro-batch `ids`, the j-th of every sample at a time: its input x and sigma, and
     complete(v), the step's tensors for the loss from the current velocity v (losses.py, "the algorithms"): the
-    stored transition scored by sde.sde_step, and with --kl-beta the frozen base model's mean of it."""
+    stored transition scored by sde.sde_step, and with --kl-beta the frozen reference's mean of it (policy.frozen)."""
     train_guidance = guidance_scales(args)[1]
     step = dict(kind=args.sde, eta=args.eta, sigma_max=sigmas[1].item())  # sigmas[1] stands in for s = 1, as in rollout
+    gate = batch["kl_gate"][ids] if "kl_gate" in batch else None  # [b]: --gardo-gate's samples whose KL counts
     on_device = sigmas.to(batch["latents"].device)  # indexed by the steps k, which live there
     for j in range(batch["steps"].shape[1]):
         k = batch["steps"][ids, j]  # [b]: each sample's j-th trained step
         x, x_next = batch["latents"][ids, k], batch["latents"][ids, k + 1]  # [b, ...]: its stored transition
         sigma, sigma_next = on_device[k], on_device[k + 1]  # [b]
+        ref = {}
+        if args.kl_beta > 0:  # the frozen reference, before the training forward: the base (the adapter off), or
+            with policy.frozen("reference"):  # GARDO's snapshot, exchanged in place with weights a graph would hold
+                v_ref = policy.velocity(x, sigma, sub, train_guidance)
+            ref["ref_mean"] = sde.sde_step(v_ref, x, sigma, sigma_next, prev_sample=x_next, **step).mean
 
         def complete(v):  # called before the generator moves on: x, sigma, ... are this step's
             out = sde.sde_step(v, x, sigma, sigma_next, prev_sample=x_next, **step)
-            t = dict(log_prob=out.log_prob, old_log_prob=batch["log_probs"][ids, j], mean=out.mean,
-                     old_mean=batch["means"][ids, j], std=out.std, dt=sigma_next - sigma, adv=adv, sigma=sigma,
-                     sigma_next=sigma_next, schedule=sigmas)
-            if args.kl_beta > 0:  # the frozen base: the same transformer, its adapter off
-                with policy.frozen("reference"):
-                    v_ref = policy.velocity(x, sigma, sub, train_guidance)
-                t["ref_mean"] = sde.sde_step(v_ref, x, sigma, sigma_next, prev_sample=x_next, **step).mean
-            return t
+            return dict(log_prob=out.log_prob, old_log_prob=batch["log_probs"][ids, j], mean=out.mean,
+                        old_mean=batch["means"][ids, j], std=out.std, dt=sigma_next - sigma, adv=adv, sigma=sigma,
+                        sigma_next=sigma_next, schedule=sigmas, kl_gate=gate, **ref)
         yield x, sigma, complete
 
 
@@ -453,12 +504,13 @@ def forward_terms(policy, loss, batch, ids, sub, adv, sigmas, args, key, old_sta
             with policy.frozen(name):
                 frozen[name] = [policy.velocity(x, fp["s"][:, j], sub, train_guidance) for j, x in enumerate(fp["x_t"])]
     old_stat = old_stats.get(key[1:])  # [n, b] on the optimizer steps after the batch's first, else None
+    gate = batch["kl_gate"][ids] if "kl_gate" in batch else None  # [b]: --gardo-gate's samples whose KL counts
     for j, x_t in enumerate(fp["x_t"]):
         def complete(v):
             return dict(v=v, x_t=x_t, x0=fp["x0"], noise=fp["noise"][j], sigma=fp["s"][:, j], adv=adv, unit=fp["unit"],
                         v_old=frozen["old"][j] if "old" in frozen else None,
                         v_ref=frozen["reference"][j] if "reference" in frozen else None,
-                        old_stat=None if old_stat is None else old_stat[j])
+                        old_stat=None if old_stat is None else old_stat[j], kl_gate=gate)
         yield x_t, fp["s"][:, j], complete
 
 
@@ -603,6 +655,9 @@ def parse_args(argv=None):
         args.lora_alpha = float(args.lora_rank)
     if args.train_cfg is None:
         args.train_cfg = args.guidance_scale > 1 and args.model not in GUIDANCE_EMBEDDED
+    if args.kl_beta == 0 and (args.gardo_gate or args.gardo_reference):  # e.g. a GARDO recipe + --kl-beta 0 (a full
+        print0("warning: --kl-beta 0 leaves no KL term for --gardo-gate / --gardo-reference to shape: both are off")
+        args.gardo_gate, args.gardo_reference = None, False  # fine-tune without a snapshot): nothing to gate or renew
     return p, args
 
 
@@ -722,9 +777,12 @@ def check_args(p, args, world_size):
     if args.fsdp and (args.lora_rank > 0 or world_size == 1):
         p.error("--fsdp shards a full fine-tune over processes: use it with --lora-rank 0 under torchrun "
                 "--nproc_per_node N > 1 (LoRA runs use DDP)")
-    if args.kl_beta > 0 and args.lora_rank == 0:
+    if args.kl_beta > 0 and args.lora_rank == 0 and not args.gardo_reference:
         p.error("--kl-beta > 0 needs a LoRA adapter (the reference is the base model with it disabled): "
-                "set --lora-rank > 0 or --kl-beta 0")
+                "set --lora-rank > 0, --kl-beta 0, or --gardo-reference (a snapshot of the weights as the reference)")
+    if args.gardo_reset_freq < 1 or args.gardo_kl_thres < 0:
+        p.error(f"--gardo-reset-freq {args.gardo_reset_freq} / --gardo-kl-thres {args.gardo_kl_thres:g}: a number of "
+                "steps >= 1 and a KL >= 0")
     if loss.reference and loss.reference(vars(args)) and args.lora_rank == 0:
         p.error(f"--loss {args.loss} compares with the base model, which is the LoRA adapter disabled: set "
                 "--lora-rank > 0, or point the loss's reference at the old copy (its flags: --help)")
@@ -754,6 +812,11 @@ def check_args(p, args, world_size):
         p.error(str(e))
     if args.reward_key != "reward" and args.reward_key not in components and "custom" not in components:
         p.error(f"--reward-key {args.reward_key!r} is not a component of --reward {args.reward!r}")
+    for name in args.gardo_gate or []:  # scored beside the trained reward, never trained on
+        if name not in components or name == args.reward_key:
+            p.error(f"--gardo-gate {name}: name components of --reward {args.reward!r} other than the trained one "
+                    f"(--reward-key {args.reward_key}), e.g. --reward ocr=1,aesthetic=0,imagereward=0 --reward-key ocr "
+                    "--gardo-gate aesthetic,imagereward")
     if args.reward_combine == "advantage" and args.reward_key != "reward":
         p.error("--reward-combine advantage trains on every component of --reward: drop --reward-key")
     if args.reward_combine == "advantage" and not sum(w for _, w in rewards.parse_spec(args.reward)) > 0:

@@ -110,7 +110,7 @@ class StubPolicy(policy_mod.Policy):
         self.trainable = list(self.transformer.named_parameters())
         self.optimizer = torch.optim.AdamW([q for _, q in self.trainable], lr=1e-2)
         self.scaler = torch.amp.GradScaler("cpu", enabled=False)
-        self.copies = {"ema": self._copy() if args.ema_decay > 0 else None, "old": self._copy() if old_copy else None}
+        self.copies = self._copies(args, old_copy)  # the EMA, the old copy, GARDO's reference snapshot
         self.optimizer_steps, self.reference_on = 0, False
 
     def velocity(self, x, sigma, embeds, guidance_scale, *, train=False):
@@ -122,8 +122,8 @@ class StubPolicy(policy_mod.Policy):
 
     @contextlib.contextmanager
     def frozen(self, name):
-        if name == "old":
-            with super().frozen("old"):
+        if name == "old" or self.copies["reference"] is not None:  # Policy's own swaps (--gardo-reference's snapshot)
+            with super().frozen(name):
                 yield
             return
         self.reference_on = True
@@ -327,6 +327,8 @@ def batch_for(loss, args, policy, n=4, channels=4, side=8):
 
 
 class StubRun:
+    carry = None  # train.py's state across steps (GARDO's)
+
     def warn_ratio(self, deviation, limit, cause):
         pass
 
@@ -443,3 +445,35 @@ def test_qwen_image_and_z_image_roll_out_from_cached_prompts_without_reading_the
                                        generator=torch.Generator().manual_seed(1))
         assert traj["latents"].device == traj["log_probs"].device == cuda
         assert images.device.type == "cpu" and images.dtype == torch.uint8 and images.shape == (2, 64, 64, 3)
+
+
+GARDO = ["--kl-beta", "0.01", "--reward", "jpeg_compressibility=1,jpeg_incompressibility=0", "--reward-key",
+         "jpeg_compressibility", "--gardo-gate", "jpeg_incompressibility", "--gardo-reference"]
+
+
+@pytest.mark.parametrize("name", ["grpo", "nft"])
+def test_the_gardo_reference_resumes_renews_and_gates_on_the_device(name, tmp_path, monkeypatch):
+    """GARDO's reference snapshot (a third copy of the weights) read from a checkpoint lands beside the weights, as the
+    EMA and the old copy must (bug 1 above), and a step then renews it and swaps it in there; the gated KL
+    (batch["kl_gate"] on the device) is taken without reading the device back."""
+    args = parse(name, *GARDO)
+    loss = losses.LOSSES[name]
+    path, cpu = write_checkpoint(tmp_path, args)
+    assert os.path.isfile(os.path.join(path, "reference.safetensors")) and cpu.copies["reference"] is not None
+    monkeypatch.setattr(train, "host_stats", lambda stats: {k: [0.0] * len(v) for k, v in stats.items()})
+    rewards, groups = torch.tensor([1.0, 0.0, 0.25, 0.5]), torch.tensor([0, 0, 1, 1])
+    adv_cpu = loss.advantages(rewards, groups, global_std=False, clip=5.0)
+    ids = train.trained_ids(loss, adv_cpu, torch.ones(4, dtype=torch.bool), 4 // args.train_batch_size,
+                            torch.Generator().manual_seed(0), args.group_size)
+    run = StubRun()
+    run.carry = {"last_reset": 0, "max_kl": 1.0}  # a KL above --gardo-kl-thres since the last renewal
+    with fake_cuda() as cuda:
+        policy = StubPolicy(args, cuda, old_copy=bool(loss.old_copy and loss.old_copy(vars(args))))
+        policy.resume(path, args)
+        assert_beside(policy)
+        batch = batch_for(loss, args, policy)
+        batch["kl_gate"] = torch.tensor([True, False, False, True], device=cuda)
+        info = train.train_on_batch(policy, loss, batch, dict(adv=adv_cpu.to(cuda), ids=ids, rank_weight=1.0),
+                                    sde.sd3_sigmas(args.num_steps), args, 1, run)
+        assert info["gardo_reset"] == 1 and run.carry["last_reset"] == 1
+        assert_beside(policy)

@@ -261,6 +261,25 @@ GPUS = {"wan_ocr_grpo.args": (1,), "sd3_sft_geneval.args": (1,), "sd3_dpo_geneva
         **{f"sd3_{loss}_{task}.args": (8,) for loss in ("nft", "awm")
                                        for task in ("geneval", "pickscore", "ocr")}}  # where not 8, 16 and 32
 
+# GARDO tinnerhrhe/GARDO at 1cc77fb, config/gardo.py general_ocr_sd3 (C) over compressibility and config/base.py (B),
+# as scripts/train_sd3_grpo_gardo.py (G) runs it. Flow-GRPO's general_ocr_sd3 with: C L138 timestep_fraction 0.89
+# (int(10 x 0.89) = 8 trained steps, G L367, L945); C L136 gradient accumulation 16 // 2 = 8 of C L132's 16 rollout
+# batches (48 prompts at C L118 gpu_number 8), and G L1050-1051 steps the EMA (G L471: decay 0.9, interval 8) after
+# each micro-batch -> --ema-repeat 8; C L159-167 reward_fn ocr 0.8, aesthetic 0.1, imagereward 0.1, of which G
+# L800-802 trains C L157's main_reward 'ocr' alone and L827-834 ranks the other two for the gate; C L100 reset_freq
+# 15, C L107 kl_thres 3e-4 (G L789, L1042); C L93 algorithm 'gardo' (G L825: the diversity-aware advantage, DINOv3
+# features at G L625-631, here DINOv2's). Kept from Flow-GRPO's: C L115-117 10 steps, 40 at eval, CFG 4.5; C L129-131
+# 512 px, batch 9, 24 per prompt; C L140 beta 0.04 in Flow-GRPO's form (sd3_sde_with_logprob.py L50, G L984-985); C
+# L148-149 global std, EMA; C L155-156 save and eval every 60; B L24 fp16, L61 noise level 0.7, L76 lr 3e-4, L82
+# weight decay 1e-4, L89 max grad norm 1, L95 CFG in training, L97 adv clip 5, L99 clip range 1e-4 (G L976-977 reads
+# train.clip_range: C L153-154's clip_range_low / high are unused); G L451-453 LoRA r32 / alpha 64; G L566 128 tokens.
+TABLE["sd3_gardo_grpo_ocr.args"] = ("GARDO config/gardo.py general_ocr_sd3 (scripts/train_sd3_grpo_gardo.py)", dict(
+    FLOW_GRPO_OCR, timestep_fraction=0.89, ema_repeat=8, reward="ocr=0.8,aesthetic=0.1,imagereward=0.1",
+    reward_key="ocr", gardo_gate=["aesthetic", "imagereward"], gardo_reference=True, gardo_reset_freq=15,
+    gardo_kl_thres=3e-4, gardo_diversity=True, diversity="dinov2"))
+OPTIMIZER["sd3_gardo_grpo_ocr.args"] = (2, 576)
+GPUS["sd3_gardo_grpo_ocr.args"] = (8, 16)  # C L118; scripts/multi_node/sd3_grpo_gardo.sh L14 runs 16
+
 
 def stated_flags(recipe):
     """The flag names a recipe file sets itself (not inherited from a preset), as argparse dests."""

@@ -24,17 +24,33 @@ TWIN = {"sd3": ["--model", "tiny"], "flux": ["--model", "tiny"], "wan": ["--mode
 
 @pytest.fixture(scope="module")
 def tiny_reward_models(tmp_path_factory):
-    """Stand-ins for the hub reward models: tiny random PickScore, HPS and ImageReward built from configs, and for GenEval's
-    detector and colour classifier a tiny random Mask2Former (80 labels) and open_clip model."""
+    """Stand-ins for the hub reward models: tiny random PickScore, HPS, ImageReward and aesthetic predictor built from
+    configs, and for GenEval's detector and colour classifier a tiny random Mask2Former (80 labels) and open_clip
+    model."""
     folder = str(tmp_path_factory.mktemp("reward_models"))
     pick = models.tiny_pickscore(os.path.join(folder, "pickscore"))
     hps_name, hps_path = models.tiny_hps(os.path.join(folder, "hps"))
     image_reward = os.path.join(folder, "imagereward")
     models.tiny_imagereward(image_reward)
+    aesthetic_clip, aesthetic_mlp = models.tiny_aesthetic(os.path.join(folder, "aesthetic"))
     return ["--pickscore-model-path", pick, "--pickscore-processor-path", pick, "--image-similarity-model-path", pick,
             "--hps-checkpoint-path", hps_path, "--hps-model-name", hps_name,
             "--imagereward-model-path", image_reward, "--imagereward-tokenizer-path", image_reward,
+            "--aesthetic-clip-path", aesthetic_clip, "--aesthetic-mlp-path", aesthetic_mlp,
             *tiny_geneval_models(os.path.join(folder, "geneval"))]
+
+
+@pytest.fixture(scope="module")
+def tiny_dinov2(tmp_path_factory):
+    """A stand-in for the DINOv2 image features of --diversity dinov2 (GARDO's diversity-aware advantage)."""
+    import torch
+    from transformers import Dinov2Config, Dinov2Model
+
+    folder = tmp_path_factory.mktemp("dinov2")
+    torch.manual_seed(0)
+    Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                             image_size=32, patch_size=8)).save_pretrained(folder)
+    return str(folder)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +110,7 @@ def test_every_published_setup_has_a_recipe():
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[os.path.basename(r) for r in RECIPES])
-def test_recipe_runs_one_step_on_tiny(recipe, tmp_path, tiny_reward_models, counting_edits, monkeypatch):
+def test_recipe_runs_one_step_on_tiny(recipe, tmp_path, tiny_reward_models, counting_edits, tiny_dinov2, monkeypatch):
     monkeypatch.chdir(ROOT)
     parser, published = train.parse_args([f"@{recipe}"])
     assert published.model in TWIN
@@ -102,6 +118,8 @@ def test_recipe_runs_one_step_on_tiny(recipe, tmp_path, tiny_reward_models, coun
     shrink = SHRINK + TWIN[published.model]
     if losses.LOSSES[published.loss].unit == "group":  # micro-batches of whole groups (DGPO)
         shrink += ["--train-batch-size", "4"]
+    if published.diversity != "off":  # image features (GARDO's advantage): a tiny model of the family
+        shrink += ["--diversity-path", tiny_dinov2]
     if not os.path.exists(published.prompts):  # the edit recipes name the authors' prompt files, not shipped
         shrink += ["--prompts", counting_edits, "--eval-prompts", counting_edits]
     train.main([f"@{recipe}", *shrink, *tiny_reward_models, "--steps", "1", "--out", out])
