@@ -26,8 +26,8 @@ torch.load(weights_only=True).
     swapped(trainable, weights)   context: the trained parameters hold another copy of their weights inside
     ema_weights(params, ema)   context: the trained parameters hold their EMA inside, their live values after
 
-`copies` are further {name: tensor} copies of the trained weights, kept beside them: {"ema": ..., "old": ...}
-(COPIES), None where a run keeps none; each is saved as <name>.safetensors and restored exactly.
+`copies` are further {name: tensor} copies of the trained weights, kept beside them: {"ema": ..., "old": ...,
+"sampling": ...} (COPIES), None where a run keeps none; each is saved as <name>.safetensors and restored exactly.
 """
 import contextlib
 import datetime
@@ -46,7 +46,8 @@ from safetensors import SafetensorError
 
 import distributed
 
-COPIES = ("ema", "old")  # the evaluation EMA; the old (sampling, anchor) policy of the forward-process losses
+COPIES = ("ema", "old", "sampling")  # the evaluation EMA; the old (sampling, anchor) policy of the forward-process
+# losses; the rollouts' own copy where a loss keeps one apart from the old (CRD)
 
 
 def checkpoint_dirs(out):

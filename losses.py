@@ -738,6 +738,10 @@ class Loss(NamedTuple):
     # [chosen, rejected] rows; "group", every sample of a group (one noise for all its sigmas)
     old_velocity: bool = True  # forward, with an old copy: the loss reads its velocity v_old (a forward per term)
     reference: Callable = None  # flags -> True when it reads the base model's v_ref / ref_mean even at --kl-beta 0
+    reference_guidance: Callable = None  # forward: flags -> the guidance scale of the base model's v_ref, where it is
+    # not the training forward's (CRD's KL anchor: the base with CFG)
+    sampling_copy: Callable = None  # flags -> True when rollouts run a copy of their own, neither the trained weights
+    # nor the old copy, decayed after each step by --sampling-decay (CRD's sampling snapshot)
 
 
 # Defaults of the forward-process losses: CFG-free (guidance 1 on CFG models; FLUX.1 keeps its distilled guidance),
@@ -833,6 +837,9 @@ def add_arguments(parser):
                         "1 +- --clip-range in the advantage's direction (its clip_dsm)")
     g.add_argument("--dgpo-switch-step", type=flags.NONNEG_INT, default=200,
                    help="--loss dgpo: sample with the old copy after this many steps (its switch_ema_ref)")
+    g.add_argument("--sampling-decay", default=None, choices=list(OLD_DECAYS),
+                   help="--loss crd: schedule of the decay d of the rollouts' own copy, sampling <- d sampling + "
+                        "(1 - d) current after each step (default: nft-ocr, Flow-Factory's sampling_model_decay)")
     g.add_argument("--ref-update-every", type=flags.POSITIVE_INT, default=40,
                    help="--loss sft / dpo (--old-decay copy): optimizer steps between copies of the trained weights "
                         "into the sampling and reference snapshot (flow_grpo's ref_update_step: 40 online; its "
