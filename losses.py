@@ -572,7 +572,9 @@ def crd_implicit_reward(v, v_old, x0, eps, *, adaptive=True):
 def _centring_weights(a, temperature):
     """The weights of the batch means CRD centres on (crd.py L550-600): [(1/B,)] for temperature < 0 (uniform, one
     direction); else two directions, softmax(a / T) towards the high rewards and softmax(-a / T) towards the low
-    ones, T = 0 the hard choice of the samples above (below) 0 (uniform where there are none)."""
+    ones, T = 0 softmax(a) over the samples above (below) 0, uniform where there are none. As in Flow-Factory, 0 is
+    compared with the [0, 1] reward a, not with its middle 1/2: "above" is every sample but those at A <= -adv_clip,
+    "below" none (its hard choice reads as written for advantages centred on 0)."""
     if temperature < 0:
         return [torch.full_like(a, 1 / len(a))]
     if temperature > 0:
@@ -597,7 +599,7 @@ def crd_loss(r, a, *, beta, temperature=-1.0, kind="mse"):
     centrings of _centring_weights. The centre of r carries no gradient: each r_i is pulled to beta^-1 R_i alone.
     Returns (l, info)."""
     if kind not in CRD_KINDS:
-        raise ValueError(f"unknown CRD loss {kind!r}; choose one of {', '.join(CRD_KINDS)} (--crd-loss)")
+        raise ValueError(f"unknown CRD loss {kind!r}; choose one of {', '.join(CRD_KINDS)} (--crd-loss-type)")
     if r.ndim != 1 or r.shape != a.shape:
         raise ValueError(f"r and a must be [B] of one shape, got {tuple(r.shape)} and {tuple(a.shape)}")
     a = a.double()
@@ -1020,8 +1022,9 @@ def add_arguments(parser):
                    help="--loss crd: squared error of the centred rewards, or cross-entropy of beta x the implicit one "
                         "against the sigmoid of the external one")
     g.add_argument("--crd-temperature", type=float, default=-1.0,
-                   help="--loss crd: negative: centre on the micro-batch mean; 0: average a centring on the samples "
-                        "above and one on those below the mean advantage; T > 0: on softmax(+-a / T) weighted means")
+                   help="--loss crd: negative: centre on the micro-batch mean; T > 0: average the centrings on the "
+                        "softmax(a / T) and softmax(-a / T) weighted means (a the [0, 1] advantage); 0: on softmax(a) "
+                        "over the samples with a > 0 and with a < 0 (losses._centring_weights)")
     g.add_argument("--crd-old", action=argparse.BooleanOptionalAction, default=True,
                    help="--loss crd: implicit reward against the old copy (--old-decay crd); off: against the base "
                         "model (LoRA off)")
