@@ -752,6 +752,8 @@ def check_args(p, args, world_size):
     if loss.unit != "sample" and (per_rank % args.group_size or args.train_batch_size % width):
         p.error(f"--loss {args.loss} trains whole {loss.unit}s of one group's samples: make the {per_rank} samples per "
                 f"process a multiple of --group-size {args.group_size} and --train-batch-size a multiple of {width}")
+    if args.sampling_decay is not None and not (loss.sampling_copy and loss.sampling_copy(vars(args))):
+        p.error(f"--sampling-decay schedules the rollouts' own copy, which --loss {args.loss} does not keep: drop it")
     if loss.advantages is not losses.group_advantages and args.reward_combine == "advantage":
         p.error(f"--loss {args.loss} turns the rewards into its own sample weights: drop --reward-combine advantage")
     if loss.process == "forward":

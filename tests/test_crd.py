@@ -228,3 +228,12 @@ def test_rollouts_run_the_sampling_copy_both_copies_decay_and_a_resume_is_exact(
     _, args = train.parse_args(["--model", "tiny", "--loss", "nft"])
     Stub.copies = {"sampling": None, "old": {}}
     assert train.rollout_weights(Stub(), losses.LOSSES["nft"], 0, args) == "old"
+
+
+def test_a_sampling_decay_without_a_sampling_copy_is_refused(capsys):
+    p, args = train.parse_args(["--model", "tiny", "--loss", "nft", "--sampling-decay", "crd"])
+    with pytest.raises(SystemExit):
+        train.check_args(p, args, 1)
+    assert "--sampling-decay" in capsys.readouterr().err
+    p, args = train.parse_args(["--model", "tiny", "--loss", "crd", "--sampling-decay", "crd"])
+    train.check_args(p, args, 1)
