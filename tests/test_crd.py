@@ -5,6 +5,7 @@ against a transcription of Flow-Factory's TimeSampler.discrete; the decay of its
 runs in which the rollouts run the sampling copy, both copies are saved, and a resume is exact. Its toy-learning run
 is in tests/test_toy_learning.py."""
 
+import json
 import math
 
 import pytest
@@ -237,3 +238,17 @@ def test_a_sampling_decay_without_a_sampling_copy_is_refused(capsys):
     assert "--sampling-decay" in capsys.readouterr().err
     p, args = train.parse_args(["--model", "tiny", "--loss", "crd", "--sampling-decay", "crd"])
     train.check_args(p, args, 1)
+
+
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan", "tiny-qwen-image", "tiny-flux2-klein", "tiny-z-image"])
+def test_crd_trains_every_family_with_its_kl_to_the_guided_base(name, tmp_path):
+    """One step of --loss crd on each text-to-image family's tiny twin, with a LoRA adapter and the KL to the base at
+    CFG 3 (the prompts encoded with their negative although the rollouts run without CFG; FLUX.1's guidance is its
+    embedding): finite, and the KL positive from the first step (the guided base is not the unguided policy)."""
+    out = tmp_path / "run"
+    train.main(["--model", name, "--loss", "crd", "--steps", "1", "--num-steps", "4", "--prompts-per-step", "2",
+                "--group-size", "4", "--sample-batch-size", "4", "--train-batch-size", "4", "--train-timesteps", "1",
+                "--lora-rank", "4", "--lora-alpha", "4", "--kl-beta", "0.1", "--crd-kl-cfg", "3",
+                "--log-images-every", "0", "--out", str(out)])
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert len(rows) == 1 and math.isfinite(rows[0]["loss"]) and rows[0]["kl"] > 0
