@@ -985,7 +985,7 @@ def add_arguments(parser):
                    help="normalise advantages by the batch-wide reward std instead of each group's")
     g.add_argument("--old-decay", default=None, choices=list(OLD_DECAYS),
                    help="forward-process losses: schedule of the old copy's decay d, old <- d old + (1 - d) current "
-                        "after each step (default: nft, awm; copy for sft / dpo)")
+                        "after each step (default: nft, awm; copy for sft / dpo; dgpo, crd)")
     g.add_argument("--nft-beta", type=flags.POSITIVE, default=1.0,
                    help="DiffusionNFT's beta: v+ = beta v + (1 - beta) v_old (its OCR setup: 0.1)")
     g.add_argument("--nft-adaptive", action=argparse.BooleanOptionalAction, default=True,
