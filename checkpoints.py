@@ -28,7 +28,8 @@ torch.load(weights_only=True).
     ema_weights(params, ema)   context: the trained parameters hold their EMA inside, their live values after
 
 `copies` are further {name: tensor} copies of the trained weights, kept beside them: {"ema": ..., "old": ...,
-"reference": ...} (COPIES), None where a run keeps none; each is saved as <name>.safetensors and restored exactly.
+"sampling": ..., "reference": ...} (COPIES), None where a run keeps none; each is saved as <name>.safetensors and
+restored exactly.
 """
 import contextlib
 import datetime
@@ -47,8 +48,9 @@ from safetensors import SafetensorError
 
 import distributed
 
-COPIES = ("ema", "old", "reference")  # the evaluation EMA; the old (sampling, anchor) policy of the forward-process
-# losses; GARDO's KL reference snapshot
+COPIES = ("ema", "old", "sampling", "reference")  # the evaluation EMA; the old (sampling, anchor) policy of
+# the forward-process losses; the rollouts' own copy where a loss keeps one apart from the old (CRD); GARDO's KL
+# reference snapshot
 
 
 def checkpoint_dirs(out):

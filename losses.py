@@ -1,5 +1,5 @@
 """Group-relative advantages and the policy losses: GRPO, GRPO-Guard, FlowDPPO, KL penalty (reverse process);
-DiffusionNFT and Advantage Weighted Matching (forward process).
+DiffusionNFT, Advantage Weighted Matching, online SFT and DPO, DGPO and Centered Reward Distillation (forward process).
 
 Pure functions of tensors: no model, no args object, hyper-parameters as keywords. Each loss takes
 the tensors of ONE trained denoising step k for a micro-batch and returns (loss, info), where loss
@@ -548,6 +548,81 @@ def dgpo_loss(v, v_ref, x0, eps, adv, unit, *, beta, group_size, v_old=None, cli
     return (weight * adv * err).mean(), info
 
 
+CRD_KINDS = ("mse", "bce")
+
+
+def crd_implicit_reward(v, v_old, x0, eps, *, adaptive=True):
+    """CRD's implicit reward of each re-noised sample (arXiv:2603.14128, Sec. 3; Flow-Factory trainers/crd.py
+    L753-777): how much better the current velocity fits the flow-matching target eps - x0 than the old copy's,
+
+        e     = (v - (eps - x0))^2,   e_old = (v_old - (eps - x0))^2                    (per element)
+        w     = stopgrad(max(mean_dims |v - (eps - x0)|, 1e-5)),  w_old likewise       (adaptive; else 1)
+        r_i   = -mean_dims(e / w - e_old / w_old)
+
+    a single-noise estimate of beta log(pi_theta / pi_old) up to a prompt-dependent constant, which the centring of
+    crd_loss removes. The adaptive weights are DiffusionNFT's (nft_loss): each error normalised by its own L1 size.
+    v_old is detached. float64, as the reference computes its weights. Returns [B]."""
+    if v.shape != v_old.shape or v.shape != x0.shape or v.shape != eps.shape or v.ndim < 2:
+        raise ValueError(f"v, v_old, x0 and eps must be [B, ...] of one shape, got {tuple(v.shape)}, "
+                         f"{tuple(v_old.shape)}, {tuple(x0.shape)}, {tuple(eps.shape)}")
+    dims, target = _dims(v), eps.double() - x0.double()
+    err, err_old = v.double() - target, v_old.detach().double() - target
+    if adaptive:
+        with torch.no_grad():
+            w = err.abs().mean(dims, keepdim=True).clamp_min(1e-5)
+            w_old = err_old.abs().mean(dims, keepdim=True).clamp_min(1e-5)
+    else:
+        w = w_old = 1.0
+    return -(err**2 / w - err_old**2 / w_old).mean(dims)
+
+
+def _centring_weights(a, temperature):
+    """The weights of the batch means CRD centres on (crd.py L550-600): [(1/B,)] for temperature < 0 (uniform, one
+    direction); else two directions, softmax(a / T) towards the high rewards and softmax(-a / T) towards the low
+    ones, T = 0 softmax(a) over the samples above (below) 0, uniform where there are none. As in Flow-Factory, 0 is
+    compared with the [0, 1] reward a, not with its middle 1/2: "above" is every sample but those at A <= -adv_clip,
+    "below" none (its hard choice reads as written for advantages centred on 0)."""
+    if temperature < 0:
+        return [torch.full_like(a, 1 / len(a))]
+    if temperature > 0:
+        return [torch.softmax(a / temperature, 0), torch.softmax(-a / temperature, 0)]
+    out = []
+    for side in (a > 0, a < 0):
+        masked = torch.where(side, a, torch.full_like(a, -torch.inf))
+        out.append(torch.softmax(masked, 0) if side.any() else torch.full_like(a, 1 / len(a)))
+    return out
+
+
+def crd_loss(r, a, *, beta, temperature=-1.0, kind="mse"):
+    """CRD's centred reward matching (arXiv:2603.14128, Sec. 3: the normalising constant of the KL-regularised
+    optimum cancels under centring; Flow-Factory trainers/crd.py _compute_crd_loss L522-629): with r the implicit
+    rewards (crd_implicit_reward) and a the external rewards, both [B], and centring weights p over the batch
+
+        R_i  = a_i - sum_j p_j a_j,    R_theta_i = r_i - stopgrad(sum_j p_j r_j)
+        mse: l = mean_i (beta R_theta_i - R_i)^2
+        bce: l = mean_i BCE(logit beta R_theta_i, target sigmoid(R_i))
+
+    averaged over the one (uniform p, temperature < 0) or two (softmax towards the high and the low rewards)
+    centrings of _centring_weights. The centre of r carries no gradient: each r_i is pulled to beta^-1 R_i alone.
+    Returns (l, info)."""
+    if kind not in CRD_KINDS:
+        raise ValueError(f"unknown CRD loss {kind!r}; choose one of {', '.join(CRD_KINDS)} (--crd-loss-type)")
+    if r.ndim != 1 or r.shape != a.shape:
+        raise ValueError(f"r and a must be [B] of one shape, got {tuple(r.shape)} and {tuple(a.shape)}")
+    a = a.double()
+    terms = []
+    for p in _centring_weights(a, temperature):
+        centred_a = a - (p * a).sum()
+        centred_r = r.double() - (p * r.detach().double()).sum()
+        if kind == "mse":
+            terms.append(((beta * centred_r - centred_a) ** 2).mean())
+        else:
+            terms.append(torch.nn.functional.binary_cross_entropy_with_logits(beta * centred_r,
+                                                                              torch.sigmoid(centred_a)))
+    info = {"crd_r_mean": r.detach().mean(), "crd_r_std": r.detach().std(unbiased=False)}
+    return (sum(terms) / len(terms)).float(), info
+
+
 # ----------------------------------------------------------------------------- the algorithms, as train.py runs them
 # A loss is one function of the tensors of ONE trained term of a micro-batch, `t`, and of the flags as keywords:
 #
@@ -680,6 +755,78 @@ def dgpo(t, *, dpo_beta, group_size, dgpo_reference, dgpo_clip, clip_range, **hy
     return _velocity_reference_kl(value, info, t, **hyper)
 
 
+def crd(t, *, crd_beta, crd_temperature, crd_loss_type, crd_adaptive, crd_old, crd_adaptive_kl, adv_clip, kl_beta,
+        **_):
+    """Centered Reward Distillation (arXiv:2603.14128) at one training sigma, as Flow-Factory computes it:
+
+        a_i  = clip(A_i, -5, 5) / 10 + 1/2                                  (nft_optimality; the external reward)
+        r_i  = crd_implicit_reward(v, v_old)_i                              (the implicit reward, old copy)
+        l    = crd_loss(r, a) x adv_clip / beta                             (centred reward matching, Sec. 3)
+        loss = l + kl_beta mean_i (c + a_i (1 - c)) mean_dims (v_i - v_base,cfg_i)^2,  c = 1e-4 / kl_beta
+
+    with the base's velocity at CFG --crd-kl-cfg (Loss.reference_guidance; the paper's KL anchor to a CFG-guided
+    base), the weight c + a_i (1 - c) only with --crd-adaptive-kl (else 1), rollouts by the sampling copy
+    (Loss.sampling_copy, --sampling-decay) and the implicit reward against the old copy (--old-decay crd; the base
+    with --no-crd-old). The paper's equations were not at hand: the formulas above are Flow-Factory's, cited by line.
+
+    Line by line against Flow-Factory src/flow_factory/trainers/crd.py (C) and hparams/training_args.py (H) at
+    a0b2bc5 (the authors' code is not public):
+    - C L366-368 (sampling_context L200-210): rollouts by the "sampling" snapshot -> train.rollout_weights runs
+      policy.frozen("sampling"). C L434-462: deterministic (compute_log_prob False), only the clean latent kept ->
+      Loss.process "forward", --sampler euler (its ODE dynamics; examples/crd/lora/sd3_5/default.yaml L103).
+    - C L172-194: both snapshots start as copies of the trained weights -> policy.py's copies "old", "sampling".
+    - C L374-376, L380-430: after each epoch, snapshot <- d snapshot + (1 - d) current, d = compute_decay(optimizer
+      steps so far) (L67-102; d <= 0 copies, d >= 1 keeps) -> train.after_update with OLD_DECAYS "crd" (H L851-854)
+      and "nft-ocr" (H L855-858); policy._lerp is the same blend (d 0 copies exactly, d 1 keeps).
+    - C L655-658: micro-batches of per_device_batch_size in sample order, no shuffle -> train.py's micro-batches of
+      --train-batch-size, shuffled (the same set of samples per optimizer step only on average; departure 2).
+    - C L674, L214-261: training times per micro-batch, one set shared by its samples -> _crd_times.
+    - C L683-689, L734: fresh noise per time and sample, x_t = (1 - s) x0 + s eps -> train.renoised, unit "sample".
+    - C L660-701: the old snapshot's velocities for all micro-batches before the epoch's first optimizer step;
+      the snapshot does not move within the epoch -> forward_terms' v_old per micro-batch, from the same unmoved
+      copy (the same values).
+    - C L739: the current velocity at the training forward's guidance (1 in the recipe) -> t["v"].
+    - C L748-751: the base model (adapter off) at CFG kl_cfg (H L873-883, 4.5) -> t["v_ref"] at --crd-kl-cfg.
+    - C L753-777: the implicit reward, adaptive weights in float64 -> crd_implicit_reward.
+    - C L785-791: a = clamp(clip(A) / 5 / 2 + 1/2, 0, 1) -> nft_optimality (the same map; its clamp is a no-op).
+    - C L780-782, L793-796: r and a gathered from every process for the centring -> centred over this process's
+      micro-batch (departure 1).
+    - C L522-629: the centring and the mse / bce loss, one direction (weight_temp < 0) or two -> crd_loss.
+    - C L807: x adv_clip_range[1] / max(beta, 1e-8) -> value x adv_clip / max(crd_beta, 1e-8).
+    - C L811-824: KL = kl_beta mean(mean_dims (v - v_ref)^2), weighted by min_coef + a (1 - min_coef),
+      min_coef = 1e-4 / kl_beta with reward_adaptive_kl -> as written.
+    - C L843-858: backward; clip to max_grad_norm and step when the accumulation is complete -> train.py, policy.step.
+
+    Where Flow-Factory reads differently from the paper's abstract, followed here for the recipe: its
+    "reward-adaptive" KL weight is each sample's [0, 1] advantage a_i (its comment calls it the raw reward), whose
+    mean is about 1/2 at every step, not a strength that follows the reward over training.
+
+    Departures, on purpose:
+    1. The centring is over the micro-batch of one process: a loss here is a function of one term's tensors (no
+       collective). Flow-Factory centres the micro-batches of all processes together (8 x 8 = 64 samples in its
+       SD3.5 example); the same set on one GPU with --train-batch-size 64, 8 per GPU on 8.
+    2. Micro-batches draw their samples in a shuffled order (train.py's), where Flow-Factory takes consecutive
+       samples, 8 of one group per process; neither centres within a prompt's group, as the paper's derivation does.
+    3. Its training times keep the schedule indices 0 .. int(num_steps x fraction) - 1 (_crd_times), where
+       Flow-Factory keeps those whose sigma is at least 1 - fraction: the same on SD3's 10-step schedule at 0.99.
+    4. With --no-crd-old the implicit reward reads the base's velocity at --crd-kl-cfg, where Flow-Factory's
+       (use_old_for_loss false, C L695-698) is at the training forward's guidance."""
+    a = nft_optimality(t["adv"], adv_clip=adv_clip)  # [b], in [0, 1] (crd.py L785-791)
+    v_old = t["v_old"] if crd_old else t["v_ref"]
+    r = crd_implicit_reward(t["v"], v_old, t["x0"], t["noise"], adaptive=crd_adaptive)  # [b]
+    value, info = crd_loss(r, a, beta=crd_beta, temperature=crd_temperature, kind=crd_loss_type)
+    value = value * adv_clip / max(crd_beta, 1e-8)
+    if crd_old:
+        info["old_deviate"] = _sq_dist(t["v"].detach(), t["v_old"]).mean()
+    if kl_beta > 0:
+        kl = _sq_dist(t["v"], t["v_ref"])  # [b]
+        floor = 1e-4 / kl_beta
+        weight = floor + a * (1 - floor) if crd_adaptive_kl else torch.ones_like(a)
+        value = value + kl_beta * (weight * kl).mean()
+        info["kl"] = kl.detach().mean()
+    return value, info
+
+
 def _dgpo_times(batch, generator, *, num_steps, train_timesteps, timestep_fraction, **_):
     """DGPO's training times (Flow-Factory TimeSampler.discrete, 'discrete', noise_schedule.py L185-259):
     --train-timesteps strata over schedule indices 0 .. int(num_steps x fraction) (its timestep_range 0.6, "trunc_steps
@@ -692,6 +839,23 @@ def _dgpo_reference(h):
     """DGPO's reference: --dgpo-reference, else the base model where a LoRA adapter makes one (Flow-Factory's default,
     the adapter switched off) and the old copy on a full fine-tune (its use_ema_ref), which keeps no base model."""
     return h.get("dgpo_reference") or ("base" if (h.get("lora_rank") or 0) > 0 else "old")
+
+
+def _crd_times(batch, generator, *, num_steps, train_timesteps, timestep_fraction, **_):
+    """CRD's training times (Flow-Factory TimeSampler.discrete, 'discrete', noise_schedule.py L185-259, as crd.py
+    L242-259 calls it): --train-timesteps strata (default int(num_steps x fraction), its CRDTrainingArguments L894-919)
+    of the indices 0 .. int(num_steps x fraction) - 1 at linspace(0, hi, n + 1), one index drawn in [lower, upper) of
+    each (the lower one where the stratum is narrower than 1: more strata than steps repeat indices), shared by the
+    micro-batch (L238). Flow-Factory keeps the indices whose sigma is at least 1 - fraction: on SD3's shift-3
+    schedule at 10 steps and 0.99 the same 0 .. 8 (0.278 >= 0.01 > 0.0089). [batch, n] indices."""
+    hi = int(num_steps * timestep_fraction) - 1
+    n = train_timesteps or max(1, hi + 1)
+    if hi < 0:
+        raise ValueError(f"--timestep-fraction {timestep_fraction} of {num_steps} steps leaves no schedule index to "
+                         "train at: raise it or --num-steps")
+    bounds = torch.linspace(0, hi, n + 1)  # float32, as the reference
+    lower, upper = bounds[:-1].long(), bounds[1:].long()
+    return (lower + (torch.rand(n, generator=generator) * (upper - lower)).long()).expand(batch, -1)
 
 
 def _dgpo_samples_with_old(step, *, dgpo_switch_step, **_):
@@ -733,6 +897,10 @@ OLD_DECAYS = {
     # flow_grpo's online DPO / SFT "ref" adapter (train_sd3_dpo.py L614-615, copy_learner_to_ref L136-140): a hard
     # copy of the trained weights every --ref-update-every optimizer steps, untouched in between.
     "copy": lambda k, ref_update_every=40, **_: 0.0 if k % ref_update_every == 0 else 1.0,
+    # CRD's old copy, the implicit reward's reference (Flow-Factory crd.py compute_decay L67-102, old_model_decay
+    # "0-0.25-0.005-0.999": CRDTrainingArguments L851-854, examples/crd/lora/sd3_5/default.yaml L55). Its sampling copy
+    # decays as "nft-ocr" (sampling_model_decay "75-0.0-0.0075-0.999", L855-858 and yaml L56: its preset 2).
+    "crd": lambda k, **_: min(0.25 + 0.005 * k, 0.999),
 }
 SDE_KINDS = ("flow", "dance", "cps")
 
@@ -755,6 +923,10 @@ class Loss(NamedTuple):
     # [chosen, rejected] rows; "group", every sample of a group (one noise for all its sigmas)
     old_velocity: bool = True  # forward, with an old copy: the loss reads its velocity v_old (a forward per term)
     reference: Callable = None  # flags -> True when it reads the base model's v_ref / ref_mean even at --kl-beta 0
+    reference_guidance: Callable = None  # forward: flags -> the guidance scale of the base model's v_ref, where it is
+    # not the training forward's (CRD's KL anchor: the base with CFG)
+    sampling_copy: Callable = None  # flags -> True when rollouts run a copy of their own, neither the trained weights
+    # nor the old copy, decayed after each step by --sampling-decay (CRD's sampling snapshot)
 
 
 # Defaults of the forward-process losses: CFG-free (guidance 1 on CFG models; FLUX.1 keeps its distilled guidance),
@@ -789,6 +961,13 @@ LOSSES = {
                  dict(kl_beta=1e-3), old_copy=lambda h: True,
                  samples_with_old=_dgpo_samples_with_old, times=_dgpo_times, unit="group",
                  reference=lambda h: _dgpo_reference(h) == "base"),
+    # CRD (arXiv:2603.14128; Flow-Factory trainers/crd.py, examples/crd/lora/sd3_5/default.yaml): deterministic Euler
+    # rollouts without CFG by a sampling copy of their own (decayed as "nft-ocr"), the implicit reward against the old
+    # copy ("crd"), strata of 99 % of the schedule, and the velocity KL to the CFG-guided base (0.1 on hub models).
+    "crd": Loss(crd, "forward", dict(sampler="euler", timestep_fraction=0.99, old_decay="crd", sampling_decay="nft-ocr",
+                                     guidance_scale=1.0),
+                dict(kl_beta=0.1), old_copy=lambda h: h["crd_old"], sampling_copy=lambda h: True, times=_crd_times,
+                reference=lambda h: not h["crd_old"], reference_guidance=lambda h: h["crd_kl_cfg"]),
 }
 
 
@@ -798,7 +977,8 @@ def add_arguments(parser):
     g = parser.add_argument_group("loss")
     g.add_argument("--loss", default=None, choices=list(LOSSES),
                    help="GRPO (PPO clip), GRPO-Guard (RatioNorm), FlowDPPO (KL-ADV mask); forward process: "
-                        "DiffusionNFT, Advantage Weighted Matching, online SFT and DPO (flow_grpo)")
+                        "DiffusionNFT, Advantage Weighted Matching, online SFT and DPO (flow_grpo), DGPO, Centered "
+                        "Reward Distillation")
     g.add_argument("--clip-range", type=flags.POSITIVE, default=None,
                    help="PPO clip range of the ratio (log-probs are means over latent dims, hence ~1e-4 on hub models; "
                         "--loss awm: 1)")
@@ -822,7 +1002,7 @@ def add_arguments(parser):
                    help="normalise advantages by the batch-wide reward std instead of each group's")
     g.add_argument("--old-decay", default=None, choices=list(OLD_DECAYS),
                    help="forward-process losses: schedule of the old copy's decay d, old <- d old + (1 - d) current "
-                        "after each step (default: nft, awm; copy for sft / dpo)")
+                        "after each step (default: nft, awm; copy for sft / dpo; dgpo, crd)")
     g.add_argument("--nft-beta", type=flags.POSITIVE, default=1.0,
                    help="DiffusionNFT's beta: v+ = beta v + (1 - beta) v_old (its OCR setup: 0.1)")
     g.add_argument("--nft-adaptive", action=argparse.BooleanOptionalAction, default=True,
@@ -850,6 +1030,29 @@ def add_arguments(parser):
                         "1 +- --clip-range in the advantage's direction (its clip_dsm)")
     g.add_argument("--dgpo-switch-step", type=flags.NONNEG_INT, default=200,
                    help="--loss dgpo: sample with the old copy after this many steps (its switch_ema_ref)")
+    g.add_argument("--sampling-decay", default=None, choices=list(OLD_DECAYS),
+                   help="--loss crd: schedule of the decay d of the rollouts' own copy, sampling <- d sampling + "
+                        "(1 - d) current after each step (default: nft-ocr, Flow-Factory's sampling_model_decay)")
+    g.add_argument("--crd-beta", type=flags.POSITIVE, default=1.0,
+                   help="--loss crd: the beta its centred implicit rewards are scaled by to match the external ones")
+    g.add_argument("--crd-loss-type", default="mse", choices=CRD_KINDS,
+                   help="--loss crd: squared error of the centred rewards, or cross-entropy of beta x the implicit one "
+                        "against the sigmoid of the external one")
+    g.add_argument("--crd-temperature", type=float, default=-1.0,
+                   help="--loss crd: negative: centre on the micro-batch mean; T > 0: average the centrings on the "
+                        "softmax(a / T) and softmax(-a / T) weighted means (a the [0, 1] advantage); 0: on softmax(a) "
+                        "over the samples with a > 0 and with a < 0 (losses._centring_weights)")
+    g.add_argument("--crd-old", action=argparse.BooleanOptionalAction, default=True,
+                   help="--loss crd: implicit reward against the old copy (--old-decay crd); off: against the base "
+                        "model (LoRA off)")
+    g.add_argument("--crd-adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="--loss crd: divide each flow-matching error of the implicit reward by its own mean absolute "
+                        "size (as DiffusionNFT)")
+    g.add_argument("--crd-adaptive-kl", action=argparse.BooleanOptionalAction, default=True,
+                   help="--loss crd: weight each sample's KL by its [0, 1] advantage, from 1e-4 to --kl-beta")
+    g.add_argument("--crd-kl-cfg", type=flags.POSITIVE, default=4.5,
+                   help="--loss crd: CFG scale of the base model's velocity in the KL (1: none; its negative prompt is "
+                        "--negative-prompt)")
     g.add_argument("--ref-update-every", type=flags.POSITIVE_INT, default=40,
                    help="--loss sft / dpo (--old-decay copy): optimizer steps between copies of the trained weights "
                         "into the sampling and reference snapshot (flow_grpo's ref_update_step: 40 online; its "

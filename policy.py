@@ -4,8 +4,8 @@
                                        AdamW; fp16 loss scaling; the evaluation EMA, the old copy and GARDO's
                                        reference snapshot (float32)
     policy.velocity(x, sigma, embeds, guidance_scale, train=False)   a forward (train: through DDP / compile)
-    policy.frozen("old" | "reference") context: the old copy's weights, or the KL reference: the base model (LoRA
-                                       off), or with --gardo-reference the snapshot
+    policy.frozen("old" | "sampling" | "reference") context: a copy's weights, or the KL reference: the base
+                                       model (LoRA off), or with --gardo-reference the snapshot
     policy.sync_gradients(last)        before a training forward: reduce gradients over ranks after it or not
     policy.backward(loss)              backward (fp16: of the scaled loss)
     policy.step() -> "ok" | "overflow" | "skipped", grad norm      one optimizer step (clip; skip non-finite)
@@ -28,8 +28,9 @@ from distributed import WORLD, print0
 
 
 class Policy:
-    def __init__(self, args, device, *, old_copy):
-        """args: train.py's flags; old_copy: whether the loss keeps an old copy of the weights (Loss.old_copy)."""
+    def __init__(self, args, device, *, old_copy, sampling_copy=False):
+        """args: train.py's flags; old_copy: whether the loss keeps an old copy of the weights (Loss.old_copy);
+        sampling_copy: whether its rollouts run a copy of their own (Loss.sampling_copy)."""
         amp_dtype = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.mixed_precision]
         load_dtype = amp_dtype if (amp_dtype and args.lora_rank > 0) else torch.float32  # LoRA: frozen base in half
         self.pipe = pipe = models.load_pipeline(args.model, args.model_path, dtype=load_dtype, device=device)
@@ -65,16 +66,18 @@ class Policy:
         # log-probs underflow its range (26 % of the gradient norm lost on the tiny model). Off: each call a no-op.
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
         self.amp_dtype, self.device, self.args = amp_dtype, device, args
-        self.copies = self._copies(args, old_copy)
+        self.copies = self._copies(args, old_copy, sampling_copy)
         self.optimizer_steps = 0  # all of the run's, for the EMA warm-up and the old copy's decay
 
     def _copy(self):  # float32, sharded like the trained weights under FSDP
         return {n: q.detach().float().clone() for n, q in self.trainable}
 
-    def _copies(self, args, old_copy):
+    def _copies(self, args, old_copy, sampling_copy):
         """The copies of the trained weights the run keeps, each a copy of them now (checkpoints.COPIES): the
-        evaluation EMA, the loss's old copy, GARDO's reference snapshot (G L636-641: a copy of the trained LoRA)."""
+        evaluation EMA, the loss's old copy, its sampling copy, GARDO's reference snapshot (G L636-641: a copy of the
+        trained LoRA)."""
         return {"ema": self._copy() if args.ema_decay > 0 else None, "old": self._copy() if old_copy else None,
+                "sampling": self._copy() if sampling_copy else None,
                 "reference": self._copy() if getattr(args, "gardo_reference", False) else None}
 
     # ------------------------------------------------------------------------- forwards
@@ -92,10 +95,10 @@ class Policy:
 
     @contextlib.contextmanager
     def frozen(self, name):
-        """Inside, the transformer runs a frozen model, without gradients: "old", the old copy of the weights
-        (exchanged in place, checkpoints.swapped), or "reference", the KL anchor: the base model (the LoRA adapter
-        off), or GARDO's snapshot where the run keeps one (exchanged in place as the old copy)."""
-        snapshot = self.copies["old"] if name == "old" else self.copies.get("reference")
+        """Inside, the transformer runs a frozen model, without gradients: "old" or "sampling", that copy of the
+        weights (exchanged in place, checkpoints.swapped), or "reference", the KL anchor: the base model (the LoRA
+        adapter off), or GARDO's snapshot where the run keeps one (exchanged in place as the old copy)."""
+        snapshot = self.copies[name] if name in ("old", "sampling") else self.copies.get("reference")
         with torch.no_grad(), (checkpoints.swapped(self.trainable, snapshot) if snapshot is not None
                                else models.reference(self.pipe)):
             yield
@@ -148,9 +151,9 @@ class Policy:
             decay = min((1 + n) / (10 + n), args.ema_decay) ** args.ema_repeat
             _lerp(ema, self.trainable, 1 - decay)
 
-    def update_old(self, decay):
-        """old <- decay old + (1 - decay) current (decay 0 copies exactly)."""
-        _lerp(self.copies["old"], self.trainable, 1 - decay)
+    def update_old(self, decay, name="old"):
+        """copy <- decay copy + (1 - decay) current (decay 0 copies exactly), for the "old" or the "sampling" copy."""
+        _lerp(self.copies[name], self.trainable, 1 - decay)
 
     def reset_reference(self):
         """GARDO's reference snapshot <- the current weights, exactly (G L790-792)."""

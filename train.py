@@ -155,7 +155,8 @@ def main(argv=None, *, on_step=None):
     reward_fn = setup_or_exit(rewards.build_reward, args.reward, device=device,
                               **{name: getattr(args, name) for name in rewards.option_defaults()})  # reward flags
     setup_or_exit(diversity.featurizer, args.diversity, args.diversity_path, device)  # its weights, or one line
-    policy = setup_or_exit(Policy, args, device, old_copy=bool(loss.old_copy and loss.old_copy(vars(args))))
+    policy = setup_or_exit(Policy, args, device, old_copy=bool(loss.old_copy and loss.old_copy(vars(args))),
+                           sampling_copy=bool(loss.sampling_copy and loss.sampling_copy(vars(args))))
     setup_or_exit(models.latent_shape, policy.pipe, args.resolution, num_frames=args.num_frames)  # one line if not
     cache_prompts(policy, args, prompts, held_out)  # each prompt encoded once; --offload-text-encoders
     sigmas = setup_or_exit(models.sigmas, policy.pipe, args.num_steps, args.resolution, shift=args.shift)  # [T+1]
@@ -193,7 +194,7 @@ def sample(policy, loss, args, prompts, sigmas, step, reward_fn, run):
     unique = sorted(set(my_ids))  # each prompt encoded once, then one row per sample
     sample_guidance, train_guidance = guidance_scales(args)
     embeds = models.encode_prompts(policy.pipe, [texts[i] for i in unique], negative_prompt=args.negative_prompt,
-                                   guidance_scale=max(sample_guidance, train_guidance),
+                                   guidance_scale=max(sample_guidance, train_guidance, reference_guidance(loss, args)),
                                    max_sequence_length=args.max_sequence_length, resolution=args.resolution,
                                    images=[data.source_images(metadata[i]) for i in unique])  # edits: references
     row = torch.tensor([unique.index(i) for i in my_ids])
@@ -201,7 +202,7 @@ def sample(policy, loss, args, prompts, sigmas, step, reward_fn, run):
     batch = dict(embeds=embeds, prompts=[texts[i] for i in my_ids], trajectories=[])
     pending, size = [], args.sample_batch_size
     policy.transformer.eval()
-    with policy.frozen("old") if samples_with_old(loss, step, args) else torch.no_grad():  # NFT: train_nft_sd3.py L640
+    with rollout_weights(policy, loss, step, args):  # NFT: train_nft_sd3.py L640
         for b in range(len(my_ids) // size):
             idx = slice(b * size, (b + 1) * size)
             gen = data.seeded(args.seed, step, RANK, b)  # resumable noise
@@ -233,7 +234,8 @@ def cache_prompts(policy, args, prompts, held_out):
     prompt without source images is encoded ahead and the text encoders leave the GPU."""
     texts = [t for part in (prompts, held_out) for t, m in zip(*part) if not (m or {}).get(data.SOURCE_KEY)]
     line = setup_or_exit(models.prompt_cache, policy.pipe, args.prompt_cache_gb, offload=args.offload_text_encoders,
-                         texts=texts, guidance_scales=(*guidance_scales(args), args.guidance_scale),
+                         texts=texts, guidance_scales=(*guidance_scales(args), args.guidance_scale,
+                                                       reference_guidance(losses.LOSSES[args.loss], args)),
                          negative_prompt=args.negative_prompt, max_sequence_length=args.max_sequence_length)
     if line:
         print0(line)
@@ -243,6 +245,20 @@ def samples_with_old(loss, step, args):
     """Whether step's rollouts run the old copy (loss.samples_with_old: a bool, or a function of the step and flags)."""
     use = loss.samples_with_old
     return bool(use(step, **vars(args)) if callable(use) else use)
+
+
+def rollout_weights(policy, loss, step, args):
+    """Context, without gradients: the weights step's rollouts run, the loss's own sampling copy (Loss.sampling_copy),
+    the old copy (samples_with_old) or the trained weights."""
+    if policy.copies.get("sampling") is not None:
+        return policy.frozen("sampling")
+    return policy.frozen("old") if samples_with_old(loss, step, args) else torch.no_grad()
+
+
+def reference_guidance(loss, args):
+    """The base model's guidance in the training forward: the loss's own (Loss.reference_guidance) or the training
+    forward's."""
+    return loss.reference_guidance(vars(args)) if loss.reference_guidance else guidance_scales(args)[1]
 
 
 def starting_noise(pipe, args, step, group_ids, generator):
@@ -501,8 +517,9 @@ def forward_terms(policy, loss, batch, ids, sub, adv, sigmas, args, key, old_sta
     reference = args.kl_beta > 0 or bool(loss.reference and loss.reference(vars(args)))  # the base model's velocity
     for name, needed in (("old", old), ("reference", reference)):
         if needed:
+            guidance = reference_guidance(loss, args) if name == "reference" else train_guidance
             with policy.frozen(name):
-                frozen[name] = [policy.velocity(x, fp["s"][:, j], sub, train_guidance) for j, x in enumerate(fp["x_t"])]
+                frozen[name] = [policy.velocity(x, fp["s"][:, j], sub, guidance) for j, x in enumerate(fp["x_t"])]
     old_stat = old_stats.get(key[1:])  # [n, b] on the optimizer steps after the batch's first, else None
     gate = batch["kl_gate"][ids] if "kl_gate" in batch else None  # [b]: --gardo-gate's samples whose KL counts
     for j, x_t in enumerate(fp["x_t"]):
@@ -586,6 +603,9 @@ def after_update(policy, loss, batch, stats, optim_steps, failed, args, run):
     if policy.copies["old"] is not None:  # old <- d old + (1 - d) current; d from the run's optimizer steps (resumed)
         info["old_decay"] = decay = losses.OLD_DECAYS[args.old_decay](policy.optimizer_steps, **vars(args))
         policy.update_old(decay)
+    if policy.copies.get("sampling") is not None:  # the rollouts' own copy, on its own schedule (Loss.sampling_copy)
+        info["sampling_decay"] = decay = losses.OLD_DECAYS[args.sampling_decay](policy.optimizer_steps, **vars(args))
+        policy.update_old(decay, "sampling")
     if loss.process == "reverse":
         info.update(first_ratio_dev=first_ratio_dev, first_clip_dev=first_clip_dev)
     if failed["overflow"]:  # fp16: the loss scale overflowed and was lowered, not a bad step
@@ -790,6 +810,8 @@ def check_args(p, args, world_size):
     if loss.unit != "sample" and (per_rank % args.group_size or args.train_batch_size % width):
         p.error(f"--loss {args.loss} trains whole {loss.unit}s of one group's samples: make the {per_rank} samples per "
                 f"process a multiple of --group-size {args.group_size} and --train-batch-size a multiple of {width}")
+    if args.sampling_decay is not None and not (loss.sampling_copy and loss.sampling_copy(vars(args))):
+        p.error(f"--sampling-decay schedules the rollouts' own copy, which --loss {args.loss} does not keep: drop it")
     if loss.advantages is not losses.group_advantages and args.reward_combine == "advantage":
         p.error(f"--loss {args.loss} turns the rewards into its own sample weights: drop --reward-combine advantage")
     if loss.process == "forward":

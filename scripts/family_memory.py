@@ -252,7 +252,8 @@ def recipe_terms(name, fixed=()):
     if peft and args.gradient_checkpointing:
         peft //= blocks
     loss = losses.LOSSES[args.loss]
-    copies = (args.ema_decay > 0) + bool(loss.old_copy and loss.old_copy(vars(args)))  # float32, sharded like weights
+    copies = ((args.ema_decay > 0) + bool(loss.old_copy and loss.old_copy(vars(args)))  # float32, sharded like weights
+              + bool(loss.sampling_copy and loss.sampling_copy(vars(args))))
     micro = (args.prompts_per_step * args.group_size // world) // (args.train_batch_size * args.minibatches)
     gathered = largest_block(transformer) * 2  # the block in use and the one prefetched
     latent = 16 * (args.resolution // 8) ** 2

@@ -239,6 +239,26 @@ DGPO_PICKSCORE = dict(
     reward="pickscore")
 TABLE["sd3_dgpo_pickscore.args"] = ("Flow-Factory examples/dgpo/lora/sd3_5/default.yaml (trainers/dgpo.py)",
                                     DGPO_PICKSCORE)
+# Flow-Factory examples/crd/lora/sd3_5/default.yaml (Y, a0b2bc5), over hparams/training_args.py CRDTrainingArguments (H)
+# and TrainingArguments (T), trainers/crd.py (C): 8 GPUs (Y L6), per_device_batch_size 8 (Y L81, sampling and
+# training), group_size 24 (Y L82), unique_sample_num_per_epoch 48 (Y L84), gradient_step_per_epoch 2 (Y L85; T
+# L324-336: half the micro-batches per optimizer step); crd_beta 1, crd_loss_type mse, use_old_for_loss, adaptive_logp,
+# weight_temp -1 (Y L47-51); old_model_decay "0-0.25-0.005-0.999", sampling_model_decay "75-0.0-0.0075-0.999" (Y L55-56,
+# C L67-102); num_train_timesteps 20, 'discrete', timestep_range 0.99 (Y L60-63); kl_beta 0.1 v-based, kl_cfg 4.5,
+# reward_adaptive_kl (Y L66-69); adv_clip_range 5 (Y L73); global_std (Y L83); resolution 512, 10 steps, guidance 1
+# (Y L76-78), the training forward at it too (C L480-507); ODE dynamics (Y L103); LoRA r32 / alpha 64 on SD3.5-M
+# (Y L22-26); lr 3e-4, weight decay 1e-4, max_grad_norm 1 (Y L89-93); bf16 (Y L8); no ema_* in Y: T's ema_decay
+# 0.995 every ema_update_interval 10 epochs (T L227-234; C L374: stepped once per epoch, 2 optimizer steps); eval 40
+# steps every 20 epochs, save every 20 (Y L110-111, L37); reward ocr (Y L116-118); shift 3: SD3.5-M's scheduler.
+CRD_OCR = dict(
+    model="sd3", resolution=512, shift=3.0, num_steps=10, eval_steps=40, guidance_scale=1.0, train_cfg=False,
+    sampler="euler", timestep_fraction=0.99, train_timesteps=20, same_noise_per_group=False, group_size=24,
+    prompts_per_step=48, sample_batch_size=8, train_batch_size=8, minibatches=2, updates_per_batch=1, loss="crd",
+    crd_beta=1.0, crd_loss_type="mse", crd_temperature=-1.0, crd_old=True, crd_adaptive=True, old_decay="crd",
+    sampling_decay="nft-ocr", kl_beta=0.1, crd_kl_cfg=4.5, crd_adaptive_kl=True, adv_clip=5.0, global_std=True,
+    lora_rank=32, lora_alpha=64.0, lr=3e-4, weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="bf16",
+    ema_decay=0.995, ema_every=20, ema_repeat=1, eval_every=20, save_every=20, reward="ocr")
+TABLE["sd3_crd_ocr.args"] = ("Flow-Factory examples/crd/lora/sd3_5/default.yaml (trainers/crd.py)", CRD_OCR)
 # Recipes with no authors' configuration to check against, and why.
 UNCHECKED = {
     "sd3_bench.args": "the throughput anchor of bench.py, not a training recipe",
@@ -255,9 +275,9 @@ OPTIMIZER = {
     "flux_kontext_counting_grpo.args": (2, 504), "qwen_image_edit_counting_grpo.args": (2, 256),
     "qwen_image_edit_counting_fast.args": (2, 256),
     "sd3_sft_geneval.args": (1, 24), "sd3_dpo_geneval.args": (1, 24),  # one GPU, one prompt's group
-    "sd3_dgpo_pickscore.args": (1, 576),
+    "sd3_dgpo_pickscore.args": (1, 576), "sd3_crd_ocr.args": (2, 576),
 }
-GPUS = {"wan_ocr_grpo.args": (1,), "sd3_sft_geneval.args": (1,), "sd3_dpo_geneval.args": (1,), "sd3_dgpo_pickscore.args": (4,), "sd3_flowdppo_pickscore.args": (8,), "flux_kontext_counting_grpo.args": (28,),
+GPUS = {"wan_ocr_grpo.args": (1,), "sd3_sft_geneval.args": (1,), "sd3_dpo_geneval.args": (1,), "sd3_dgpo_pickscore.args": (4,), "sd3_crd_ocr.args": (8,), "sd3_flowdppo_pickscore.args": (8,), "flux_kontext_counting_grpo.args": (28,),
         **{f"sd3_{loss}_{task}.args": (8,) for loss in ("nft", "awm")
                                        for task in ("geneval", "pickscore", "ocr")}}  # where not 8, 16 and 32
 

@@ -73,7 +73,9 @@ def ode_samples(model, n=2000):
 HYPER = dict(clip_range=0.2, kl_beta=0.0, kl_form="flow-grpo", sde="flow", kl_mask_threshold=1e-4, adv_clip=5.0,
              step_loss_weight="none",
              nft_beta=1.0, nft_adaptive=True, ema_kl_beta=1.0, awm_weighting="ghuber", ghuber_power=0.25,
-             num_steps=NUM_STEPS, train_timesteps=6, awm_timesteps="discrete_wo_init")
+             num_steps=NUM_STEPS, train_timesteps=6, awm_timesteps="discrete_wo_init",
+             crd_beta=1.0, crd_temperature=-1.0, crd_loss_type="mse", crd_adaptive=True, crd_old=True,
+             crd_adaptive_kl=True, crd_kl_cfg=1.0)
 
 
 def fine_tune(model, loss_name, *, lr, iters=30, batch=128, group=16, updates=2, eta=0.7):
@@ -131,20 +133,23 @@ def test_online_rl_moves_the_samples_to_the_rewarded_mode(base_model, loss_name,
 
 
 def fine_tune_forward(model, loss_name, *, lr, iters=30, batch=128, group=16):
-    """DiffusionNFT (train_nft_sd3.py) or AWM (train_sd3_awm.py) on the toy through the registry (its training
-    sigmas, its loss, its old copy's decay), one optimizer step per batch."""
+    """DiffusionNFT (train_nft_sd3.py), AWM (train_sd3_awm.py) or CRD (Flow-Factory trainers/crd.py) on the toy
+    through the registry (its training sigmas, its loss, its old copy's decay; CRD's sampling copy and its decay), one
+    optimizer step per batch."""
     loss_fn = losses.LOSSES[loss_name]
     hyper = dict(HYPER, timestep_fraction=loss_fn.defaults["timestep_fraction"], clip_range=loss_fn.defaults.get(
         "clip_range", HYPER["clip_range"]), kl_beta=loss_fn.hub_defaults["kl_beta"])  # AWM's EMA-KL needs beta > 0
     sigmas = sde.sd3_sigmas(NUM_STEPS)
     old = copy.deepcopy(model).requires_grad_(False)
     base = copy.deepcopy(model).requires_grad_(False)  # the reference of the KL to the base
+    sampling = copy.deepcopy(model).requires_grad_(False) if loss_fn.sampling_copy else None  # CRD's own sampler
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     g = torch.Generator().manual_seed(1)
     group_ids = torch.arange(batch) // group
     log = []
     for k in range(iters):
         sampler = old if loss_fn.samples_with_old else model  # NFT samples with the old policy, AWM on-policy
+        sampler = sampling if sampling is not None else sampler
         solver = "dpm2" if loss_fn.samples_with_old else "euler"
         x0 = sde.ode_sample(sampler, torch.randn(batch, 2, generator=g), sigmas, solver=solver)  # [B, 2]
         adv = losses.group_advantages((x0[:, 0] > 0).float(), group_ids)
@@ -163,20 +168,23 @@ def fine_tune_forward(model, loss_name, *, lr, iters=30, batch=128, group=16):
             (loss / n).backward()
             log.append(dict(info, iteration=k))
         opt.step()
-        decay = losses.OLD_DECAYS[loss_fn.defaults["old_decay"]](k + 1)
-        with torch.no_grad():  # old <- d old + (1 - d) current
-            for p_old, p in zip(old.parameters(), model.parameters()):
-                p_old.lerp_(p, 1 - decay)
+        copies = [(old, loss_fn.defaults["old_decay"])] + ([(sampling, loss_fn.defaults["sampling_decay"])]
+                                                           if sampling is not None else [])
+        for frozen, schedule in copies:
+            decay = losses.OLD_DECAYS[schedule](k + 1)
+            with torch.no_grad():  # old <- d old + (1 - d) current
+                for p_old, p in zip(frozen.parameters(), model.parameters()):
+                    p_old.lerp_(p, 1 - decay)
     return log
 
 
-@pytest.mark.parametrize("loss_name, lr", [("nft", 3e-3), ("awm", 3e-3)])
+@pytest.mark.parametrize("loss_name, lr", [("nft", 3e-3), ("awm", 3e-3), ("crd", 3e-3)])
 def test_forward_process_losses_move_the_samples_to_the_rewarded_mode(base_model, loss_name, lr):
     """30 iterations (base model: about half the samples on the right); each is under 0.4 s on one core."""
     model = copy.deepcopy(base_model)
     log = fine_tune_forward(model, loss_name, lr=lr)
     # The old copy starts as the model: the first batch is exactly on-policy, later ones are not.
-    deviate = "old_deviate" if loss_name == "nft" else "ema_kl"  # how far the current weights are from the old copy
+    deviate = "ema_kl" if loss_name == "awm" else "old_deviate"  # how far the current weights are from the old copy
     assert all(info[deviate] == 0 for info in log if info["iteration"] == 0)
     assert any(info[deviate] > 0 for info in log if info["iteration"] == 1)
     y = ode_samples(model)
