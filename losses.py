@@ -822,8 +822,8 @@ def crd(t, *, crd_beta, crd_temperature, crd_loss_type, crd_adaptive, crd_old, c
         kl = _sq_dist(t["v"], t["v_ref"])  # [b]
         floor = 1e-4 / kl_beta
         weight = floor + a * (1 - floor) if crd_adaptive_kl else torch.ones_like(a)
-        value = value + kl_beta * (weight * kl).mean()
-        info["kl"] = kl.detach().mean()
+        value = value + kl_beta * _gated(weight * kl, t, "all")  # GARDO's gate as the other forward-process KLs
+        info["kl"] = _gated(kl.detach(), t, "all")
     return value, info
 
 

@@ -104,13 +104,13 @@ class StubPolicy(policy_mod.Policy):
     step (a host sync a GPU run makes on purpose, to skip a non-finite step); backward() checks the loss and leaves
     a gradient of ones (the autograd engine needs a CUDA context, which fake tensors do not have)."""
 
-    def __init__(self, args, device, *, old_copy, channels=4):
+    def __init__(self, args, device, *, old_copy, sampling_copy=False, channels=4):
         self.args, self.device, self.amp_dtype, self.ddp, self.pipe = args, device, None, None, None
         self.transformer = self.model = Net(channels, device)
         self.trainable = list(self.transformer.named_parameters())
         self.optimizer = torch.optim.AdamW([q for _, q in self.trainable], lr=1e-2)
         self.scaler = torch.amp.GradScaler("cpu", enabled=False)
-        self.copies = self._copies(args, old_copy)  # the EMA, the old copy, GARDO's reference snapshot
+        self.copies = self._copies(args, old_copy, sampling_copy)  # the EMA, the old and sampling copies, GARDO's
         self.optimizer_steps, self.reference_on = 0, False
 
     def velocity(self, x, sigma, embeds, guidance_scale, *, train=False):
@@ -358,7 +358,8 @@ def test_every_loss_trains_on_the_device_without_reading_it_back(name, monkeypat
                             args.group_size)
     sigmas = sde.sd3_sigmas(args.num_steps)
     with fake_cuda() as cuda:
-        policy = StubPolicy(args, cuda, old_copy=bool(loss.old_copy and loss.old_copy(vars(args))))
+        policy = StubPolicy(args, cuda, old_copy=bool(loss.old_copy and loss.old_copy(vars(args))),
+                            sampling_copy=bool(loss.sampling_copy and loss.sampling_copy(vars(args))))
         batch = batch_for(loss, args, policy)
         adv = dict(adv=adv_cpu.to(cuda), ids=ids, rank_weight=1.0)
         info = train.train_on_batch(policy, loss, batch, adv, sigmas, args, 0, StubRun())
@@ -468,7 +469,8 @@ def test_the_gardo_reference_resumes_renews_and_gates_on_the_device(name, tmp_pa
     run = StubRun()
     run.carry = {"last_reset": 0, "max_kl": 1.0}  # a KL above --gardo-kl-thres since the last renewal
     with fake_cuda() as cuda:
-        policy = StubPolicy(args, cuda, old_copy=bool(loss.old_copy and loss.old_copy(vars(args))))
+        policy = StubPolicy(args, cuda, old_copy=bool(loss.old_copy and loss.old_copy(vars(args))),
+                            sampling_copy=bool(loss.sampling_copy and loss.sampling_copy(vars(args))))
         policy.resume(path, args)
         assert_beside(policy)
         batch = batch_for(loss, args, policy)

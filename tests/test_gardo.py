@@ -86,7 +86,12 @@ def test_the_gated_kl_term_is_beta_times_the_mean_over_the_flagged_samples(name)
     gated, info = losses.LOSSES[name].fn(dict(t, kl_gate=flagged), **hyper)
     assert plain_info["kl"].item() == pytest.approx(kl.mean().item(), rel=1e-5)
     assert info["kl"].item() == pytest.approx(kl[flagged].mean().item(), rel=1e-5)
-    assert (gated - plain).item() == pytest.approx(0.5 * (kl[flagged].mean() - kl.mean()).item(), rel=1e-4, abs=1e-6)
+    weighted = kl
+    if name == "crd" and hyper["crd_adaptive_kl"]:  # CRD weights each sample's KL by its [0, 1] advantage
+        floor = 1e-4 / hyper["kl_beta"]
+        weighted = kl * (floor + losses.nft_optimality(t["adv"], adv_clip=hyper["adv_clip"]) * (1 - floor))
+    assert (gated - plain).item() == pytest.approx(0.5 * (weighted[flagged].mean() - weighted.mean()).item(), rel=1e-4,
+                                                   abs=1e-6)
     none, info = losses.LOSSES[name].fn(dict(t, kl_gate=torch.zeros(4, dtype=torch.bool)), **hyper)
     if reverse:
         no_kl, _ = losses.LOSSES[name].fn(dict(t), **dict(hyper, kl_beta=0.0))
