@@ -96,7 +96,10 @@ def serve():
     BASE_PATH[:] = sys.path[1:]  # less this file's folder
     sys.path.insert(0, ROOT)
     import diffusers  # noqa: F401  the imports every run pays for
+    import matplotlib
     import scipy.stats  # noqa: F401
+    matplotlib.use("Agg")  # as eval.py's figures select it
+    import matplotlib.pyplot  # noqa: F401
     import eval  # noqa: F401
     import train  # noqa: F401
     reply = sys.stdout

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import distributed
+import forkserver
 from test_train import ROOT, metrics
 
 # A "custom" scorer: the brightness of each image in [0, 1] and its complement as an extra entry; it records the
@@ -83,8 +84,8 @@ def runs(tmp_path_factory):
         (root / name / "scored").mkdir(parents=True)
     torchrun(root / "two", flags + ["--steps", "3", "--out", str(root / "two" / "run"),
                                     "--custom-rm-args", str(root / "two" / "scored")])
-    one = subprocess.run([sys.executable, "train.py", *flags, "--steps", "1", "--out", str(root / "one" / "run"),
-                          "--custom-rm-args", str(root / "one" / "scored")], cwd=ROOT, capture_output=True, text=True,
+    one = forkserver.run([sys.executable, "train.py", *flags, "--steps", "1", "--out", str(root / "one" / "run"),
+                          "--custom-rm-args", str(root / "one" / "scored")], cwd=ROOT,
                          env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"), timeout=300)
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     return root

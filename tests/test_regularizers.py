@@ -124,24 +124,26 @@ def test_diversity_weights_leave_negative_advantages_and_identical_groups():
 def test_gardo_diversity_trains_any_loss_and_needs_features(tmp_path):
     import json
     import os
-    import subprocess
     import sys
 
     from transformers import Dinov2Config, Dinov2Model
+
+    import forkserver
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     small = ["--model", "tiny", "--prompts-per-step", "2", "--group-size", "4", "--sample-batch-size", "4",
              "--train-batch-size", "4", "--num-steps", "4", "--resolution", "32", "--steps", "1"]
-    refused = subprocess.run([sys.executable, "train.py", *small, "--gardo-diversity", "--out", str(tmp_path / "no")],
-                             cwd=root, capture_output=True, text=True, timeout=300)
+    refused = forkserver.run([sys.executable, "train.py", *small, "--gardo-diversity", "--out", str(tmp_path / "no")],
+                             cwd=root, timeout=300)
     assert refused.returncode != 0 and "--diversity dinov2" in refused.stderr.strip().splitlines()[-1]
     torch.manual_seed(0)
     Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                              image_size=32, patch_size=8)).save_pretrained(tmp_path / "dinov2")
     for loss in ("grpo", "nft"):
         out = tmp_path / loss
-        subprocess.run([sys.executable, "train.py", *small, "--loss", loss, "--gardo-diversity", "--diversity", "dinov2",
-                        "--diversity-path", str(tmp_path / "dinov2"), "--out", str(out)], cwd=root, check=True,
-                       capture_output=True, timeout=600)
+        done = forkserver.run([sys.executable, "train.py", *small, "--loss", loss, "--gardo-diversity", "--diversity",
+                               "dinov2", "--diversity-path", str(tmp_path / "dinov2"), "--out", str(out)], cwd=root,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
         step = [json.loads(line) for line in open(out / "metrics.jsonl")][-1]
         assert step["gardo_weight_max"] >= 1.0  # the most novel positive sample weighs at least the mean
         assert 0 <= step["diversity_features"] <= 2

@@ -351,13 +351,16 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_dead_runs_lock_is_no
     out = str(tmp_path / "run")
     first = start([sys.executable, "train.py", *FAST, "--steps", "500", "--out", out])
     wait_for(lambda: os.path.isfile(os.path.join(out, "metrics.jsonl")), first)
-    second = run([sys.executable, "train.py", *FAST, "--steps", "2", "--out", out, "--seed", "9"], tmp_path,
-                 check=False)
+    os.killpg(first.pid, signal.SIGSTOP)  # alive and holding its lock, without taking a core from the second run
+    try:
+        second = run([sys.executable, "train.py", *FAST, "--steps", "2", "--out", out, "--seed", "9"], tmp_path,
+                     check=False)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # a dead run's lock goes with it
+        first.wait()
     assert second.returncode != 0 and "Traceback" not in second.stderr
     assert "in use by another run" in second.stderr.strip().splitlines()[-1]
     assert str(first.pid) in second.stderr
-    os.killpg(first.pid, signal.SIGKILL)  # a dead run's lock goes with it
-    first.wait()
     with open(os.path.join(out, "args.json")) as f:
         assert json.load(f)["args"]["seed"] == 0  # the folder still holds the first run only
     run([sys.executable, "train.py", *FAST, "--steps", "2", "--out", out, "--overwrite"], tmp_path)
