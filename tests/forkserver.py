@@ -8,12 +8,13 @@ the others stopped when one fails, as torchrun's agent does.
 
     proc = forkserver.run([sys.executable, "train.py", ...], cwd=ROOT, env=env, timeout=300)  # a CompletedProcess
 
-`run` falls back to a real subprocess where a fork could differ from one: another interpreter or `-c` / `-m`, an
+`run` falls back to a real subprocess where a fork could differ from one: another interpreter or `-m`, an
 environment that differs from the server's beyond the thread count, or FLOW_RL_TEST_FORK=0 (every run a subprocess,
 to check that both agree). What the child redoes so that it starts as a new process would: the working directory,
-the environment, the project's own modules (imported anew: a few read the environment when imported), stdin / stdout / stderr, sys.argv and sys.path[0], torch's thread count and default seed, Python's
-and numpy's global seeds from the OS; at its end the interpreter's own exit steps (non-daemon threads joined, atexit
-handlers, flushed streams).
+the environment, the project's own modules (imported anew: a few read the environment when imported), stdin /
+stdout / stderr, sys.argv and sys.path, torch's thread count and default seed, Python's and numpy's global seeds
+from the OS; at its end the interpreter's own exit steps (non-daemon threads joined, atexit handlers, flushed
+streams). `python -c code args` runs the code as `python -c` does.
 """
 import atexit
 import json
@@ -29,8 +30,9 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # applied in the child with torch.set_num_threads
-PER_TEST = ("PYTEST_CURRENT_TEST",)
-BASE_PATH = []  # the server's sys.path as a new interpreter starts it, less the script's folder  # pytest's, set anew for every test; read by nothing at import
+SET_IN_THE_WORKER = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")  # pytest's, anew for every test; inductor's,
+# at its first compile: read by nothing at import
+BASE_PATH = []  # the server's sys.path as a new interpreter starts it, less the script's folder
 
 
 # --- the server ------------------------------------------------------------------------------------------------------
@@ -71,10 +73,14 @@ def _child(request):
             path = getattr(module, "__file__", None) or ""  # some read the environment when imported (the ranks)
             if path.startswith(ROOT + os.sep) and not path.startswith(os.path.join(ROOT, "tests") + os.sep):
                 del sys.modules[name]
-        sys.argv = list(request["argv"])
-        sys.path[:] = [os.path.dirname(os.path.abspath(sys.argv[0]))] + BASE_PATH  # as `python script.py` has it
-        import runpy
-        runpy.run_path(sys.argv[0], run_name="__main__")
+        if "code" in request:  # python -c code args: sys.argv[0] "-c", the working directory first on the path
+            sys.argv, sys.path[:] = ["-c", *request["argv"]], [""] + BASE_PATH
+            exec(compile(request["code"], "<string>", "exec"), {"__name__": "__main__"})
+        else:
+            sys.argv = list(request["argv"])
+            sys.path[:] = [os.path.dirname(os.path.abspath(sys.argv[0]))] + BASE_PATH  # as `python script.py` has it
+            import runpy
+            runpy.run_path(sys.argv[0], run_name="__main__")
         code = 0
     except SystemExit as exc:
         code = _exit_code(exc)
@@ -186,12 +192,13 @@ def _free_port():
 def _forkable(cmd, env):
     if os.environ.get("FLOW_RL_TEST_FORK", "1") == "0" or not hasattr(os, "fork"):
         return False
-    single = len(cmd) >= 2 and cmd[0] == sys.executable and cmd[1].endswith(".py")
+    script = len(cmd) >= 2 and (cmd[1].endswith(".py") or cmd[1] == "-c" and len(cmd) > 2)
+    single = cmd[0] == sys.executable and script
     if not single and _torchrun(cmd) is None:
         return False
     if _server is not None:
         differs = {k for k in set(env) | set(_server[1]) if env.get(k) != _server[1].get(k)}
-        if differs - set(THREAD_VARS) - set(PER_TEST):
+        if differs - set(THREAD_VARS) - set(SET_IN_THE_WORKER):
             return False
     return True
 
@@ -228,7 +235,9 @@ def run(cmd, *, cwd=ROOT, env=None, timeout=None):
         open(err, "w").close()
         base = dict(cwd=os.path.abspath(cwd), stdout=out, stderr=err)
         launch = _torchrun(cmd)
-        if launch is None:
+        if launch is None and cmd[1] == "-c":
+            request = dict(base, code=cmd[2], argv=cmd[3:], env=env)
+        elif launch is None:
             request = dict(base, argv=cmd[1:], env=env)
         else:
             ranks, argv, port = *launch, _free_port()

@@ -65,12 +65,14 @@ def test_a_run_past_its_timeout_is_killed(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired) as expired:
         forkserver.run([sys.executable, str(script)], env=ENV, timeout=5)
     assert "started" in expired.value.output
-    assert forkserver.run([sys.executable, "-c", "print(1)"], env=ENV, timeout=60).stdout == "1\n"  # not forked
+    code = "import os, sys; print(sys.argv, os.getcwd() == sys.path[0] or sys.path[0] == '')"
+    done = forkserver.run([sys.executable, "-c", code, "a"], cwd=tmp_path, env=ENV, timeout=60)
+    assert done.stdout == "['-c', 'a'] True\n"  # as python -c has them
 
 
 def test_another_environment_runs_as_a_subprocess(monkeypatch):
     assert forkserver._forkable([sys.executable, "train.py"], dict(ENV))
-    forkserver.run([sys.executable, "-c", "pass"], env=ENV)  # starts nothing: -c is never forked
+    assert not forkserver._forkable([sys.executable, "-m", "pytest"], dict(ENV))
     monkeypatch.setattr(forkserver, "_server", (None, dict(ENV)))
     assert not forkserver._forkable([sys.executable, "train.py"], dict(ENV, PYTHONPATH="/elsewhere"))
     assert forkserver._forkable([sys.executable, "train.py"], dict(ENV, OMP_NUM_THREADS="2"))
