@@ -371,6 +371,16 @@ def nft_optimality(adv, *, adv_clip=5.0):
     return (adv.float() / adv_clip).clamp(-1, 1) / 2 + 0.5
 
 
+def _normalised_sq(err, dims, adaptive):
+    """mean over dims of err^2 / w per sample: DiffusionNFT's adaptive weight w = stopgrad(max(mean |err|, 1e-5)),
+    each error normalised by its own L1 size (adaptive), else w = 1. [B]."""
+    if not adaptive:
+        return (err**2).mean(dims)
+    with torch.no_grad():
+        w = err.abs().mean(dims, keepdim=True).clamp_min(1e-5)
+    return (err**2 / w).mean(dims)
+
+
 def nft_loss(v, v_old, x_t, x0, sigma, r, *, beta, adaptive=True):
     """DiffusionNFT's policy loss on one re-noised batch (arXiv:2509.16117; train_nft_sd3.py L930-960):
 
@@ -402,14 +412,8 @@ def nft_loss(v, v_old, x_t, x0, sigma, r, *, beta, adaptive=True):
     v_minus = (1 + beta) * v_old - beta * v
     err_plus = x_t - t * v_plus - x0  # x0+ - x0
     err_minus = x_t - t * v_minus - x0
-    if adaptive:
-        with torch.no_grad():
-            w_plus = err_plus.abs().mean(dims, keepdim=True).clamp_min(1e-5)
-            w_minus = err_minus.abs().mean(dims, keepdim=True).clamp_min(1e-5)
-    else:
-        w_plus = w_minus = 1.0
-    loss_plus = (err_plus**2 / w_plus).mean(dims)  # [B]
-    loss_minus = (err_minus**2 / w_minus).mean(dims)
+    loss_plus = _normalised_sq(err_plus, dims, adaptive)  # [B]
+    loss_minus = _normalised_sq(err_minus, dims, adaptive)
     per_sample = (r * loss_plus + (1 - r) * loss_minus) / beta
     info = {"nft_loss_plus": loss_plus.detach().mean(), "nft_loss_minus": loss_minus.detach().mean(),
             "old_deviate": ((v.detach() - v_old) ** 2).mean(), "r_mean": r.detach().mean()}
@@ -567,13 +571,7 @@ def crd_implicit_reward(v, v_old, x0, eps, *, adaptive=True):
                          f"{tuple(v_old.shape)}, {tuple(x0.shape)}, {tuple(eps.shape)}")
     dims, target = _dims(v), eps.double() - x0.double()
     err, err_old = v.double() - target, v_old.detach().double() - target
-    if adaptive:
-        with torch.no_grad():
-            w = err.abs().mean(dims, keepdim=True).clamp_min(1e-5)
-            w_old = err_old.abs().mean(dims, keepdim=True).clamp_min(1e-5)
-    else:
-        w = w_old = 1.0
-    return -(err**2 / w - err_old**2 / w_old).mean(dims)
+    return -(_normalised_sq(err, dims, adaptive) - _normalised_sq(err_old, dims, adaptive))
 
 
 def _centring_weights(a, temperature):
