@@ -281,7 +281,7 @@ def test_edit_rl_holds_on_seeds_the_preset_was_not_chosen_on(tmp_path):
     """The same command on seeds 3 and 4 (the preset was chosen on seed 2; docs/shapes.md, "On seeds the preset was
     not chosen on": +0.123 +- 0.024 and +0.145 +- 0.024, one thread each, as here): each rises by 3 or more paired
     standard errors, the rises average 0.10 or more, and no kind of edit ends more than 0.03 under its step 0.
-    Seed 7 did not meet this bar (+0.043 +- 0.025 as reported); seeds 5 and 6 are not measured yet."""
+    Seed 7 does not meet this bar (+0.0375 +- 0.0235 here, +0.043 +- 0.025 as first reported: docs/shapes.md)."""
     import subprocess
     import sys
     rises = []
