@@ -49,7 +49,8 @@ def test_torchrun_ranks_see_their_ranks_and_a_failing_rank_fails_the_launch(tmp_
                       "dist.init_process_group('gloo')\n"
                       "t = __import__('torch').tensor([float(dist.get_rank() + 1)])\n"
                       "dist.all_reduce(t)\n"
-                      "print(os.environ['RANK'], os.environ['LOCAL_WORLD_SIZE'], int(t.item()))\n"
+                      "line = f\"{os.environ['RANK']} {os.environ['LOCAL_WORLD_SIZE']} {int(t.item())}\\n\"\n"
+                      "os.write(1, line.encode())  # one write: the ranks share stdout\n"
                       "dist.destroy_process_group()\n"
                       "sys.exit(3 if sys.argv[1:] == ['fail'] and os.environ['RANK'] == '1' else 0)\n")
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
