@@ -7,10 +7,11 @@ the child is a fresh process (its own pid, signals, exit status, files) that sta
 the others stopped when one fails, as torchrun's agent does.
 
     proc = forkserver.run([sys.executable, "train.py", ...], cwd=ROOT, env=env, timeout=300)  # a CompletedProcess
+    proc = forkserver.start([sys.executable, "train.py", ...], cwd=ROOT, env=env)  # a Popen, to signal or kill
 
-`run` falls back to a real subprocess where a fork could differ from one: another interpreter or `-m`, an
-environment that differs from the server's beyond the thread count, or FLOW_RL_TEST_FORK=0 (every run a subprocess,
-to check that both agree). What the child redoes so that it starts as a new process would: the working directory,
+Both fall back to a real subprocess where a fork could differ from one: another interpreter or `-m`, an
+environment that differs from the server's beyond the thread count and PYTHONPATH, or FLOW_RL_TEST_FORK=0 (every run
+a subprocess, to check that both agree); `start` also leaves a torchrun to the real launcher. What the child redoes so that it starts as a new process would: the working directory,
 the environment, the project's own modules (imported anew: a few read the environment when imported), stdin /
 stdout / stderr, sys.argv and sys.path, torch's thread count and default seed, Python's and numpy's global seeds
 from the OS; at its end the interpreter's own exit steps (non-daemon threads joined, atexit handlers, flushed
@@ -20,18 +21,21 @@ import atexit
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # applied in the child with torch.set_num_threads
 SET_IN_THE_WORKER = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")  # pytest's, anew for every test; inductor's,
-# at its first compile: read by nothing at import
+# at its first compile: read by nothing at import. PYTHONPATH may differ too: the child puts it on sys.path where the
+# interpreter would (after the script's folder, before the standard library); the server starts without one.
 BASE_PATH = []  # the server's sys.path as a new interpreter starts it, less the script's folder
 
 
@@ -73,12 +77,13 @@ def _child(request):
             path = getattr(module, "__file__", None) or ""  # some read the environment when imported (the ranks)
             if path.startswith(ROOT + os.sep) and not path.startswith(os.path.join(ROOT, "tests") + os.sep):
                 del sys.modules[name]
+        extra = [os.path.abspath(p) for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
         if "code" in request:  # python -c code args: sys.argv[0] "-c", the working directory first on the path
-            sys.argv, sys.path[:] = ["-c", *request["argv"]], [""] + BASE_PATH
+            sys.argv, sys.path[:] = ["-c", *request["argv"]], [""] + extra + BASE_PATH
             exec(compile(request["code"], "<string>", "exec"), {"__name__": "__main__"})
         else:
             sys.argv = list(request["argv"])
-            sys.path[:] = [os.path.dirname(os.path.abspath(sys.argv[0]))] + BASE_PATH  # as `python script.py` has it
+            sys.path[:] = [os.path.dirname(os.path.abspath(sys.argv[0]))] + extra + BASE_PATH  # as `python script.py`
             import runpy
             runpy.run_path(sys.argv[0], run_name="__main__")
         code = 0
@@ -94,6 +99,42 @@ def _child(request):
         sys.stderr.flush()
     finally:
         os._exit(code)
+
+
+def _detach(request):
+    """A run that the server does not wait for (`start`): a reaper process, orphaned at once so that the server never
+    waits on it, forks the run in a session of its own (as start_new_session=True), writes its pid, waits for it and
+    writes its exit code (negative for a signal, as Popen's): the files `start`'s handle reads."""
+    first = os.fork()
+    if first:
+        os.waitpid(first, 0)
+        return
+    try:
+        if os.fork() == 0:  # the reaper
+            null = os.open(os.devnull, os.O_RDWR)
+            os.dup2(null, 0)  # off the server's request and reply pipes
+            os.dup2(null, 1)
+            led, leads = os.pipe()
+            run = os.fork()
+            if run == 0:
+                os.close(led)
+                os.setsid()
+                os.close(leads)  # its group exists: a killpg of the pid now reaches it
+                _child(request)
+            os.close(leads)
+            os.read(led, 1)  # the end of the pipe: the run has its session
+            os.close(led)
+            _write(request["pid_file"], str(run))
+            _, status = os.waitpid(run, 0)
+            _write(request["code_file"], str(os.waitstatus_to_exitcode(status)))
+    finally:
+        os._exit(0)
+
+
+def _write(path, text):
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)  # whole or absent for the reader
 
 
 def serve():
@@ -115,6 +156,11 @@ def serve():
         request = json.loads(line)
         sys.stdout.flush()
         sys.stderr.flush()
+        if request.get("detached"):
+            _detach(request)
+            reply.write('{"started": true}\n')
+            reply.flush()
+            continue
         pids = []
         for one in request.get("group", [request]):
             pid = os.fork()
@@ -142,6 +188,7 @@ _server = None  # (Popen, its environment)
 
 def _start(env):
     global _server
+    env = {k: v for k, v in env.items() if k != "PYTHONPATH"}  # each child puts its own on sys.path
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)], cwd=ROOT, env=env, bufsize=0,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     proc.pending = b""
@@ -198,7 +245,7 @@ def _forkable(cmd, env):
         return False
     if _server is not None:
         differs = {k for k in set(env) | set(_server[1]) if env.get(k) != _server[1].get(k)}
-        if differs - set(THREAD_VARS) - set(SET_IN_THE_WORKER):
+        if differs - set(THREAD_VARS) - set(SET_IN_THE_WORKER) - {"PYTHONPATH"}:
             return False
     return True
 
@@ -254,6 +301,75 @@ def run(cmd, *, cwd=ROOT, env=None, timeout=None):
             _read(proc, 60)
             raise subprocess.TimeoutExpired(cmd, timeout, output=_text(out), stderr=_text(err))
         return subprocess.CompletedProcess(cmd, done["code"], _text(out), _text(err))
+
+
+def start(cmd, *, cwd=ROOT, env=None):
+    """subprocess.Popen(cmd, cwd=cwd, env=env, stdout=PIPE, stderr=PIPE, text=True, start_new_session=True), forked
+    where it can (a single run, not a torchrun): the handle has Popen's pid, returncode, poll, wait, communicate,
+    send_signal, terminate and kill, and the run leads its own process group as with start_new_session."""
+    env = dict(os.environ if env is None else env)
+    popen = lambda: subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+    if not _forkable(cmd, env) or _torchrun(cmd) is not None:
+        return popen()
+    if _server is None:
+        _start(env)
+    proc = _server[0]
+    if proc is None or proc.poll() is not None:
+        return popen()
+    return Started(proc, cmd, cwd, env)
+
+
+class Started:
+    """A forked run started by `start`, read through the files its reaper writes (see _detach)."""
+
+    def __init__(self, server, cmd, cwd, env):
+        self.args, self.returncode, self._output = cmd, None, None
+        self._dir = tempfile.mkdtemp(prefix="forked-")
+        self._paths = {k: os.path.join(self._dir, k) for k in ("stdout", "stderr", "pid", "code")}
+        open(self._paths["stdout"], "w").close()
+        open(self._paths["stderr"], "w").close()
+        request = dict(cwd=os.path.abspath(cwd), env=env, stdout=self._paths["stdout"], stderr=self._paths["stderr"],
+                       detached=True, pid_file=self._paths["pid"], code_file=self._paths["code"])
+        request.update(dict(code=cmd[2], argv=cmd[3:]) if cmd[1] == "-c" else dict(argv=cmd[1:]))
+        server.stdin.write(json.dumps(request).encode() + b"\n")
+        if not (_read(server, 60) or {}).get("started"):
+            raise RuntimeError(f"the fork server did not start {cmd}")
+        while not os.path.exists(self._paths["pid"]):
+            time.sleep(0.005)
+        with open(self._paths["pid"]) as f:
+            self.pid = int(f.read())
+
+    def poll(self):
+        if self.returncode is None and os.path.exists(self._paths["code"]):
+            with open(self._paths["code"]) as f:
+                code = int(f.read())
+            self._output = (_text(self._paths["stdout"]), _text(self._paths["stderr"]))
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self.returncode = code
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def communicate(self, timeout=None):
+        self.wait(timeout)
+        return self._output
+
+    def send_signal(self, sig):
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self):
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
 
 
 def _text(path):

@@ -11,6 +11,7 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import forkserver
 from test_train import ROOT, SMALL, metrics, run, train
 
 FAST = SMALL + ["--log-images-every", "0"]
@@ -43,9 +44,9 @@ NAN_LOSS_AT_STEP = textwrap.dedent('''
 
 
 def start(cmd, env=None):
+    """Popen(cmd, stdout=PIPE, stderr=PIPE, text=True, start_new_session=True): a forked run where it can be one."""
     full_env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return forkserver.start(cmd, cwd=ROOT, env=full_env)
 
 
 def wait_for(predicate, proc, timeout=240):

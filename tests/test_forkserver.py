@@ -3,8 +3,10 @@ process makes (the same numbers, weights, output and exit status), a torchrun of
 its timeout is killed."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from safetensors.torch import load_file
@@ -75,8 +77,49 @@ def test_another_environment_runs_as_a_subprocess(monkeypatch):
     assert forkserver._forkable([sys.executable, "train.py"], dict(ENV))
     assert not forkserver._forkable([sys.executable, "-m", "pytest"], dict(ENV))
     monkeypatch.setattr(forkserver, "_server", (None, dict(ENV)))
-    assert not forkserver._forkable([sys.executable, "train.py"], dict(ENV, PYTHONPATH="/elsewhere"))
+    assert not forkserver._forkable([sys.executable, "train.py"], dict(ENV, HF_HOME="/elsewhere"))
+    assert forkserver._forkable([sys.executable, "train.py"], dict(ENV, PYTHONPATH="/elsewhere"))  # put on sys.path
     assert forkserver._forkable([sys.executable, "train.py"], dict(ENV, OMP_NUM_THREADS="2"))
     assert not forkserver._forkable([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "train.py"], ENV)
     monkeypatch.setenv("FLOW_RL_TEST_FORK", "0")
     assert not forkserver._forkable([sys.executable, "train.py"], dict(ENV))
+
+
+def test_pythonpath_goes_where_the_interpreter_puts_it(tmp_path):
+    (tmp_path / "mine.py").write_text("WHERE = 'mine'\n")
+    code = "import sys, mine; print(mine.WHERE, sys.path[1] == sys.argv[1], sys.path[0] == '')"
+    env = dict(ENV, PYTHONPATH=str(tmp_path))
+    forked = forkserver.run([sys.executable, "-c", code, str(tmp_path)], env=env, timeout=60)
+    fresh = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert forked.stdout == fresh.stdout == "mine True True\n", (forked.stderr, fresh.stderr)
+
+
+def test_a_started_run_is_a_popen_that_can_be_signalled(tmp_path):
+    """start(): the forked run leads its own process group, answers poll / wait / communicate as Popen does, and a
+    signal's death reads as Popen's negative code; another command is a real Popen."""
+    script = tmp_path / "waits.py"
+    script.write_text("import os, signal, sys, time\n"
+                      "signal.signal(signal.SIGTERM, lambda *a: sys.exit(5))\n"
+                      "print('pid', os.getpid(), os.getpgid(0), flush=True)\n"
+                      "print('to stderr', file=sys.stderr, flush=True)\n"
+                      "open(sys.argv[1], 'w').close()\n"
+                      "time.sleep(600)\n")
+    ready = tmp_path / "ready"
+    proc = forkserver.start([sys.executable, str(script), str(ready)], env=ENV)
+    assert isinstance(proc, forkserver.Started)
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=0.5)
+    deadline = time.time() + 60
+    while not ready.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None
+    proc.terminate()
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 5 and out == f"pid {proc.pid} {proc.pid}\n" and err == "to stderr\n"
+    killed = forkserver.start([sys.executable, str(script), str(tmp_path / "again")], env=ENV)
+    os.killpg(killed.pid, signal.SIGKILL)  # its group: the run alone, not the server
+    assert killed.wait(timeout=60) == -signal.SIGKILL
+    assert forkserver.run([sys.executable, "-c", "print(1)"], env=ENV, timeout=60).stdout == "1\n"  # server alive
+    version = forkserver.start([sys.executable, "-V"], env=ENV)
+    assert not isinstance(version, forkserver.Started) and version.communicate(timeout=60)[0].startswith("Python")

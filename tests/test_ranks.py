@@ -7,10 +7,8 @@ the evaluation scores other components. The reward is a custom scorer that recor
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -56,20 +54,15 @@ def write_rows(path, rows):
 
 
 def torchrun(tmp_path, flags, timeout=400, script="train.py"):
-    """2 processes under torchrun; a run that outlives `timeout` (collectives that never pair up) is killed."""
+    """2 processes under torchrun (forked ranks, tests/forkserver.py); a run that outlives `timeout` (collectives that
+    never pair up) is killed."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script, *flags]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    with open(tmp_path / "torchrun.log", "w+") as log:  # a file, not a pipe: a full pipe would stall a rank
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + timeout
-        while proc.poll() is None and time.time() < deadline:
-            time.sleep(0.5)
-        if proc.poll() is None:  # the agent and its workers share a process group
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.seek(0)
-        text = log.read()
-    assert proc.returncode == 0, f"torchrun exited {proc.returncode} (-9: hung past {timeout} s):\n{text[-4000:]}"
+    try:
+        proc = forkserver.run(cmd, cwd=ROOT, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"torchrun hung past {timeout} s:\n{(e.output or '')[-2000:]}\n{(e.stderr or '')[-2000:]}")
+    assert proc.returncode == 0, f"torchrun exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
 
 
 @pytest.fixture(scope="module")
