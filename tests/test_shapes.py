@@ -228,6 +228,33 @@ def test_detector_precision_recall_1200_scenes(degraded):
         assert precision >= FLOOR[degraded] and recall >= FLOOR[degraded], (tag, precision, recall)
 
 
+def test_detections_are_kept_by_image_and_equal_a_fresh_detection(monkeypatch):
+    """An image detected before is answered from the record (the held-out reward and the diversity measure judge the
+    same images); the answer equals detecting it afresh, in any batch, and the record cannot be altered through it."""
+    rng = np.random.default_rng(5)
+    rows = [r for tag in shapes.TAGS for r in shapes.prompt_rows(tag)][:12]
+    images = degrade(np.stack([shapes.draw(shapes.layout(r["metadata"], 32, rng), 32) for r in rows]), rng)
+    images = np.concatenate([images, images[:3]])  # repeats within a batch too
+    monkeypatch.setattr(shapes, "_DETECTED", type(shapes._DETECTED)())
+    monkeypatch.setattr(shapes, "DETECTIONS_KEPT", 8)
+    fresh = [shapes._detect(image[None])[0] for image in images]
+    calls = []
+    real = shapes._detect
+    monkeypatch.setattr(shapes, "_detect", lambda batch: calls.append(len(batch)) or real(batch))
+    shapes.detect(images[4:10])
+    kept = shapes.detect(images)
+    assert calls == [6, 9] and len(shapes._DETECTED) == 8  # only the new images are detected; the record is bounded
+    assert shapes.detect(images[-8:]) and calls == [6, 9]  # the 8 most recent: all answered from the record
+    for got, want in zip(kept, fresh):
+        assert [{k: v for k, v in d.items() if k != "mask"} for d in got] == [
+            {k: v for k, v in d.items() if k != "mask"} for d in want]
+        assert all(np.array_equal(a["mask"], b["mask"]) for a, b in zip(got, want))
+    with pytest.raises(ValueError):
+        kept[0][0]["mask"][0, 0] = True
+    kept[0][0]["class"] = "hacked"
+    assert shapes.detect(images[:1])[0][0]["class"] != "hacked"
+
+
 # ----------------------------------------------------------------------------- the judge on hand-made scenes
 
 def test_judge_verdicts_for_every_task_type():
