@@ -25,6 +25,7 @@
 | `custom`                 | your function (`--custom-rm-path module.function`)       | yours                    |
 | `geneval`                | GenEval verdict from detections (geneval.py)             | [0, 1]; partial <= 1     |
 | `shapes_edit`            | the shapes world's exact edit judge (shapes.judge_edit)  | 0/1, or partial in [0, 1]|
+| `shapes_proxy`, `_1`-`_3`| a learned proxy's P(GenEval judge: correct), member k    | [0, 1]                   |
 
 Options. `add_arguments(parser)` declares every option `build_reward` takes (the argparse group
 "reward", shared by train.py, eval.py and bench.py) and is the only place they are defaulted:
@@ -108,6 +109,7 @@ import data  # a sample's source images (edits): data.source_images(metadata)
 import distributed
 import flags
 import geneval  # light at import: its models load inside geneval.reward
+import proxy  # the learned proxy of the shapes world's judge
 import reward_models
 import services  # the HTTP plumbing of the reward services
 import shapes
@@ -852,6 +854,7 @@ def add_arguments(parser):
     flag("--custom-rm-args", "opaque string passed to --custom-rm-path", default=None)
     geneval.add_arguments(parser)  # the GenEval reward's own group
     shapes.add_arguments(parser)  # the shapes world's edit reward
+    proxy.add_arguments(parser)  # the learned proxy of the shapes world's judge
 
 
 def geneval_reward(*, geneval_detector, geneval_detector_path, device, **options):
@@ -892,6 +895,8 @@ def rows_check(spec, geneval_detector, by_advantage=False):
                              "which --reward-combine advantage sums the advantages of: fix the row or the flags")
         if "geneval" in dict(row):
             geneval_check(metadata)
+        if any(name.startswith("shapes_proxy") for name in dict(row)):  # the proxy reads GenEval rows of this world
+            geneval_rows_check("shapes")(metadata)
         if "shapes_edit" in dict(row):
             shapes.edit_row_check(metadata)
         if "image_similarity" in dict(row) and not metadata.get(data.SOURCE_KEY):
@@ -931,6 +936,10 @@ REWARDS = {
     "custom": custom,
     "geneval": geneval_reward,
     "shapes_edit": shapes.edit_reward,
+    "shapes_proxy": proxy.member_reward(0),  # one name per member of --shapes-proxy-path's ensemble, so that
+    "shapes_proxy_1": proxy.member_reward(1),  # members can be told apart in a --reward mix (one trained, the
+    "shapes_proxy_2": proxy.member_reward(2),  # others watched by --gardo-gate)
+    "shapes_proxy_3": proxy.member_reward(3),
     "imagereward": reward_models.imagereward,
     "hpsv3": reward_models.hpsv3,
     "clipscore": reward_models.clipscore,

@@ -7,8 +7,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
     ("flags", "sde", "data", "distributed", "geneval", "presets", "regularizers"),  # the math and the plumbing below
     # everything: torch only; the flag defaults per model and loss; GARDO's rules
-    ("losses", "checkpoints", "families", "shapes", "services", "reward_models"),  # losses and their registry; run
-    # folders; the model-family adapters; the shapes world; reward-service HTTP; the neural reward models
+    ("losses", "checkpoints", "families", "shapes", "services", "reward_models", "proxy"),  # losses and their
+    # registry; run folders; the model-family adapters; the shapes world; reward-service HTTP; the neural reward models;
+    # the learned proxy of the GenEval judge
     ("models", "rewards", "diversity"),  # the model interface over every family; REWARDS; diversity
     ("policy", "eval"),  # the trained weights, their optimizer and copies; ODE evaluation, grids, curves
     ("run",),  # the life of a run: resume, logs, the reward wait, checkpoints, signals
