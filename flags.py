@@ -5,6 +5,7 @@
     POSITIVE_INT, NONNEG_INT, POSITIVE, NONNEG, FRACTION, SEED
     resolution_arg                        --resolution: a side, or HEIGHTxWIDTH
     unwritable(path, example)             why a file could not be written at path at the end of a run, or None
+    shipped(path)                         a relative path that is not here, taken from the repository (weights/, prompts/)
     preset_help(shown, keys)              --help showing each preset's value of a flag whose default is a preset's
 
 Every refusal is argparse's own one-line `error:`, before anything is loaded. The same checks for options passed as
@@ -94,6 +95,14 @@ def resolution_arg(text):
         raise argparse.ArgumentTypeError(f"--resolution takes a side or HEIGHTxWIDTH in pixels, e.g. 512 or 240x416, "
                                          f"got {text!r}")
     return sides[0] if len(sides) == 1 else tuple(sides)
+
+
+def shipped(path):
+    """`path`, or the repository's file of that relative name when the path does not exist from the working directory:
+    the weights and prompt files the repository ships are found from any folder."""
+    if os.path.isabs(path) or os.path.exists(path):
+        return path
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
 
 
 def unwritable(path, example):

@@ -334,9 +334,7 @@ def load_shapes_weights(pipe, path, *, script="scripts/pretrain_shapes.py"):
 
 def _shapes_pipeline(weights=shapes.WEIGHTS, *, device="cpu"):
     """The pretrained `shapes` pipeline: built from shapes.py's config, the weights loaded."""
-    if not os.path.isabs(weights) and not os.path.exists(weights):
-        weights = os.path.join(os.path.dirname(os.path.abspath(__file__)), weights)  # relative to the repository
-    return load_shapes_weights(build_shapes(device=device), weights)
+    return load_shapes_weights(build_shapes(device=device), flags.shipped(weights))
 
 
 def shapes_model(model_path=None, dtype=torch.float32, device="cpu"):
@@ -403,9 +401,7 @@ def shapes_edit_model(model_path=None, dtype=torch.float32, device="cpu"):
     """The edit model of the shapes world (shapes.py, "editing"): FLUX.1 Kontext's pipeline in pixel space at 32 px,
     built by build_shapes_edit with the weights of weights/shapes_edit.safetensors, or the safetensors file given as
     --model-path (written by scripts/pretrain_shapes_edit.py)."""
-    weights = model_path or shapes.EDIT_WEIGHTS
-    if not os.path.isabs(weights) and not os.path.exists(weights):
-        weights = os.path.join(os.path.dirname(os.path.abspath(__file__)), weights)  # relative to the repository
+    weights = flags.shipped(model_path or shapes.EDIT_WEIGHTS)
     if not os.path.isfile(weights):
         raise FileNotFoundError(f"{weights}: no shapes-edit weights there; scripts/pretrain_shapes_edit.py writes "
                                 f"them (to {shapes.EDIT_WEIGHTS}, or to --out, then pass --model-path)")

@@ -30,12 +30,14 @@ The file holds one or more members (an ensemble: each trained from its own seed)
 weights (half the size; the network runs in float32), the tensors of member k under "k.<name>", and in the
 safetensors metadata the classes, colours, sizes and a note saying how it was made.
 """
+import itertools
 import json
 import os
 
 import torch
 from torch import nn
 
+import flags
 import geneval
 
 FORMAT = "shapes_proxy/1"  # the safetensors metadata "format" of a proxy file
@@ -52,7 +54,7 @@ def encode(metadata, classes, colors):
     """GenEval metadata rows -> their codes, float [B, MAX_CLAUSES x slot_width] (module docstring). A row this
     encoding cannot hold (a class or colour outside `classes` / `colors`, more than two include clauses, a count over
     MAX_COUNT, an exclude clause that is not a cap on an included class) is a one-line ValueError."""
-    width = slot_width(classes, colors)
+    width, offsets = slot_width(classes, colors), _offsets(classes, colors)
     out = torch.zeros(len(metadata), MAX_CLAUSES * width)
     for row, m in enumerate(metadata):
         geneval.check_metadata(m, vocabulary=(tuple(classes), tuple(colors)), detector="proxy's")
@@ -65,7 +67,7 @@ def encode(metadata, classes, colors):
             if clause["count"] > MAX_COUNT:
                 raise ValueError(f"the proxy reads counts 1-{MAX_COUNT}, include clause {i} asks for "
                                  f"{clause['count']}: {str(m)[:120]}")
-            base, offsets = i * width, _offsets(classes, colors)
+            base = i * width
             out[row, base + offsets["class"] + classes.index(clause["class"])] = 1
             out[row, base + offsets["count"] + clause["count"] - 1] = 1
             if "color" in clause:
@@ -84,22 +86,23 @@ def encode(metadata, classes, colors):
 def _offsets(classes, colors):
     sizes = [("class", len(classes)), ("count", MAX_COUNT), ("color", len(colors)),
              ("relation", len(geneval.RELATIONS)), ("exact", 1)]
-    starts = torch.tensor([0] + [n for _, n in sizes]).cumsum(0).tolist()
+    starts = itertools.accumulate([n for _, n in sizes], initial=0)
     return {name: start for (name, _), start in zip(sizes, starts)}
 
 
 class ProxyNet(nn.Module):
     """Maps of what is where, then the prompt's questions asked of them -> the logit of "the judge calls it correct".
 
-    A CNN (three 3 x 3 convolutions, the first at stride 2, the last dilated: 15 px seen) gives, per cell of a map at half the image's side, the
-    logits of the class there (the file's classes, then background, then a blob that is no class), of its colour,
-    and an object density (softplus): a sum of one bump per object at its centre, so that its sum over a region
-    counts the objects there (Lempitsky & Zisserman 2010, "Learning to count objects in images"). For each include
-    clause of the code (class a, colour k or any): matching density = density x P(a) x P(k); its sum n (the matching
-    objects), the sum without the colour, their differences from the clause's count, and the matching density's
-    centroid. The head (an MLP) reads these, the offset between the two clauses' centroids, the total density and the
-    code itself. The maps are trained beside the verdict on the exact detector's masks (scripts/train_shapes_proxy.py),
-    which is what makes a few thousand images enough; the head learns the rules from the verdicts alone."""
+    A CNN (three 3 x 3 convolutions, the first at stride 2, the last dilated: 15 px seen) gives, per cell of a map at
+    half the image's side, the logits of the class there (the file's classes, then background, then a blob that is no
+    class), of its colour, and an object density (softplus): a sum of one bump per object at its centre, so that its
+    sum over a region counts the objects there (Lempitsky & Zisserman 2010, "Learning to count objects in images").
+    For each include clause of the code (class a, colour k or any): matching density = density x P(a) x P(k); its
+    sum n (the matching objects), the sum without the colour, their differences from the clause's count, and the
+    matching density's centroid. The head (an MLP) reads these, the offset between the two clauses' centroids, the
+    total density and the code itself. The maps are trained beside the verdict on the exact detector's masks
+    (scripts/train_shapes_proxy.py), which is what makes a few thousand images enough; the head learns the rules from
+    the verdicts alone."""
 
     def __init__(self, classes, colors, *, resolution=32, width=32, hidden=64):
         super().__init__()
@@ -110,7 +113,8 @@ class ProxyNet(nn.Module):
         self.trunk = nn.Sequential(nn.Conv2d(3 + 2, width, 3, stride=2, padding=1), nn.ReLU(),
                                    nn.Conv2d(width, width, 3, padding=1), nn.ReLU(),
                                    nn.Conv2d(width, width, 3, padding=2, dilation=2), nn.ReLU())  # 15 px seen
-        self.out = nn.Conv2d(width, len(classes) + 2 + len(colors) + 1, 1)  # class (+ background, blob), colour, density
+        self.out = nn.Conv2d(width, len(classes) + 2 + len(colors) + 1, 1)  # class (+ background, blob), colour,
+        # density
         with torch.no_grad():  # density about 0.02 a cell (a few objects per image) at the start, not 0.7: from 0.7 the
             self.out.bias[-1] = -4.0  # first steps' pull to 0 left softplus at saturation, no gradient, no density
         code = MAX_CLAUSES * slot_width(classes, colors)
@@ -136,12 +140,13 @@ class ProxyNet(nn.Module):
     def judge(self, class_logits, color_logits, density, code):
         p_class, p_color = class_logits.softmax(1), color_logits.softmax(1)  # [B, C + 2, h, w], [B, K, h, w]
         xy = _coords(density[:, None])  # [B, 2, h, w]
-        width, offsets, n_class = slot_width(self.classes, self.colors), _offsets(self.classes, self.colors), len(self.classes)
+        width, offsets = slot_width(self.classes, self.colors), _offsets(self.classes, self.colors)
+        n_class, counts = len(self.classes), torch.arange(1.0, MAX_COUNT + 1, device=code.device)
         features, centres = [], []
         for i in range(MAX_CLAUSES):
             slot = code[:, i * width:(i + 1) * width]
             cls, color = slot[:, :n_class], slot[:, offsets["color"]:offsets["color"] + len(self.colors)]
-            count = slot[:, offsets["count"]:offsets["count"] + MAX_COUNT] @ torch.arange(1.0, MAX_COUNT + 1, device=code.device)
+            count = slot[:, offsets["count"]:offsets["count"] + MAX_COUNT] @ counts
             present = cls.sum(1)  # [B]: 0 for an empty slot
             of_class = density * torch.einsum("bc,bchw->bhw", cls, p_class[:, :n_class])  # [B, h, w]
             match = of_class * (torch.einsum("bk,bkhw->bhw", color, p_color) + 1 - color.sum(1)[:, None, None])
@@ -207,8 +212,7 @@ def load(path, *, device="cpu", flag="--shapes-proxy-path"):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    if not os.path.isabs(path) and not os.path.exists(path):
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
+    path = flags.shipped(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{flag} {path}: no proxy weights there; the repository ships {WEIGHTS} (git checkout "
                                 f"it) and scripts/train_shapes_proxy.py writes new ones")

@@ -67,7 +67,6 @@ import models  # noqa: E402
 import proxy  # noqa: E402
 import shapes  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PERTURBATIONS = ("class", "count", "color", "relation", "missing", "swap", "extra", "random")
 HELD_OUT_NOISE_SEED = 0  # eval.py's noise for the held-out prompts, as train.py evaluates with
 TRAIN_NOISE_SEED = 1  # the training samples' noise: another stream
@@ -259,7 +258,7 @@ def main(argv=None):
     paths = {}
     for flag in ("train_prompts", "test_prompts"):
         path = getattr(args, flag)
-        paths[flag] = path if os.path.isabs(path) or os.path.exists(path) else os.path.join(ROOT, path)
+        paths[flag] = flags.shipped(path)
         if not os.path.isfile(paths[flag]):
             p.error(f"--{flag.replace('_', '-')} {path}: no such file (the repository ships prompts/shapes_*.jsonl)")
     train_rows, test_rows = read_rows(paths["train_prompts"]), read_rows(paths["test_prompts"])
