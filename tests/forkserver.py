@@ -11,11 +11,12 @@ the others stopped when one fails, as torchrun's agent does.
 
 Both fall back to a real subprocess where a fork could differ from one: another interpreter or `-m`, an
 environment that differs from the server's beyond the thread count and PYTHONPATH, or FLOW_RL_TEST_FORK=0 (every run
-a subprocess, to check that both agree); `start` also leaves a torchrun to the real launcher. What the child redoes so that it starts as a new process would: the working directory,
-the environment, the project's own modules (imported anew: a few read the environment when imported), stdin /
-stdout / stderr, sys.argv and sys.path, torch's thread count and default seed, Python's and numpy's global seeds
-from the OS; at its end the interpreter's own exit steps (non-daemon threads joined, atexit handlers, flushed
-streams). `python -c code args` runs the code as `python -c` does.
+a subprocess, to check that both agree); `start` also leaves a torchrun to the real launcher. What the child redoes
+so that it starts as a new process would: the working directory, the environment, the project's own modules
+(imported anew: a few read the environment when imported), stdin / stdout / stderr, sys.argv and sys.path, torch's
+thread count and default seed, Python's and numpy's global seeds from the OS; at its end the interpreter's own exit
+steps (non-daemon threads joined, atexit handlers, flushed streams). `python -c code args` runs the code as
+`python -c` does.
 """
 import atexit
 import json
@@ -265,30 +266,40 @@ def _read(proc, timeout):
     return json.loads(line)
 
 
+def _server_for(cmd, env):
+    """The fork server that can run `cmd` in `env` (started at the first call), or None: run it as a subprocess."""
+    if not _forkable(cmd, env):
+        return None
+    if _server is None:
+        _start(env)
+    proc = _server[0]
+    return None if proc is None or proc.poll() is not None else proc
+
+
+def _request(cmd, cwd, env, stdout, stderr):
+    """The server's request for a single run of `python script.py args` or `python -c code args`."""
+    request = dict(cwd=os.path.abspath(cwd), env=env, stdout=stdout, stderr=stderr)
+    return dict(request, code=cmd[2], argv=cmd[3:]) if cmd[1] == "-c" else dict(request, argv=cmd[1:])
+
+
 def run(cmd, *, cwd=ROOT, env=None, timeout=None):
     """subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout), forked where it can;
     `python -m torch.distributed.run --standalone --nproc_per_node=N script.py ...` as N forked ranks."""
     env = dict(os.environ if env is None else env)
-    if not _forkable(cmd, env):
-        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    if _server is None:
-        _start(env)
-    proc = _server[0]
-    if proc is None or proc.poll() is not None:
+    proc = _server_for(cmd, env)
+    if proc is None:
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     with tempfile.TemporaryDirectory() as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         open(out, "w").close()
         open(err, "w").close()
-        base = dict(cwd=os.path.abspath(cwd), stdout=out, stderr=err)
         launch = _torchrun(cmd)
-        if launch is None and cmd[1] == "-c":
-            request = dict(base, code=cmd[2], argv=cmd[3:], env=env)
-        elif launch is None:
-            request = dict(base, argv=cmd[1:], env=env)
+        if launch is None:
+            request = _request(cmd, cwd, env, out, err)
         else:
             ranks, argv, port = *launch, _free_port()
-            request = dict(group=[dict(base, argv=argv, env=_rank_env(env, r, ranks, port)) for r in range(ranks)])
+            request = dict(group=[dict(cwd=os.path.abspath(cwd), stdout=out, stderr=err, argv=argv,
+                                       env=_rank_env(env, r, ranks, port)) for r in range(ranks)])
         proc.stdin.write(json.dumps(request).encode() + b"\n")
         pids = _read(proc, 60)["pids"]
         done = _read(proc, timeout)
@@ -308,15 +319,10 @@ def start(cmd, *, cwd=ROOT, env=None):
     where it can (a single run, not a torchrun): the handle has Popen's pid, returncode, poll, wait, communicate,
     send_signal, terminate and kill, and the run leads its own process group as with start_new_session."""
     env = dict(os.environ if env is None else env)
-    popen = lambda: subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True)
-    if not _forkable(cmd, env) or _torchrun(cmd) is not None:
-        return popen()
-    if _server is None:
-        _start(env)
-    proc = _server[0]
-    if proc is None or proc.poll() is not None:
-        return popen()
+    proc = None if _torchrun(cmd) is not None else _server_for(cmd, env)
+    if proc is None:
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
     return Started(proc, cmd, cwd, env)
 
 
@@ -329,13 +335,15 @@ class Started:
         self._paths = {k: os.path.join(self._dir, k) for k in ("stdout", "stderr", "pid", "code")}
         open(self._paths["stdout"], "w").close()
         open(self._paths["stderr"], "w").close()
-        request = dict(cwd=os.path.abspath(cwd), env=env, stdout=self._paths["stdout"], stderr=self._paths["stderr"],
-                       detached=True, pid_file=self._paths["pid"], code_file=self._paths["code"])
-        request.update(dict(code=cmd[2], argv=cmd[3:]) if cmd[1] == "-c" else dict(argv=cmd[1:]))
+        request = dict(_request(cmd, cwd, env, self._paths["stdout"], self._paths["stderr"]), detached=True,
+                       pid_file=self._paths["pid"], code_file=self._paths["code"])
         server.stdin.write(json.dumps(request).encode() + b"\n")
         if not (_read(server, 60) or {}).get("started"):
             raise RuntimeError(f"the fork server did not start {cmd}")
-        while not os.path.exists(self._paths["pid"]):
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self._paths["pid"]):  # the reaper writes it once the run has its session
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the fork server's reaper gave no pid for {cmd} in 60 s")
             time.sleep(0.005)
         with open(self._paths["pid"]) as f:
             self.pid = int(f.read())
