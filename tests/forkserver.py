@@ -138,6 +138,25 @@ def _write(path, text):
     os.replace(path + ".tmp", path)  # whole or absent for the reader
 
 
+# What the runs import lazily, from inside functions (the pipelines, text encoders, peft): about 3 s of CPU that every
+# forked run would pay again, 10 times a tiny run's own work. Importing a library module earlier runs the same code
+# as importing it later; the project's modules are not among them (they import anew in each child).
+LAZY = {"diffusers": ("StableDiffusion3Pipeline", "SD3Transformer2DModel", "FlowMatchEulerDiscreteScheduler",
+                      "FluxPipeline", "FluxKontextPipeline", "FluxTransformer2DModel", "AutoencoderKL"),
+        "transformers": ("CLIPTextModel", "CLIPTextModelWithProjection", "CLIPTokenizer", "T5EncoderModel"),
+        "peft": ("LoraConfig", "get_peft_model"), "safetensors.torch": ("load_file", "save_file")}
+
+
+def _import_lazy_classes():
+    import importlib
+    for module, names in LAZY.items():
+        try:
+            for name in names:
+                getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):  # an older library: the children import what they need themselves
+            pass
+
+
 def serve():
     """Reads one JSON request a line from stdin: a run, or a "group" of runs (the ranks of a torchrun); answers
     {"pids"} when the children start and {"code"} when they have all ended."""
@@ -150,6 +169,7 @@ def serve():
     import matplotlib.pyplot  # noqa: F401
     import eval  # noqa: F401
     import train  # noqa: F401
+    _import_lazy_classes()
     reply = sys.stdout
     reply.write('{"ready": true}\n')
     reply.flush()
