@@ -136,12 +136,27 @@ class Policy:
                 self.optimizer_steps += 1
                 self._update_ema()
             return status, grad_norm
+        for group in self.optimizer.param_groups:  # the schedule's rate for this step (a function of the count alone,
+            group["lr"] = self.lr()  # so a resumed run continues it exactly)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1
         self._update_ema()
         return "ok", grad_norm
+
+    def lr(self):
+        """The learning rate of the next optimizer step under --lr-schedule: --lr throughout (constant), or from --lr
+        at the first step to --lr-final x --lr at the run's last (--steps x its optimizer steps per step), along a
+        line or a half cosine (Loshchilov & Hutter 2017, SGDR eq. 5, without restarts)."""
+        args = self.args
+        schedule = getattr(args, "lr_schedule", "constant")
+        if schedule == "constant":
+            return args.lr
+        total = args.steps * args.updates_per_batch * args.minibatches
+        progress = min(self.optimizer_steps / max(total - 1, 1), 1.0)
+        shape = 1 - progress if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+        return args.lr * (args.lr_final + (1 - args.lr_final) * shape)
 
     def _update_ema(self):
         """The evaluation EMA, on flow_grpo/ema.py's schedule: due after optimizer steps n with (n + 1) % --ema-every
@@ -210,6 +225,10 @@ def add_arguments(parser):
                    help="full fine-tune (--lora-rank 0) under torchrun: shard weights, gradients and Adam state over "
                         "the processes (FSDP2) instead of replicating them (DDP)")
     g.add_argument("--lr", type=flags.POSITIVE, default=None, help="AdamW learning rate")
+    g.add_argument("--lr-schedule", default="constant", choices=["constant", "linear", "cosine"],
+                   help="learning rate over the run: constant, or from --lr down to --lr-final x --lr at --steps")
+    g.add_argument("--lr-final", type=flags.bounded(float, 0, 1), default=0.1,
+                   help="--lr-schedule linear / cosine: the last step's learning rate as a fraction of --lr")
     g.add_argument("--weight-decay", type=flags.NONNEG, default=1e-4, help="AdamW weight decay")
     g.add_argument("--max-grad-norm", type=flags.POSITIVE, default=1.0, help="gradient clipping norm")
     g.add_argument("--ema-decay", type=flags.bounded(float, 0, 1, high_open=True), default=None,

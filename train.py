@@ -600,6 +600,8 @@ def after_update(policy, loss, batch, stats, optim_steps, failed, args, run):
     run.warn_ratio(first_clip_dev, args.clip_range if loss.clip else 0.1,  # FlowDPPO has no clip
                    "--train-cfg is off while sampling uses CFG" if train_guidance != sample_guidance
                    else f"{args.mixed_precision} rounding")
+    if getattr(args, "lr_schedule", "constant") != "constant":
+        info["lr"] = policy.optimizer.param_groups[0]["lr"]  # the rate of the step's last update
     if policy.copies["old"] is not None:  # old <- d old + (1 - d) current; d from the run's optimizer steps (resumed)
         info["old_decay"] = decay = losses.OLD_DECAYS[args.old_decay](policy.optimizer_steps, **vars(args))
         policy.update_old(decay)

@@ -65,6 +65,37 @@ def test_two_steps(tmp_path, flags):
     assert os.path.isfile(os.path.join(out, "samples", "000002.png"))
 
 
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+def test_lr_schedule_is_torchs_scheduler_of_the_same_name(schedule):
+    """Policy.lr against torch.optim.lr_scheduler (ConstantLR at factor 1, LinearLR, CosineAnnealingLR) over a
+    run of 9 optimizer steps (3 steps x 3 updates), and held at the final rate past the run's end."""
+    import types
+
+    import policy
+    args = types.SimpleNamespace(lr=1e-3, lr_final=0.1, lr_schedule=schedule, steps=3, updates_per_batch=3,
+                                 minibatches=1)
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=args.lr)
+    reference = {"constant": lambda: torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0),
+                 "linear": lambda: torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, args.lr_final, total_iters=8),
+                 "cosine": lambda: torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, 8, eta_min=1e-4)}[schedule]()
+    for n in range(9):
+        got = policy.Policy.lr(types.SimpleNamespace(args=args, optimizer_steps=n))
+        assert got == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-12), n
+        optimizer.step()
+        reference.step()
+    assert policy.Policy.lr(types.SimpleNamespace(args=args, optimizer_steps=20)) == pytest.approx(
+        args.lr * (1 if schedule == "constant" else args.lr_final))
+
+
+def test_lr_schedule_is_logged_and_continues_across_a_resume(tmp_path):
+    flags = ["--lr", "1e-3", "--lr-schedule", "linear", "--lr-final", "0.25", "--log-images-every", "0"]
+    _, whole = train(tmp_path, "--steps", "3", *flags, out="whole")
+    _, part = train(tmp_path, "--steps", "1", *flags, out="part")
+    train(tmp_path, "--steps", "3", "--resume", "auto", *flags, out="part")  # the count, not the process, sets it
+    assert [r["lr"] for r in metrics(whole)] == pytest.approx([1e-3, 0.625e-3, 0.25e-3])
+    assert [r["lr"] for r in metrics(part)] == pytest.approx([1e-3, 0.625e-3, 0.25e-3])
+
+
 @pytest.mark.slow  # tests/test_golden.py::test_resumed_run_equals_the_uninterrupted_one checks it bit for bit
 def test_resume_matches_uninterrupted_run(tmp_path):
     _, full = train(tmp_path, "--steps", "4", "--save-every", "2", out="full")
