@@ -14,7 +14,8 @@ S = flow_grpo/stat_tracking.py, C = config/gardo.py. What they do, and where thi
 - Uncertainty (G L827-834, N L815-822): each of the auxiliary rewards (aesthetic, ImageReward) and the trained one
   ranked over the whole gathered batch, 1 = the highest (torch.sort descending); u = rank under the trained reward
   minus the mean of the auxiliary ranks. As written, u is large where the trained reward ranks a sample LOWER than
-  the auxiliary rewards do; the KL goes on those (G L837, L954). Kept as written.
+  the auxiliary rewards do; the KL goes on those (G L837, L954). Kept as written. Departure: an auxiliary score
+  that is NaN (a sample its reward did not score) is not ranked first, as torch.sort would; see uncertainty.
 - Adaptive share (G L219-238, class RiskCompensator; N L81-): fraction starts at 0.1; each step the mean of the
   non-negative u is compared with the last 20 steps' means: above their maximum, fraction x 1.1; below their
   minimum, x 0.9; clipped to [0.02, 0.2]. The gate (G L835-837): u > the (100 - 100 fraction)th percentile of the
@@ -57,10 +58,26 @@ def ranks(x):
 
 def uncertainty(main, aux):
     """GARDO's per-sample uncertainty (G L834): rank under the trained reward `main` [N] minus the mean rank under the
-    auxiliary rewards `aux` (a list of [N]); ranks over the whole batch."""
+    auxiliary rewards `aux` (a list of [N]); ranks over the whole batch.
+
+    Departure: an auxiliary reward may leave samples unscored (NaN: prompt rows that choose their own components), which
+    torch.sort would rank first. Each one ranks the samples it scored, stretched onto 1..N (the identity when it scored
+    all, so GARDO's ranks exactly), and a sample is judged by the auxiliary rewards that scored it; one that none scored
+    gets u = NaN, which the gate never flags (kl_gate, gate_fraction: only u >= 0 counts)."""
     if not aux:
         raise ValueError("GARDO's gate needs at least one auxiliary reward beside the trained one")
-    return ranks(main) - sum(ranks(a) for a in aux) / len(aux)
+    n = len(main)
+    total, count = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    for a in aux:
+        a = torch.as_tensor(a, dtype=torch.float64)
+        scored = torch.isfinite(a)
+        k = int(scored.sum())
+        if k == 0:
+            continue
+        r = ranks(a[scored])
+        total[scored] += 1 + (r - 1) * (n - 1) / (k - 1) if k > 1 else torch.full_like(r, (n + 1) / 2)
+        count[scored] += 1
+    return ranks(main) - total / count  # 0 / 0: NaN where no auxiliary reward scored the sample
 
 
 GATE = dict(base=0.1, rate=0.1, low=0.02, high=0.2, window=20)  # RiskCompensator's defaults (G L220-226)

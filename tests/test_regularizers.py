@@ -18,6 +18,21 @@ def test_uncertainty_is_the_trained_rank_less_the_mean_auxiliary_rank():
         regularizers.uncertainty(main, [])
 
 
+def test_an_auxiliary_reward_that_left_samples_unscored_judges_only_those_it_scored():
+    """NaN (a row that chose other components) would sort first, as the best; instead each auxiliary reward ranks what
+    it scored, stretched onto 1..N, and a sample none scored is never flagged (worked by hand)."""
+    nan = float("nan")
+    main = torch.tensor([4.0, 3.0, 2.0, 1.0])  # ranks 1, 2, 3, 4
+    aux = [torch.tensor([nan, 1.0, 2.0, 3.0]),  # ranks 3, 2, 1 among the scored -> 4, 2.5, 1 on 1..4
+           torch.tensor([nan, nan, 5.0, 6.0])]  # ranks 2, 1 -> 4, 1
+    u = regularizers.uncertainty(main, aux)
+    assert torch.isnan(u[0]) and u[1:].tolist() == [2 - 4, 3 - (2.5 + 4) / 2, 4 - (1 + 1) / 2]
+    assert not regularizers.kl_gate(torch.cat([u, torch.tensor([0.0, 1.0])]), 0.5)[0]
+    assert regularizers.gate_fraction(0.1, [], u)[1] == [3.0]  # the level: the mean of the non-negative u alone
+    full = [torch.tensor([1.0, 2.0, 3.0, 4.0])]
+    assert regularizers.uncertainty(main, full).tolist() == (regularizers.ranks(main) - regularizers.ranks(full[0])).tolist()
+
+
 class RiskCompensatorReference:
     """G L219-238, restated."""
     def __init__(self):
