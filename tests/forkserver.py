@@ -138,8 +138,8 @@ def _write(path, text):
     os.replace(path + ".tmp", path)  # whole or absent for the reader
 
 
-# What the runs import lazily, from inside functions (the pipelines, text encoders, peft): about 3 s of CPU that every
-# forked run would pay again, 10 times a tiny run's own work. Importing a library module earlier runs the same code
+# What the runs import lazily, from inside functions (the pipelines, text encoders, peft): about 3.5 s of CPU that every
+# forked run would pay again, six times a tiny one-step run's own work. Importing a library module earlier runs the same code
 # as importing it later; the project's modules are not among them (they import anew in each child).
 LAZY = {"diffusers": ("StableDiffusion3Pipeline", "SD3Transformer2DModel", "FlowMatchEulerDiscreteScheduler",
                       "FluxPipeline", "FluxKontextPipeline", "FluxTransformer2DModel", "AutoencoderKL"),
