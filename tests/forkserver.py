@@ -34,9 +34,18 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # applied in the child with torch.set_num_threads
-SET_IN_THE_WORKER = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")  # pytest's, anew for every test; inductor's,
-# at its first compile: read by nothing at import. PYTHONPATH may differ too: the child puts it on sys.path where the
-# interpreter would (after the script's folder, before the standard library); the server starts without one.
+# Variables the worker's environment may hold and the server's not, read when used, never by an import the server made;
+# the child's environment is the request's, so it reads them as a new process would:
+#   pytest's PYTEST_CURRENT_TEST (anew for every test), inductor's TORCHINDUCTOR_CACHE_DIR (at its first compile);
+#   what a test's imports set after the server started: cv2 (imported with rapidocr) its Qt paths and LD_LIBRARY_PATH
+#   (the loader reads it at a process's start, for libraries the server has loaded already), transformers
+#   TOKENIZERS_PARALLELISM, the shapes scripts OMP_WAIT_POLICY (how idle OpenMP threads wait: speed, never bits);
+#   the service tests' NO_PROXY (read per request).
+# Until the later ones were listed here, they sent a dozen of the suite's runs to a new interpreter (~12 CPU-s each).
+SET_IN_THE_WORKER = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "QT_QPA_PLATFORM_PLUGIN_PATH", "QT_QPA_FONTDIR",
+                     "LD_LIBRARY_PATH", "TOKENIZERS_PARALLELISM", "OMP_WAIT_POLICY", "NO_PROXY", "no_proxy")
+# PYTHONPATH may differ too: the child puts it on sys.path where the interpreter would (after the script's folder,
+# before the standard library); the server starts without one.
 BASE_PATH = []  # the server's sys.path as a new interpreter starts it, less the script's folder
 
 

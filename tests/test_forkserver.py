@@ -85,6 +85,22 @@ def test_another_environment_runs_as_a_subprocess(monkeypatch):
     assert not forkserver._forkable([sys.executable, "train.py"], dict(ENV))
 
 
+def test_variables_that_imports_set_in_the_worker_keep_runs_forked():
+    """cv2 (with rapidocr), transformers, the shapes scripts and the service tests set variables in the worker after
+    its server started; the runs stay forks of the server (a new interpreter costs ~12 CPU-s of imports) and read
+    them from their own environment."""
+    done = forkserver.run([sys.executable, "-c", "print(1)"], env=ENV, timeout=60)  # the server, started if it was not
+    assert forkserver._server[0] is not None and done.stdout == "1\n", "the fork server did not start"
+    later = {"QT_QPA_PLATFORM_PLUGIN_PATH": "/qt/plugins", "QT_QPA_FONTDIR": "/qt/fonts", "LD_LIBRARY_PATH": "/lib64x",
+             "TOKENIZERS_PARALLELISM": "maybe", "OMP_WAIT_POLICY": "PASSIVE", "NO_PROXY": "10.9.8.7", "no_proxy": "x"}
+    env = dict(ENV, **later)
+    assert any(forkserver._server[1].get(k) != v for k, v in later.items())
+    code = "import os; print(os.getppid(), *(os.environ[k] for k in sys.argv[1:]))"
+    done = forkserver.run([sys.executable, "-c", "import sys; " + code, *later], env=env, timeout=60)
+    assert done.stdout.split() == [str(forkserver._server[0].pid), *later.values()], done.stderr
+    assert not forkserver._forkable([sys.executable, "train.py"], dict(env, HF_HUB_OFFLINE="0"))  # read at import
+
+
 def test_pythonpath_goes_where_the_interpreter_puts_it(tmp_path):
     (tmp_path / "mine.py").write_text("WHERE = 'mine'\n")
     code = "import sys, mine; print(mine.WHERE, sys.path[1] == sys.argv[1], sys.path[0] == '')"
