@@ -95,8 +95,8 @@ def test_variables_that_imports_set_in_the_worker_keep_runs_forked():
              "TOKENIZERS_PARALLELISM": "maybe", "OMP_WAIT_POLICY": "PASSIVE", "NO_PROXY": "10.9.8.7", "no_proxy": "x"}
     env = dict(ENV, **later)
     assert any(forkserver._server[1].get(k) != v for k, v in later.items())
-    code = "import os; print(os.getppid(), *(os.environ[k] for k in sys.argv[1:]))"
-    done = forkserver.run([sys.executable, "-c", "import sys; " + code, *later], env=env, timeout=60)
+    code = "import os, sys; print(os.getppid(), *(os.environ[k] for k in sys.argv[1:]))"
+    done = forkserver.run([sys.executable, "-c", code, *later], env=env, timeout=60)
     assert done.stdout.split() == [str(forkserver._server[0].pid), *later.values()], done.stderr
     assert not forkserver._forkable([sys.executable, "train.py"], dict(env, HF_HUB_OFFLINE="0"))  # read at import
 
