@@ -41,7 +41,8 @@ THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # applied in the child wit
 #   (the loader reads it at a process's start, for libraries the server has loaded already), transformers
 #   TOKENIZERS_PARALLELISM, the shapes scripts OMP_WAIT_POLICY (how idle OpenMP threads wait: speed, never bits);
 #   the service tests' NO_PROXY (read per request).
-# Left out of this list, the later ones send a dozen of the suite's runs to a new interpreter (~12 CPU-s of imports each).
+# Left out of this list, the later ones send a dozen of the suite's runs to a new interpreter (~12 CPU-s of imports
+# each).
 SET_IN_THE_WORKER = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "QT_QPA_PLATFORM_PLUGIN_PATH", "QT_QPA_FONTDIR",
                      "LD_LIBRARY_PATH", "TOKENIZERS_PARALLELISM", "OMP_WAIT_POLICY", "NO_PROXY", "no_proxy")
 # PYTHONPATH may differ too: the child puts it on sys.path where the interpreter would (after the script's folder,
@@ -148,8 +149,8 @@ def _write(path, text):
 
 
 # What the runs import lazily, from inside functions (the pipelines, text encoders, peft): about 3.5 s of CPU that every
-# forked run would pay again, six times a tiny one-step run's own work. Importing a library module earlier runs the same code
-# as importing it later; the project's modules are not among them (they import anew in each child).
+# forked run would pay again, six times a tiny one-step run's own work. Importing a library module earlier runs the
+# same code as importing it later; the project's modules are not among them (they import anew in each child).
 LAZY = {"diffusers": ("StableDiffusion3Pipeline", "SD3Transformer2DModel", "FlowMatchEulerDiscreteScheduler",
                       "FluxPipeline", "FluxKontextPipeline", "FluxTransformer2DModel", "AutoencoderKL"),
         "transformers": ("CLIPTextModel", "CLIPTextModelWithProjection", "CLIPTokenizer", "T5EncoderModel"),

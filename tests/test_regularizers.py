@@ -30,7 +30,8 @@ def test_an_auxiliary_reward_that_left_samples_unscored_judges_only_those_it_sco
     assert not regularizers.kl_gate(torch.cat([u, torch.tensor([0.0, 1.0])]), 0.5)[0]
     assert regularizers.gate_fraction(0.1, [], u)[1] == [3.0]  # the level: the mean of the non-negative u alone
     full = [torch.tensor([1.0, 2.0, 3.0, 4.0])]
-    assert regularizers.uncertainty(main, full).tolist() == (regularizers.ranks(main) - regularizers.ranks(full[0])).tolist()
+    gardo = regularizers.ranks(main) - regularizers.ranks(full[0])  # every sample scored: GARDO's ranks exactly
+    assert regularizers.uncertainty(main, full).tolist() == gardo.tolist()
 
 
 class RiskCompensatorReference:
