@@ -309,7 +309,8 @@ def test_a_run_stopped_early_is_not_done_and_continues_with_resume(tmp_path, fak
 def test_a_terminated_league_stops_its_runs_and_exits_130(tmp_path, fake_train, monkeypatch):
     monkeypatch.setenv("FAKE_SLOW", "1")
     out = tmp_path / "league"
-    argv = ["--out", str(out), "--samples", "128", "--poll", "0.05", "--only", "grpo", "--lrs", "1e-4", "2e-4"]
+    argv = ["--out", str(out), "--samples", "128", "--poll", "0.05", "--only", "grpo", "--lrs", "1e-4", "2e-4",
+            "--sweep-seed", "3"]
     code = (f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'scripts')!r}); import league; "
             f"league.TRAIN = {league.TRAIN!r}; league.COMMON = {league.COMMON!r}; league.main({argv!r})")
     process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
