@@ -14,8 +14,9 @@ stands in for is measured on every checkpoint and never trained on. The brakes (
 - kl: the velocity KL to the starting weights (a snapshot that is never renewed: the default is a full fine-tune and
   keeps no base model) at --kl-beta;
 - gardo: GARDO's gated KL (arXiv:2512.24138; the KL only on the samples that the other two members rank well above
-  the trained one) and its adaptive reference (the anchor renewed every 15 steps or after a KL above 3e-4, its
-  defaults; regularizers.py), at the same --kl-beta;
+  the trained one) and its adaptive reference (regularizers.py), at the same --kl-beta: the anchor renewed after 15
+  steps or a KL above 0.15, the squared-velocity KL's threshold that GARDO's DiffusionNFT script starts from
+  (scripts/train_sd3_nft_gardo.py L616, L771-781; its nudging of the threshold after each renewal not reproduced);
 - gate: the gated KL alone, anchored to the starting weights.
 
 What the table reports per brake, mean +- standard deviation over seeds: the held-out proxy score at step 0 and at
@@ -46,8 +47,9 @@ FIXED_BASE = ["--gardo-reference", "--gardo-reset-freq", "1000000", "--gardo-kl-
 BRAKES = {
     "none": ("the proxy alone", lambda beta: []),
     "kl": ("KL to the starting weights", lambda beta: ["--kl-beta", beta, *FIXED_BASE]),
-    "gardo": ("GARDO: gated KL, adaptive reference", lambda beta: [
-        "--kl-beta", beta, "--gardo-gate", "shapes_proxy_1,shapes_proxy_2", "--gardo-reference"]),
+    "gardo": ("GARDO: gated KL, adaptive reference", lambda beta: [  # renewal as its DiffusionNFT script starts it
+        "--kl-beta", beta, "--gardo-gate", "shapes_proxy_1,shapes_proxy_2", "--gardo-reference",
+        "--gardo-reset-freq", "15", "--gardo-kl-thres", "0.15"]),
     "gate": ("GARDO's gated KL to the starting weights", lambda beta: [
         "--kl-beta", beta, "--gardo-gate", "shapes_proxy_1,shapes_proxy_2", *FIXED_BASE]),
 }
