@@ -19,7 +19,8 @@ SHRINK = ["--resolution", "32", "--prompts-per-step", "2", "--group-size", "4",
 TWIN = {"sd3": ["--model", "tiny"], "flux": ["--model", "tiny"], "wan": ["--model", "tiny-wan", "--num-frames", "5"],
         "qwen-image": ["--model", "tiny-qwen-image"], "flux2-klein": ["--model", "tiny-flux2-klein"],
         "z-image": ["--model", "tiny-z-image"], "flux-kontext": ["--model", "tiny-flux-kontext"],
-        "qwen-image-edit": ["--model", "tiny-qwen-image-edit"]}  # the CPU model that stands in for each hub model
+        "qwen-image-edit": ["--model", "tiny-qwen-image-edit"],
+        "shapes": []}  # the CPU model that stands in for each hub model (the shapes world's is its own)
 
 
 @pytest.fixture(scope="module")
