@@ -235,7 +235,7 @@ def test_recipe_tails_found():
     assert "--resume auto" in flat and "" in flat
     assert "--lora-rank 0 --kl-beta 0 --mixed-precision bf16 --fsdp" in flat
     assert WORLDS == {8} and ONE_GPU == {"recipes/wan_ocr_grpo.args", "recipes/sd3_sft_geneval.args",
-                                         "recipes/sd3_dpo_geneval.args"}
+                                         "recipes/sd3_dpo_geneval.args", "recipes/shapes_long.args"}
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
