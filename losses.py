@@ -989,6 +989,10 @@ def add_arguments(parser):
     g.add_argument("--kl-beta", type=flags.NONNEG, default=None,
                    help="weight of the KL to the frozen base model (0: no reference forward; --loss nft / awm: "
                         "mean squared velocity difference, 1e-4 / 1e-3 on hub models)")
+    g.add_argument("--kl-reference", default="base", choices=["base", "start"],
+                   help="the KL's anchor: base = the base model, the LoRA adapter off (a full fine-tune has none); "
+                        "start = a float32 snapshot of the starting weights, never renewed (a full fine-tune's base, "
+                        "at the memory of one more copy of the trained weights; --gardo-reference renews one instead)")
     g.add_argument("--kl-form", default="flow-grpo", choices=["flow-grpo", "exact"],
                    help="the KL penalty's scale: flow-grpo = the exact Gaussian KL x |dt| per step, as Flow-GRPO's "
                         "code computes it; the default because every published --kl-beta (0.04 OCR/GenEval, 0.01 "

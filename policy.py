@@ -74,11 +74,11 @@ class Policy:
 
     def _copies(self, args, old_copy, sampling_copy):
         """The copies of the trained weights the run keeps, each a copy of them now (checkpoints.COPIES): the
-        evaluation EMA, the loss's old copy, its sampling copy, GARDO's reference snapshot (G L636-641: a copy of the
-        trained LoRA)."""
+        evaluation EMA, the loss's old copy, its sampling copy, the KL's reference snapshot (--kl-reference start, or
+        GARDO's, G L636-641: a copy of the trained LoRA, renewed on its schedule)."""
+        snapshot = getattr(args, "gardo_reference", False) or getattr(args, "kl_reference", "base") == "start"
         return {"ema": self._copy() if args.ema_decay > 0 else None, "old": self._copy() if old_copy else None,
-                "sampling": self._copy() if sampling_copy else None,
-                "reference": self._copy() if getattr(args, "gardo_reference", False) else None}
+                "sampling": self._copy() if sampling_copy else None, "reference": self._copy() if snapshot else None}
 
     # ------------------------------------------------------------------------- forwards
     def autocast(self):
@@ -97,7 +97,7 @@ class Policy:
     def frozen(self, name):
         """Inside, the transformer runs a frozen model, without gradients: "old" or "sampling", that copy of the
         weights (exchanged in place, checkpoints.swapped), or "reference", the KL anchor: the base model (the LoRA
-        adapter off), or GARDO's snapshot where the run keeps one (exchanged in place as the old copy)."""
+        adapter off), or the snapshot where the run keeps one (exchanged in place as the old copy)."""
         snapshot = self.copies[name] if name in ("old", "sampling") else self.copies.get("reference")
         with torch.no_grad(), (checkpoints.swapped(self.trainable, snapshot) if snapshot is not None
                                else models.reference(self.pipe)):

@@ -680,6 +680,8 @@ def parse_args(argv=None):
     if args.kl_beta == 0 and (args.gardo_gate or args.gardo_reference):  # e.g. a GARDO recipe + --kl-beta 0 (a full
         print0("warning: --kl-beta 0 leaves no KL term for --gardo-gate / --gardo-reference to shape: both are off")
         args.gardo_gate, args.gardo_reference = None, False  # fine-tune without a snapshot): nothing to gate or renew
+    if args.kl_beta == 0 and args.kl_reference == "start":  # no KL term: no snapshot to keep
+        args.kl_reference = "base"
     return p, args
 
 
@@ -799,9 +801,12 @@ def check_args(p, args, world_size):
     if args.fsdp and (args.lora_rank > 0 or world_size == 1):
         p.error("--fsdp shards a full fine-tune over processes: use it with --lora-rank 0 under torchrun "
                 "--nproc_per_node N > 1 (LoRA runs use DDP)")
-    if args.kl_beta > 0 and args.lora_rank == 0 and not args.gardo_reference:
-        p.error("--kl-beta > 0 needs a LoRA adapter (the reference is the base model with it disabled): "
-                "set --lora-rank > 0, --kl-beta 0, or --gardo-reference (a snapshot of the weights as the reference)")
+    if args.kl_beta > 0 and args.lora_rank == 0 and not args.gardo_reference and args.kl_reference == "base":
+        p.error("--kl-beta > 0 with --lora-rank 0 has no base model to anchor the KL (it is the LoRA adapter off): add "
+                "--kl-reference start (a snapshot of the starting weights), or set --lora-rank > 0 or --kl-beta 0")
+    if args.kl_reference == "start" and args.gardo_reference:
+        p.error("--kl-reference start and --gardo-reference are two snapshots as the KL's anchor, one never renewed, "
+                "one renewed on GARDO's schedule: pick one")
     if args.gardo_reset_freq < 1 or args.gardo_kl_thres < 0:
         p.error(f"--gardo-reset-freq {args.gardo_reset_freq} / --gardo-kl-thres {args.gardo_kl_thres:g}: a number of "
                 "steps >= 1 and a KL >= 0")

@@ -11,8 +11,8 @@ members scored beside it at weight 0 (COMMON): the held-out evaluations log the 
 stands in for is measured on every checkpoint and never trained on. The brakes (BRAKES) differ in nothing else:
 
 - none: the proxy alone;
-- kl: the velocity KL to the starting weights (a snapshot that is never renewed: the default is a full fine-tune and
-  keeps no base model) at --kl-beta;
+- kl: the velocity KL to the starting weights (--kl-reference start: the default is a full fine-tune, which keeps no
+  base model) at --kl-beta;
 - gardo: GARDO's gated KL (arXiv:2512.24138; the KL only on the samples that the other two members rank well above
   the trained one) and its adaptive reference (regularizers.py), at the same --kl-beta: the anchor renewed after 15
   steps or a KL above 0.15, the squared-velocity KL's threshold that GARDO's DiffusionNFT script starts from
@@ -43,15 +43,14 @@ import flags  # noqa: E402
 TRAIN = [sys.executable, os.path.join(ROOT, "train.py")]
 COMMON = ["--reward", "shapes_proxy=1,shapes_proxy_1=0,shapes_proxy_2=0,geneval=0", "--reward-key", "shapes_proxy",
           "--log-images-every", "0"]
-FIXED_BASE = ["--gardo-reference", "--gardo-reset-freq", "1000000", "--gardo-kl-thres", "1e9"]  # never renewed
 BRAKES = {
     "none": ("the proxy alone", lambda beta: []),
-    "kl": ("KL to the starting weights", lambda beta: ["--kl-beta", beta, *FIXED_BASE]),
+    "kl": ("KL to the starting weights", lambda beta: ["--kl-beta", beta, "--kl-reference", "start"]),
     "gardo": ("GARDO: gated KL, adaptive reference", lambda beta: [  # renewal as its DiffusionNFT script starts it
         "--kl-beta", beta, "--gardo-gate", "shapes_proxy_1,shapes_proxy_2", "--gardo-reference",
         "--gardo-reset-freq", "15", "--gardo-kl-thres", "0.15"]),
     "gate": ("GARDO's gated KL to the starting weights", lambda beta: [
-        "--kl-beta", beta, "--gardo-gate", "shapes_proxy_1,shapes_proxy_2", *FIXED_BASE]),
+        "--kl-beta", beta, "--gardo-gate", "shapes_proxy_1,shapes_proxy_2", "--kl-reference", "start"]),
 }
 MEASURES = [("proxy", "reward", "held-out proxy score (trained on)"),
             ("exact", "geneval_overall", "held-out exact accuracy (never trained on)"),

@@ -225,3 +225,33 @@ def test_two_processes_share_the_gate_and_a_sharded_snapshot_that_resumes_exactl
     assert same_rows(full[1:], resumed)
     last = weights(tmp_path / "resumed", 3, "reference")
     assert all(torch.equal(last[n], ref[n]) for n in last)
+
+
+def test_a_full_fine_tune_anchors_its_kl_at_the_starting_weights_with_kl_reference_start(tmp_path, capsys):
+    """--kl-reference start: the reference is the step-0 weights for the whole run (kept in every checkpoint, as
+    GARDO's snapshot is), the KL measured against it, the same run as GARDO's snapshot never renewed; without an
+    anchor a full fine-tune's KL is refused in one line naming the flag."""
+    flags = ["--loss", "nft", "--steps", "3", "--save-every", "1", "--keep-checkpoints", "9", "--lora-rank", "0",
+             "--kl-beta", "0.1"]
+    with pytest.raises(SystemExit):
+        train.main([*SMALL, "--out", str(tmp_path / "refused"), *flags])
+    assert "add --kl-reference start" in capsys.readouterr().err
+    start = train_in_process(tmp_path / "start", *flags, "--kl-reference", "start")
+    assert start[0]["kl"] == 0 < start[1]["kl"] and start[2]["kl"] > 0  # one update a step: equal at the first
+    assert "gardo_reset" not in start[0]
+    first = weights(tmp_path / "start", 1, "reference")
+    assert all(torch.equal(weights(tmp_path / "start", 3, "reference")[n], first[n]) for n in first)  # never renewed
+    moved = weights(tmp_path / "start", 3, "trainable")
+    assert not all(torch.equal(moved[n], first[n]) for n in first)
+    never = train_in_process(tmp_path / "never", *flags, "--gardo-reference", "--gardo-reset-freq", "1000000",
+                             "--gardo-kl-thres", "1e9")
+    drop = ("gardo_reset", "gardo_kl_max", *TIMING)
+    assert [{k: v for k, v in r.items() if k not in drop} for r in start] == \
+        [{k: v for k, v in r.items() if k not in drop} for r in never]
+    resumed = train_in_process(tmp_path / "resumed", *flags, "--kl-reference", "start", "--resume",
+                               str(tmp_path / "start" / "checkpoints" / "1"))
+    assert same_rows(start[1:], resumed)
+    with pytest.raises(SystemExit):
+        parser, args = train.parse_args([*SMALL, *flags, "--kl-reference", "start", "--gardo-reference"])
+        train.check_args(parser, args, 1)
+    assert "pick one" in capsys.readouterr().err

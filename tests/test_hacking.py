@@ -59,8 +59,10 @@ def test_every_brake_is_a_valid_train_py_command_line(tmp_path):
         assert "geneval=0" in targs.reward  # the exact judge scored, never trained on
         assert targs.kl_beta == (0 if brake == "none" else 0.3)
         assert bool(targs.gardo_gate) == (brake in ("gardo", "gate"))
-        if brake != "none":  # GARDO's renewal as its DiffusionNFT script starts it; the others never renew
-            assert (targs.gardo_reset_freq, targs.gardo_kl_thres) == ((15, 0.15) if brake == "gardo" else (1000000, 1e9))
+        if brake == "gardo":  # GARDO's renewal as its DiffusionNFT script starts it; the others never renew
+            assert targs.gardo_reference and (targs.gardo_reset_freq, targs.gardo_kl_thres) == (15, 0.15)
+        else:
+            assert not targs.gardo_reference and targs.kl_reference == ("base" if brake == "none" else "start")
 
 
 def test_the_table_reads_peaks_and_ends_over_seeds_and_nothing_finished_runs_again(tmp_path, fake_train):
