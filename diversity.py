@@ -22,7 +22,9 @@ standard error over groups beside it (`_se`).
 Any model: `--diversity dinov2` (or clip) embeds each image with that model (DINOv2's CLS token after its final
 layer norm, as GARDO's diversity-aware advantage uses DINOv3's, arXiv:2512.24138 Sec. 3.3; CLIP's projected image
 embedding), and `diversity_features` is the mean over groups of the mean pairwise cosine distance 1 - cos within a
-group, logged per training step (groups: the samples of one prompt) and per evaluation.
+group, logged per training step (groups: the samples of one prompt) and per evaluation. `--diversity pixels` needs
+no model: the image itself, at most 32 x 32 (area-averaged), in [-1, 1], as the feature vector (an object moved
+counts as much as one recoloured); for the shapes world, whose images are 32 px, and for a look without downloads.
 """
 
 import argparse
@@ -34,7 +36,7 @@ import numpy as np
 import geneval
 import shapes
 
-FEATURES = ("off", "dinov2", "clip")
+FEATURES = ("off", "dinov2", "clip", "pixels")
 DEFAULT_PATHS = {"dinov2": "facebook/dinov2-base", "clip": "openai/clip-vit-large-patch14"}
 
 
@@ -149,11 +151,28 @@ def featurizer(name, path=None, device="cpu"):
         return None
     if name not in FEATURES:
         raise ValueError(f"--diversity {name!r}: choose one of {', '.join(FEATURES)}")
+    if name == "pixels":
+        return pixel_features
     path = path or DEFAULT_PATHS[name]
     key = (name, path, str(device))
     if key not in _FEATURIZERS:
         _FEATURIZERS[key] = _build(name, path, device)
     return _FEATURIZERS[key]
+
+
+def pixel_features(images, side=32):
+    """The images as feature vectors, float [N, 3 side^2]: uint8 [N, H, W, 3] (video [N, F, H, W, 3]: its middle
+    frame) area-averaged down to at most side x side, mapped to [-1, 1]."""
+    import torch
+    import torch.nn.functional as F
+
+    images = images.cpu() if torch.is_tensor(images) else torch.as_tensor(np.asarray(images))
+    if images.ndim == 5:
+        images = images[:, images.shape[1] // 2]
+    x = images.permute(0, 3, 1, 2).float() / 127.5 - 1  # [N, 3, H, W]
+    if max(x.shape[-2:]) > side:
+        x = F.adaptive_avg_pool2d(x, (min(side, x.shape[-2]), min(side, x.shape[-1])))
+    return x.flatten(1)
 
 
 def _build(name, path, device):
@@ -205,7 +224,7 @@ def add_arguments(parser):
     group.add_argument("--diversity", default="off", choices=FEATURES,
                        help="feature diversity logged per step and per evaluation: the mean pairwise cosine distance "
                             "of image features within a prompt's group (dinov2: DINOv2's CLS token; clip: CLIP's "
-                            "image embedding); off: none. The shapes world's exact diversity is always measured")
+                            "image embedding; pixels: the image at most 32 px, no model); off: none. The shapes world's exact diversity is always measured")
     group.add_argument("--diversity-path", default=None,
                        help="hub id or local folder of the feature model (transformers format; default "
                             + ", ".join(f"{k}: {v}" for k, v in DEFAULT_PATHS.items()) + ")")

@@ -114,6 +114,25 @@ def test_feature_models_from_a_local_folder(tmp_path, name, make, dim):
     assert other["diversity_features"] > 1e-4
 
 
+def test_pixel_features_are_the_image_area_averaged_to_32_px():
+    """--diversity pixels: no model; a 64 px image becomes the mean of each 2 x 2 block, in [-1, 1]; a video its
+    middle frame; a square moved is as far as (here twice) a square recoloured: pixels weigh place and colour alike."""
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (2, 64, 64, 3), dtype=np.uint8)
+    features = diversity.featurizer("pixels")(images)
+    blocks = images.reshape(2, 32, 2, 32, 2, 3).astype(np.float64).mean(axis=(2, 4)) / 127.5 - 1  # [2, 32, 32, 3]
+    assert tuple(features.shape) == (2, 3 * 32 * 32)
+    assert np.allclose(features.numpy(), blocks.transpose(0, 3, 1, 2).reshape(2, -1), atol=1e-5)
+    video = np.stack([images[::-1], images, images[::-1]], axis=1)  # [2, 3 frames, 64, 64, 3], the middle: images
+    assert torch.equal(diversity.featurizer("pixels")(video), features)
+    white = np.full((3, 32, 32, 3), 255, np.uint8)
+    white[0, 4:12, 4:12] = white[1, 20:28, 20:28] = (255, 0, 0)  # red squares in two places
+    white[2, 4:12, 4:12] = (0, 0, 255)  # a blue one where the first red is
+    f = diversity.featurizer("pixels")(white)
+    d = lambda i, j: 1 - torch.nn.functional.cosine_similarity(f[i], f[j], dim=0)  # noqa: E731
+    assert d(0, 1) == pytest.approx(2 * d(0, 2)) and d(0, 2) > 0 and d(0, 0) == pytest.approx(0, abs=1e-6)
+
+
 def test_missing_weights_fail_in_one_line_naming_the_flag(tmp_path):
     with pytest.raises(ValueError, match="--diversity-path"):
         diversity.featurizer("dinov2", str(tmp_path / "absent"))

@@ -154,11 +154,10 @@ def test_gardo_diversity_trains_any_loss_and_needs_features(tmp_path):
     torch.manual_seed(0)
     Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                              image_size=32, patch_size=8)).save_pretrained(tmp_path / "dinov2")
-    for loss in ("grpo", "nft"):
+    for loss, features in (("grpo", ["dinov2", "--diversity-path", str(tmp_path / "dinov2")]), ("nft", ["pixels"])):
         out = tmp_path / loss
         done = forkserver.run([sys.executable, "train.py", *small, "--loss", loss, "--gardo-diversity", "--diversity",
-                               "dinov2", "--diversity-path", str(tmp_path / "dinov2"), "--out", str(out)], cwd=root,
-                              timeout=600)
+                               *features, "--out", str(out)], cwd=root, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         step = [json.loads(line) for line in open(out / "metrics.jsonl")][-1]
         assert step["gardo_weight_max"] >= 1.0  # the most novel positive sample weighs at least the mean
