@@ -766,6 +766,8 @@ def check_args(p, args, world_size):
     if args.gardo_diversity and args.diversity == "off":
         p.error("--gardo-diversity scales advantages by image-feature distances: choose the features with "
                 "--diversity dinov2, clip or pixels")
+    if args.diversity == "pixels" and args.diversity_path:
+        p.error("--diversity pixels reads the images themselves, no model: drop --diversity-path")
     if args.group_size < 2:  # every loss here is group-relative
         p.error(f"--group-size {args.group_size}: each sample would be its own group mean, so every advantage is 0 and "
                 "nothing trains; use --group-size 2 or more")

@@ -13,6 +13,7 @@ import torch
 import diversity
 import forkserver
 import shapes
+import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -131,6 +132,13 @@ def test_pixel_features_are_the_image_area_averaged_to_32_px():
     f = diversity.featurizer("pixels")(white)
     d = lambda i, j: 1 - torch.nn.functional.cosine_similarity(f[i], f[j], dim=0)  # noqa: E731
     assert d(0, 1) == pytest.approx(2 * d(0, 2)) and d(0, 2) > 0 and d(0, 0) == pytest.approx(0, abs=1e-6)
+
+
+def test_pixels_refuse_a_model_path(capsys):
+    parser, args = train.parse_args(["--model", "tiny", "--diversity", "pixels", "--diversity-path", "x"])
+    with pytest.raises(SystemExit):
+        train.check_args(parser, args, 1)
+    assert "drop --diversity-path" in capsys.readouterr().err
 
 
 def test_missing_weights_fail_in_one_line_naming_the_flag(tmp_path):

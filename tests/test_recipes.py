@@ -119,7 +119,7 @@ def test_recipe_runs_one_step_on_tiny(recipe, tmp_path, tiny_reward_models, coun
     shrink = SHRINK + TWIN[published.model]
     if losses.LOSSES[published.loss].unit == "group":  # micro-batches of whole groups (DGPO)
         shrink += ["--train-batch-size", "4"]
-    if published.diversity != "off":  # image features (GARDO's advantage): a tiny model of the family
+    if published.diversity in ("dinov2", "clip"):  # image features (GARDO's advantage): a tiny model of the family
         shrink += ["--diversity-path", tiny_dinov2]
     if published.num_steps > 6 and getattr(published, "sde_window", None) in (None, "all") \
             and published.train_timesteps is None:  # windows and strata of steps keep the published count
