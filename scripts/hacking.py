@@ -66,6 +66,13 @@ def train_flags(brake, seed, args):
             *BRAKES[brake][1](f"{args.kl_beta:g}")]
 
 
+def write_json(path, obj):
+    """Written whole or not at all: a killed study never leaves half a file."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f)
+    os.replace(path + ".tmp", path)
+
+
 def read_evals(out, run):
     """{step: eval row} of a run; its step-0 row kept beside it (eval0.json), as a resume drops it from eval.jsonl."""
     folder = os.path.join(out, run_name(*run))
@@ -73,9 +80,7 @@ def read_evals(out, run):
     evals = {r["step"]: r for r in rows if isinstance(r, dict) and isinstance(r.get("step"), int)}
     side = os.path.join(out, run_name(*run) + ".eval0.json")
     if 0 in evals and not os.path.exists(side):
-        with open(side + ".tmp", "w") as f:
-            json.dump(evals[0], f)
-        os.replace(side + ".tmp", side)
+        write_json(side, evals[0])
     elif 0 not in evals and os.path.exists(side):
         with open(side) as f:
             evals[0] = json.load(f)
@@ -98,9 +103,7 @@ def check_flags(run, args):
             raise SystemExit(f"error: {os.path.join(args.out, run_name(*run))} was run with `{shlex.join(before)}`, "
                              f"not `{shlex.join(now)}`: give another --out, or the flags it was run with")
         return
-    with open(path + ".tmp", "w") as f:
-        json.dump(dict(flags=now), f)
-    os.replace(path + ".tmp", path)
+    write_json(path, dict(flags=now))
 
 
 def run_one(run, args):
@@ -152,7 +155,8 @@ def report(args):
     if not runs:
         raise SystemExit(f"error: no finished run in {args.out} (brakes {' '.join(args.brakes)}, seeds "
                          f"{' '.join(map(str, args.seeds))}, {args.steps} steps): run the same command without --report")
-    rows = {run: summary(read_evals(args.out, run), args.steps) for run in runs}
+    evals = {run: read_evals(args.out, run) for run in runs}
+    rows = {run: summary(evals[run], args.steps) for run in runs}
     lines = [f"Held-out figures at step 0 and step {args.steps} (360 prompts, ODE, fixed noise), mean +- standard "
              f"deviation over seeds; `python scripts/hacking.py {shlex.join(args.argv)}`:", "",
              "| brake | seeds | proxy, step 0 -> end | exact accuracy, step 0 | peak (step) | end | end - peak | "
@@ -176,23 +180,23 @@ def report(args):
     text = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, "hacking.md"), "w") as f:
         f.write(text)
-    plot(args, runs, os.path.join(args.out, "hacking.png"))
+    plot(args, evals, os.path.join(args.out, "hacking.png"))
     print(text, end="")
     return rows
 
 
-def plot(args, runs, path):
+def plot(args, evals, path):
+    """hacking.png: each measure against the step, a colour per brake, a line style per seed; evals {run: rows}."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, len(MEASURES), figsize=(4.6 * len(MEASURES), 3.6))
     styles = ["-", "--", ":", "-."]
     for ax, (_, key, title) in zip(axes, MEASURES):
-        for run in runs:
-            evals = read_evals(args.out, run)
-            steps = sorted(s for s in evals if key in evals[s])
+        for run, rows in evals.items():
+            steps = sorted(s for s in rows if key in rows[s])
             colour = f"C{args.brakes.index(run[0])}"
-            ax.plot(steps, [evals[s][key] for s in steps], color=colour, marker="o", ms=3,
+            ax.plot(steps, [rows[s][key] for s in steps], color=colour, marker="o", ms=3,
                     ls=styles[args.seeds.index(run[1]) % len(styles)], label=run_name(*run))
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
