@@ -31,6 +31,10 @@ removed unless `--keep-weights`); a run whose flags changed starts over. Runs go
 `--threads` torch threads each; an entry's seeds start as soon as its sweep has finished. The exit status is
 non-zero, naming the first failed run, when any run failed.
 
+`--ledger FILE` (a JSON line per finished run: its record with its curve) carries the league across machines: give
+it a path inside the repository and commit it as rows land. A league started with the same ledger on a new machine,
+or with an empty --out, takes every finished run from it and runs only the rest; `--report` reads it too.
+
 Cost of the default league: 70 runs (14 entries x 3 lrs on seed 0, then seeds 1 2 at the chosen lr) of the
 default run's samples (100 steps x 128 = 12,800 with train.py's present defaults: 896,000 in all) and 5 held-out
 evaluations each; at the default run's ~5 s per step (the windows less, the full-trajectory reverse losses more),
@@ -212,7 +216,39 @@ def curve(out, run):
     record = read_record(out, run)
     if not (record and record.get("done")):
         return None
+    if isinstance(record.get("curve"), list):  # kept in the record since the ledger: the folder may be gone
+        return record["curve"]
     return read_curve(os.path.join(out, run_name(*run)), record.get("eval0"))
+
+
+def read_ledger(path):
+    """{run name: record} of the finished runs a ledger holds (the last line of a name wins; torn lines skipped)."""
+    rows, _ = checkpoints.read_jsonl(path)
+    return {row["run"]: {k: v for k, v in row.items() if k != "run"} for row in rows
+            if isinstance(row, dict) and isinstance(row.get("run"), str) and isinstance(row.get("flags"), list)
+            and row.get("done") and isinstance(row.get("curve"), list)}
+
+
+def append_ledger(path, run, record):
+    """One line for a finished run, flushed to disk before the league goes on."""
+    with open(path, "a") as f:
+        f.write(json.dumps(dict(run=run_name(*run), **record)) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def restore_ledger(args):
+    """The ledger's finished runs as --out's records, where --out has no finished record of them. -> how many."""
+    if not args.ledger:
+        return 0
+    ledger, restored = read_ledger(args.ledger), 0
+    for run in all_runs(args):
+        row = ledger.get(run_name(*run))
+        here = read_record(args.out, run)
+        if row and not (here and here.get("done")):
+            write_record(args.out, run, row)
+            restored += 1
+    return restored
 
 
 def check_records(args):
@@ -288,8 +324,10 @@ def finish(job, args):
         why = f"rc {rc}" if rc else f"stopped before step {args.steps} and its evaluation"
         return run, job["log_path"], f"{why}: {last_error(job['log_path'], job['offset'])}"
     record.update(done=True, minutes=points[-1]["seconds"] / 60, wall_minutes=(time.time() - job["started"]) / 60,
-                  load=os.getloadavg()[0])
+                  load=os.getloadavg()[0], curve=points)
     write_record(args.out, run, record)
+    if args.ledger:
+        append_ledger(args.ledger, run, record)
     if not args.keep_weights:  # the league reads the curves only; 54 MB a run otherwise
         shutil.rmtree(os.path.join(folder, "checkpoints"), ignore_errors=True)
     return None
@@ -460,6 +498,8 @@ def command_line(args):
         parts.append(f"--minutes {args.minutes:g}")
     if args.out_given != "runs/league":
         parts.append(f"--out {args.out_given}")
+    if args.ledger:
+        parts.append(f"--ledger {args.ledger}")
     return " ".join(parts)
 
 
@@ -587,6 +627,9 @@ def parse_args(argv=None):
                    help="keep the last checkpoint of finished runs (54 MB each; default: removed)")
     p.add_argument("--out", default="runs/league", help="folder of the runs, the tables and the plot "
                                                         "(default: runs/league)")
+    p.add_argument("--ledger", default=None, metavar="FILE",
+                   help="JSON lines of the finished runs, appended as each ends and read at the start: commit it to "
+                        "carry the league to another machine (default: none)")
     p.add_argument("--report", action="store_true", help="only the tables and the plot, from the finished runs")
     p.add_argument("--poll", type=flags.POSITIVE, default=2.0, help=argparse.SUPPRESS)  # seconds between looks
     args = p.parse_args(argv)
@@ -595,12 +638,17 @@ def parse_args(argv=None):
     args.lrs = sorted(set(args.lrs))
     args.threads = args.threads or max(1, len(os.sched_getaffinity(0)) // args.jobs)
     args.out_given, args.out = args.out, os.path.abspath(args.out)
+    if args.ledger and os.path.exists(args.ledger) and not os.path.isfile(args.ledger):
+        p.error(f"--ledger {args.ledger} is not a file: give the path of a JSON lines file (made if missing)")
     return plan(args, p)
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.report:
+        if args.ledger:
+            os.makedirs(args.out, exist_ok=True)
+            restore_ledger(args)
         if os.path.isdir(args.out):
             check_records(args)
         return report(args)
@@ -612,6 +660,8 @@ def main(argv=None):
     except OSError as e:
         raise SystemExit(f"error: --out {args.out} cannot be written ({e.strerror or e}): give a writable folder") \
             from None
+    if restored := restore_ledger(args):
+        print(f"{restored} finished run(s) taken from the ledger {args.ledger}", flush=True)
     check_records(args)
     for name in args.only:  # every command line is train.py's to refuse, once, before anything runs
         argv = ["--out", os.path.join(args.out, "x"), *train_flags(name, args.lrs[0], 0, args)]

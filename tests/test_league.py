@@ -306,6 +306,33 @@ def test_a_run_stopped_early_is_not_done_and_continues_with_resume(tmp_path, fak
     assert third[third.index("--out") + 1].endswith("grpo-lr1e-4-s0") and "--overwrite" in third
 
 
+def test_a_ledger_carries_finished_runs_to_an_empty_out_and_the_report(tmp_path, fake_train):
+    ledger = tmp_path / "ledger.jsonl"
+    first = tmp_path / "machine1"
+    run_league(first, "--only", "grpo", "--lrs", "1e-4", "2e-4", "--seeds", "0", "--ledger", str(ledger))
+    launched = len(fake_train())
+    rows = [json.loads(line) for line in open(ledger)]
+    assert len(rows) == launched == 3 and all(row["done"] and row["curve"][0]["step"] == 0 for row in rows)
+    table = open(first / "league.md").read()
+    with open(ledger, "a") as f:
+        f.write('{"run": "grpo-lr4e-4-s3", "fla')  # a torn last line (a killed league) is skipped
+    second = tmp_path / "machine2"  # a new machine: the run folders are gone, the committed ledger is not
+    results = run_league(second, "--only", "grpo", "--lrs", "1e-4", "2e-4", "--seeds", "0", "--ledger", str(ledger))
+    assert len(fake_train()) == launched  # nothing runs again
+    assert results["grpo"]["lr"] == 2e-4 and open(second / "league.md").read() == table.replace(
+        str(first), str(second))
+    third = tmp_path / "machine3"  # the report alone, from the ledger
+    league.main(["--out", str(third), "--samples", "128", "--evals", "3", "--only", "grpo", "--lrs", "1e-4", "2e-4",
+                 "--sweep-seed", "3", "--seeds", "0", "--ledger", str(ledger), "--report"])
+    assert (third / "league.md").read_text() == table.replace(str(first), str(third))
+    # a wider league on the same ledger runs only what the ledger lacks
+    run_league(second, "--only", "grpo", "--lrs", "1e-4", "2e-4", "--seeds", "0", "1", "--ledger", str(ledger))
+    assert [argv[argv.index("--out") + 1].rsplit("/", 1)[1] for argv in fake_train()[launched:]] == ["grpo-lr2e-4-s1"]
+    with pytest.raises(SystemExit) as stop:
+        league.parse_args(["--out", str(tmp_path / "x"), "--ledger", str(tmp_path)])
+    assert stop.value.code == 2
+
+
 def test_a_terminated_league_stops_its_runs_and_exits_130(tmp_path, fake_train, monkeypatch):
     monkeypatch.setenv("FAKE_SLOW", "1")
     out = tmp_path / "league"
