@@ -640,6 +640,8 @@ def parse_args(argv=None):
     args.out_given, args.out = args.out, os.path.abspath(args.out)
     if args.ledger and os.path.exists(args.ledger) and not os.path.isfile(args.ledger):
         p.error(f"--ledger {args.ledger} is not a file: give the path of a JSON lines file (made if missing)")
+    if args.ledger and not os.path.isdir(os.path.dirname(os.path.abspath(args.ledger))):
+        p.error(f"--ledger {args.ledger}: its folder does not exist: make it, or give a path in an existing folder")
     return plan(args, p)
 
 

@@ -328,9 +328,10 @@ def test_a_ledger_carries_finished_runs_to_an_empty_out_and_the_report(tmp_path,
     # a wider league on the same ledger runs only what the ledger lacks
     run_league(second, "--only", "grpo", "--lrs", "1e-4", "2e-4", "--seeds", "0", "1", "--ledger", str(ledger))
     assert [argv[argv.index("--out") + 1].rsplit("/", 1)[1] for argv in fake_train()[launched:]] == ["grpo-lr2e-4-s1"]
-    with pytest.raises(SystemExit) as stop:
-        league.parse_args(["--out", str(tmp_path / "x"), "--ledger", str(tmp_path)])
-    assert stop.value.code == 2
+    for wrong in (tmp_path, tmp_path / "no" / "ledger.jsonl"):  # a folder; a file in a folder that is not there
+        with pytest.raises(SystemExit) as stop:
+            league.parse_args(["--out", str(tmp_path / "x"), "--ledger", str(wrong)])
+        assert stop.value.code == 2
 
 
 def test_a_terminated_league_stops_its_runs_and_exits_130(tmp_path, fake_train, monkeypatch):
