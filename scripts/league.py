@@ -31,6 +31,11 @@ removed unless `--keep-weights`); a run whose flags changed starts over. Runs go
 `--threads` torch threads each; an entry's seeds start as soon as its sweep has finished. The exit status is
 non-zero, naming the first failed run, when any run failed.
 
+Seconds per step measured alone: `--measure-speed` runs each entry (--only) for `--speed-steps` steps with nothing
+else of the league running and all CPUs' threads, evaluations off, and writes the median seconds of its steps after
+the first into `--speeds FILE`; a report given such a file times every entry's curve by it (step x seconds per
+step), the equal wall-clock table included, instead of by the league's own runs, which share the machine.
+
 `--ledger FILE` (a JSON line per finished run: its record with its curve) carries the league across machines: give
 it a path inside the repository and commit it as rows land. A league started with the same ledger on a new machine,
 or with an empty --out, takes every finished run from it and runs only the rest; `--report` reads it too.
@@ -184,7 +189,8 @@ def last_rows(path):
 
 
 def read_curve(folder, eval0=None, steps=None):
-    """The held-out curve of a run folder: [{step, samples, seconds, accuracy, tags}] at every evaluation, seconds the
+    """The held-out curve of a run folder: [{step, samples, seconds, accuracy, tags, diversity}] at every evaluation
+    (diversity: the free-colour entropy of under-specified prompts, eval.py's `diversity_color`), seconds the
     training wall-clock up to that step (the sum of the per-step `seconds` of metrics.jsonl). With `steps`: None
     unless the run is complete (an evaluation at step 0 and at `steps`, a metrics row for every step in between).
     eval0 stands in for a step-0 evaluation that eval.jsonl lost (train.py's resume keeps rows of steps 1..N)."""
@@ -207,7 +213,8 @@ def read_curve(folder, eval0=None, steps=None):
             return None
         seconds = sum(metrics[s].get("seconds", 0.0) for s in metrics if s <= step)
         points.append(dict(step=step, samples=step * per_step, seconds=seconds, accuracy=row["geneval_overall"],
-                           tags={tag: row.get(f"geneval_{tag}") for tag in geneval.TAGS}))
+                           tags={tag: row.get(f"geneval_{tag}") for tag in geneval.TAGS},
+                           diversity=row.get("diversity_color")))  # of under-specified prompts; None if not logged
     return points
 
 
@@ -399,6 +406,58 @@ def run_league(args):
     return failures
 
 
+# ----------------------------------------------------------------------------- seconds per step, measured alone
+def read_speeds(path):
+    """{entry: {seconds_per_step, steps, machine, ...}} of a --speeds file; {} when there is none."""
+    if not path or not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            speeds = json.load(f)
+    except ValueError:
+        raise SystemExit(f"error: --speeds {path} is not JSON: measure again (--measure-speed) or give another file") \
+            from None
+    return {name: v for name, v in speeds.items() if isinstance(v, dict)
+            and isinstance(v.get("seconds_per_step"), (int, float)) and v["seconds_per_step"] > 0}
+
+
+def measure_speeds(args):
+    """Each --only entry alone for --speed-steps steps (evaluations off, every CPU's thread), one after the other;
+    its median seconds per step after the first (which builds what later steps reuse) into --speeds. -> the file's
+    entries. A run that fails stops the measurement with its last error line."""
+    speeds, threads = read_speeds(args.speeds), str(len(os.sched_getaffinity(0)))
+    env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
+    for name in args.only:
+        folder = os.path.join(args.out, f"speed-{name}")
+        command = [*TRAIN, "--out", folder, "--overwrite", *train_flags(name, args.lrs[0], args.sweep_seed, args),
+                   "--steps", str(args.speed_steps), "--eval-every", "0"]
+        load = os.getloadavg()[0]
+        with open(folder + ".log", "wb") as log:
+            rc = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL).returncode
+        metrics = last_rows(os.path.join(folder, "metrics.jsonl"))
+        seconds = [metrics[s]["seconds"] for s in range(2, args.speed_steps + 1) if s in metrics]
+        if rc or len(seconds) < args.speed_steps - 1:
+            raise SystemExit(f"error: the speed run of {name} stopped (rc {rc}): {last_error(folder + '.log')} "
+                             f"(log: {folder}.log)")
+        speeds[name] = dict(seconds_per_step=float(np.median(seconds)), steps=args.speed_steps, load_before=load,
+                            machine=dict(machine(args), jobs=1, threads=int(threads)),
+                            measured=time.strftime("%Y-%m-%d %H:%M"))
+        with open(args.speeds + ".tmp", "w") as f:
+            json.dump(speeds, f, indent=1)
+        os.replace(args.speeds + ".tmp", args.speeds)
+        print(f"{name}: {speeds[name]['seconds_per_step']:.2f} s per step of {args.per_step} samples "
+              f"(median of steps 2-{args.speed_steps}; load before {load:.1f})", flush=True)
+        shutil.rmtree(folder, ignore_errors=True)
+    return speeds
+
+
+def timed_by_speed(curve_points, seconds_per_step):
+    """A curve with its training seconds the steps times the seconds per step measured alone (the league's own in
+    `league_seconds`)."""
+    return [dict(p, seconds=p["step"] * seconds_per_step, league_seconds=p["seconds"]) for p in curve_points]
+
+
 # ----------------------------------------------------------------------------- the report
 def at_minutes(points, minutes):
     """The latest evaluation of a curve within `minutes` of training."""
@@ -414,14 +473,20 @@ def mean_std(values):
 
 
 def collect(args):
-    """{entry: {lr, finals, curves}} of every entry with a finished run at its chosen lr on a table seed."""
+    """{entry: {lr, finals, curves, speed}} of every entry with a finished run at its chosen lr on a table seed. When
+    --speeds holds every such entry, the curves are timed by it (args.timed_alone); else by the league's own runs."""
     results = {}
     for name in args.only:
         finals = sweep_finals(name, args)
         lr = choose_lr(finals)
         curves = {seed: c for seed in args.seeds if lr is not None and (c := curve(args.out, (name, lr, seed)))}
         if curves:
-            results[name] = dict(lr=lr, finals=finals, curves=curves)
+            results[name] = dict(lr=lr, finals=finals, curves=curves, speed=None)
+    speeds = read_speeds(getattr(args, "speeds", None))
+    args.timed_alone = bool(results) and all(name in speeds for name in results)
+    for name, r in results.items() if args.timed_alone else ():
+        r["speed"] = speeds[name]["seconds_per_step"]
+        r["curves"] = {seed: timed_by_speed(c, r["speed"]) for seed, c in r["curves"].items()}
     return results
 
 
@@ -442,21 +507,32 @@ def tables(results, args):
     lines = [f"**Equal samples**: {args.samples:,} samples per run ({args.steps} steps of {args.per_step}), held-out "
              f"GenEval accuracy (360 prompts, ODE) before and after, mean +- standard deviation over seeds "
              f"({' '.join(map(str, args.seeds))}); per tag after, mean over seeds.", "",
-             "| entry | lr | samples | before | after | rise | " + " | ".join(tags) + " | training minutes |",
-             "| --- | --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in tags) + " | ---: |"]
+             "| entry | lr | samples | before | after | rise | " + " | ".join(tags)
+             + " | colour diversity after | samples/s | training minutes |",
+             "| --- | --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in tags)
+             + " | ---: | ---: | ---: |"]
     for name, r in results.items():
         curves = list(r["curves"].values())
         before = [c[0]["accuracy"] for c in curves]
         after = [c[-1]["accuracy"] for c in curves]
         per_tag = [np.mean([c[-1]["tags"][t] for c in curves]) for t in geneval.TAGS]
         seeds = "" if len(curves) == n else f" ({len(curves)} of {n} seeds)"
+        diversity = [c[-1].get("diversity") for c in curves]
+        diversity = mean_std(diversity) if all(isinstance(d, (int, float)) for d in diversity) else "-"
+        seconds = np.mean([c[-1]["seconds"] for c in curves])
         lines.append(f"| {name}{seeds} | {lr_text(r['lr'])} | {curves[0][-1]['samples']:,} | {mean_std(before)} | "
                      f"{mean_std(after)} | {np.mean(after) - np.mean(before):+.3f} | "
                      + " | ".join(f"{v:.2f}" for v in per_tag)
-                     + f" | {np.mean([c[-1]['seconds'] for c in curves]) / 60:.1f} |")
+                     + f" | {diversity} | {curves[0][-1]['samples'] / seconds:.1f} | {seconds / 60:.1f} |")
     budget, how = wall_clock_budget(results, args.minutes)
+    timing = (f"training seconds: each entry's seconds per step measured alone ({args.speeds}: "
+              + ", ".join(f"{name} {r['speed']:.2f}" for name, r in results.items()) + ")"
+              if getattr(args, "timed_alone", False) else
+              "training seconds: the league's own runs (sampling, rewards, update; they shared the machine, see "
+              "below; `--measure-speed` times each entry alone)")
     lines += ["", f"**Equal wall-clock**: the accuracy at each run's latest evaluation within {budget:.1f} training "
-              f"minutes ({how}), from the same runs; samples and minutes of that evaluation, mean over seeds.", "",
+              f"minutes ({how}), from the same runs; samples and minutes of that evaluation, mean over seeds; "
+              f"{timing}.", "",
               "| entry | lr | samples by then | minutes | accuracy | rise |",
               "| --- | --- | ---: | ---: | ---: | ---: |"]
     ended = []
@@ -500,6 +576,8 @@ def command_line(args):
         parts.append(f"--out {args.out_given}")
     if args.ledger:
         parts.append(f"--ledger {args.ledger}")
+    if getattr(args, "timed_alone", False):
+        parts.append(f"--speeds {args.speeds}")
     return " ".join(parts)
 
 
@@ -555,7 +633,8 @@ def plot(results, args, budget, path):
     by_minutes.set_xlabel("training wall-clock (minutes; evaluations not counted)")
     by_samples.set_ylabel("held-out GenEval accuracy (ODE), mean over seeds")
     by_samples.set_title("equal samples")
-    by_minutes.set_title(f"equal wall-clock ({args.jobs} runs at a time, {args.threads} thread(s) each)")
+    by_minutes.set_title("equal wall-clock (seconds per step measured alone)" if getattr(args, "timed_alone", False)
+                         else f"equal wall-clock ({args.jobs} runs at a time, {args.threads} thread(s) each)")
     for ax in (by_samples, by_minutes):
         ax.grid(alpha=0.3)
     by_minutes.legend(fontsize=7)
@@ -583,7 +662,7 @@ def report(args):
         f.write(table + "\n")
     plot(results, args, budget, os.path.join(args.out, "league.png"))
     summary = {name: dict(lr=r["lr"], sweep={lr_text(lr): a for lr, a in r["finals"].items()},
-                          curves={str(seed): c for seed, c in r["curves"].items()}) for name, r in results.items()}
+                          seconds_per_step=r["speed"], curves={str(seed): c for seed, c in r["curves"].items()}) for name, r in results.items()}
     with open(os.path.join(args.out, "league.json"), "w") as f:
         json.dump(dict(samples=args.samples, steps=args.steps, minutes_budget=budget, entries=summary), f, indent=1)
     print(table)
@@ -630,6 +709,13 @@ def parse_args(argv=None):
     p.add_argument("--ledger", default=None, metavar="FILE",
                    help="JSON lines of the finished runs, appended as each ends and read at the start: commit it to "
                         "carry the league to another machine (default: none)")
+    p.add_argument("--speeds", default=None, metavar="FILE",
+                   help="JSON of each entry's seconds per step measured alone (--measure-speed writes it); the "
+                        "report times the curves by it when it holds every entry (default: none)")
+    p.add_argument("--measure-speed", action="store_true",
+                   help="only measure each entry's seconds per step alone into --speeds, nothing else running")
+    p.add_argument("--speed-steps", type=flags.bounded(int, 2), default=5,
+                   help="steps of each speed run; the first is not counted (default: 5)")
     p.add_argument("--report", action="store_true", help="only the tables and the plot, from the finished runs")
     p.add_argument("--poll", type=flags.POSITIVE, default=2.0, help=argparse.SUPPRESS)  # seconds between looks
     args = p.parse_args(argv)
@@ -642,6 +728,8 @@ def parse_args(argv=None):
         p.error(f"--ledger {args.ledger} is not a file: give the path of a JSON lines file (made if missing)")
     if args.ledger and not os.path.isdir(os.path.dirname(os.path.abspath(args.ledger))):
         p.error(f"--ledger {args.ledger}: its folder does not exist: make it, or give a path in an existing folder")
+    if args.measure_speed and not args.speeds:
+        p.error("--measure-speed needs --speeds FILE: where the seconds per step go")
     return plan(args, p)
 
 
@@ -669,6 +757,10 @@ def main(argv=None):
         argv = ["--out", os.path.join(args.out, "x"), *train_flags(name, args.lrs[0], 0, args)]
         parser, targs = train.parse_args(argv)
         train.check_args(parser, targs, 1)
+    if args.measure_speed:
+        speeds = measure_speeds(args)
+        handle.close()
+        return speeds
     failures = run_league(args)
     handle.close()
     results = report(args) if collect(args) else {}

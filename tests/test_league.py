@@ -147,9 +147,11 @@ def test_table_has_the_six_tags_the_lr_the_samples_the_minutes_command_and_machi
     league.report(args)
     table = open(tmp_path / "league.md").read()
     assert "| entry | lr | samples | before | after | rise | single | two_obj | counting | colors | position | attr " \
-           "| training minutes |" in table
+           "| colour diversity after | samples/s | training minutes |" in table
     row = "| guard | 2e-4 | 128 | 0.310 +- 0.014 | 0.400 +- 0.141 | +0.090 | 0.90 | 0.50 | 0.30 | 0.75 | 0.10 | 0.05 |"
-    assert row + " 3.0 |" in table  # before and after over seeds; the tags after, counting the mean of 0.25 and 0.35
+    # before and after over seeds; the tags after, counting the mean of 0.25 and 0.35; no diversity logged; 128
+    # samples in a mean 180 s
+    assert row + " - | 0.7 | 3.0 |" in table
     assert "`python scripts/league.py --samples 128 --evals 3 --lrs 2e-4 --sweep-seed 0 --seeds 0 1 --jobs 4 " \
            f"--threads 16 --only guard --out {tmp_path}`" in table
     assert "Machine: Some CPU, 64 CPU threads; 4 run(s) at a time, 16 torch thread(s) each" in table
@@ -157,6 +159,43 @@ def test_table_has_the_six_tags_the_lr_the_samples_the_minutes_command_and_machi
     assert os.path.getsize(tmp_path / "league.png") > 10000
     summary = json.load(open(tmp_path / "league.json"))
     assert summary["entries"]["guard"]["curves"]["1"][-1]["tags"]["counting"] == 0.35
+
+
+def test_table_reports_the_colour_diversity_after_over_seeds(tmp_path):
+    pytest.importorskip("matplotlib")
+    args = league_args(tmp_path, "--only", "nft", "--lrs", "1e-4", "--sweep-seed", "0", "--seeds", "0", "1")
+    for seed, diversity in ((0, 0.8), (1, 0.6)):
+        fake_run(args, ("nft", 1e-4, seed), [30.0] * 4, [0.3, 0.4, 0.5])
+        path = tmp_path / league.run_name("nft", 1e-4, seed) / "eval.jsonl"
+        with open(path, "a") as f:  # the last evaluation again (the last row of a step counts), with its diversity
+            f.write("\n" + json.dumps(dict(eval_row(4, 0.5), diversity_color=diversity)) + "\n")
+    league.report(args)
+    assert "| 0.700 +- 0.141 | 1.1 | 2.0 |" in open(tmp_path / "league.md").read()
+
+
+def test_speeds_measured_alone_time_the_curves_and_the_wall_clock_table(tmp_path, fake_train):
+    pytest.importorskip("matplotlib")
+    out, speeds = tmp_path / "league", tmp_path / "speeds.json"
+    base = ["--out", str(out), "--samples", "128", "--evals", "3", "--poll", "0.02", "--only", "grpo", "nft", "--lrs",
+            "2e-4", "--sweep-seed", "0", "--seeds", "0"]
+    measured = league.main([*base, "--measure-speed", "--speeds", str(speeds), "--speed-steps", "4"])
+    assert {name: v["seconds_per_step"] for name, v in measured.items()} == {"grpo": 6.0, "nft": 3.0}  # not step 1
+    runs = [argv for argv in fake_train()]
+    assert len(runs) == 2 and all(argv[-4:-2] == ["--steps", "4"] and argv[-1] == "0" for argv in runs)
+    assert not (out / "speed-grpo").exists() and json.load(open(speeds))["nft"]["machine"]["jobs"] == 1
+    league.main([*base, "--jobs", "2"])  # the league itself: its runs' own seconds are 6 a step for both
+    results = league.main([*base, "--speeds", str(speeds), "--report"])
+    assert [p["seconds"] for p in results["nft"]["curves"][0]] == [0.0, 6.0, 12.0]  # steps x 3.0
+    assert [p["league_seconds"] for p in results["nft"]["curves"][0]] == [0.0, 12.0, 24.0]
+    table = open(out / "league.md").read()
+    assert "each entry's seconds per step measured alone" in table and f"--speeds {speeds}" in table
+    assert "| 0.40 | - | 10.7 | 0.2 |" in table  # nft: 128 samples in 4 steps of 3 s
+    # within nft's 0.2 minutes (12 s): grpo at its step 2 evaluation, nft at its end
+    assert "| grpo | 2e-4 | 64 | 0.2 | 0.350 (1 seed) | +0.050 |\n| nft | 2e-4 | 128 | 0.2 | 0.400 (1 seed) | +0.100 |" \
+        in table
+    with pytest.raises(SystemExit) as stop:
+        league.parse_args(["--out", str(out), "--measure-speed"])
+    assert stop.value.code == 2
 
 
 def test_report_of_a_missing_folder_is_one_error_line(tmp_path):
@@ -186,7 +225,7 @@ FAKE_TRAIN = textwrap.dedent('''
     """Stands in for train.py: the run folder of a run that learns best at lr 2e-4 (4e-4 ties), in a moment."""
     import argparse, json, os, sys
     p = argparse.ArgumentParser()
-    for flag in ("--out", "--seed", "--lr", "--steps", "--eval-every", "--resume"):
+    for flag in ("--out", "--seed", "--lr", "--steps", "--eval-every", "--resume", "--loss"):
         p.add_argument(flag)
     p.add_argument("--overwrite", action="store_true")
     a, _ = p.parse_known_args()
@@ -200,13 +239,16 @@ FAKE_TRAIN = textwrap.dedent('''
         print("step 1 | reward +0.1")
         print(f"error: --lr {a.lr} fails here; fix the fake")
         sys.exit(1)
-    steps, every = int(a.steps), int(a.eval_every)
+    steps, every = int(a.steps), int(a.eval_every) or int(a.steps) + 1  # 0: no evaluation (a speed run)
+    speed_run = every > steps  # alone: nft twice as fast, the first step slower (it builds what the rest reuse)
+    seconds = {"nft": 3.0}.get(a.loss, 6.0) if speed_run else 6.0
     last = steps // 2 if os.environ.get("FAKE_STOP") else steps  # as a SIGTERM'd train.py: saved, exit 0, not done
     gain = {"5e-5": 0.02, "1e-4": 0.05, "2e-4": 0.1, "4e-4": 0.1}[a.lr] + 0.01 * int(a.seed)
     os.makedirs(os.path.join(a.out, "checkpoints", str(last)), exist_ok=True)
     json.dump({"args": {"prompts_per_step": 4, "group_size": 8}}, open(os.path.join(a.out, "args.json"), "w"))
     with open(os.path.join(a.out, "metrics.jsonl"), "w") as f:
-        f.writelines(json.dumps({"step": s, "seconds": 6.0}) + "\\n" for s in range(1, last + 1))
+        f.writelines(json.dumps({"step": s, "seconds": 20.0 if s == 1 and speed_run else seconds}) + "\\n"
+                     for s in range(1, last + 1))
     tags = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
     with open(os.path.join(a.out, "eval.jsonl"), "w") as f:
         for s in range(0, last + 1, every):
