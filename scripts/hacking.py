@@ -119,16 +119,20 @@ def run_one(run, args):
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL)
 
-        def stop(signum, frame):  # train.py saves a checkpoint on SIGTERM; the same command continues it
+        stopped = []
+
+        def stop(signum, frame):  # train.py saves a checkpoint on SIGTERM; the same command continues it. Only
+            stopped.append(signum)  # passed on: a wait here would deadlock on the wait it interrupts (its lock)
             process.send_signal(signal.SIGTERM)
-            process.wait()
-            raise SystemExit(f"stopped {run_name(*run)} at a checkpoint: the same command continues")
 
         previous = signal.signal(signal.SIGTERM, stop)
         try:
-            return process.wait()
+            rc = process.wait()  # resumed after the handler (PEP 475) until the run has saved and exited
         finally:
             signal.signal(signal.SIGTERM, previous)
+        if stopped:
+            raise SystemExit(f"stopped {run_name(*run)} at a checkpoint: the same command continues")
+        return rc
 
 
 # ----------------------------------------------------------------------------- the report

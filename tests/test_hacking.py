@@ -2,8 +2,10 @@
 in a moment, its table (peaks, ends, means over seeds), its resume and its refusal of changed flags."""
 import json
 import os
+import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -24,6 +26,11 @@ FAKE_TRAIN = textwrap.dedent('''
     with open(os.environ["FAKE_LAUNCHES"], "a") as f:
         f.write(json.dumps(argv) + "\\n")
     braked = "--kl-beta" in argv
+    if os.environ.get("FAKE_SLOW"):  # a long run that saves and exits 0 on SIGTERM, as train.py does
+        import signal, time
+        signal.signal(signal.SIGTERM, lambda *_: (open(out + ".stopped", "w").close(), sys.exit(0)))
+        open(out + ".started", "w").close()
+        time.sleep(120)
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "eval.jsonl")
     done = [json.loads(line)["step"] for line in open(path)] if os.path.exists(path) else []
@@ -95,6 +102,26 @@ def test_a_stopped_run_continues_and_keeps_its_step_0_row(tmp_path, fake_train, 
     assert "--resume" in fake_train()[-1]
     assert [json.loads(line)["step"] for line in open(out / "none-s0" / "eval.jsonl")] == [2, 4, 6]
     assert rows[("none", 0)]["exact_0"] == pytest.approx(0.3)  # from the row kept beside the run
+
+
+def test_a_terminated_study_stops_its_run_at_a_checkpoint_and_exits(tmp_path, fake_train, monkeypatch):
+    monkeypatch.setenv("FAKE_SLOW", "1")
+    out = tmp_path / "hacking"
+    argv = ["--out", str(out), "--brakes", "none", "--seeds", "0", "--steps", "6", "--eval-every", "2"]
+    code = (f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'scripts')!r}); import hacking; "
+            f"hacking.TRAIN = {hacking.TRAIN!r}; hacking.main({argv!r})")
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not (out / "none-s0.started").exists() and time.time() < deadline and process.poll() is None:
+        time.sleep(0.2)
+    process.terminate()
+    try:
+        _, err = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # its handler once waited on the wait it interrupted, for ever
+        process.kill()
+        pytest.fail("the study did not exit after SIGTERM")
+    assert process.returncode == 1 and "stopped none-s0 at a checkpoint: the same command continues" in err
+    assert (out / "none-s0.stopped").exists()  # the run got the signal and saved
 
 
 def test_changed_flags_are_refused_before_anything_runs(tmp_path, fake_train):
