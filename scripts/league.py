@@ -175,11 +175,14 @@ def read_record(out, run):
     return record if isinstance(record, dict) and isinstance(record.get("flags"), list) else None
 
 
-def write_record(out, run, record):
-    path = record_path(out, run)
+def write_json(path, obj):
     with open(path + ".tmp", "w") as f:
-        json.dump(record, f, indent=1)
-    os.replace(path + ".tmp", path)  # a killed league never leaves a half-written record
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)  # a killed league never leaves a half-written file
+
+
+def write_record(out, run, record):
+    write_json(record_path(out, run), record)
 
 
 def last_rows(path):
@@ -296,6 +299,11 @@ def last_error(path, offset=0):
     return (errors or lines or ["(empty log)"])[-1]
 
 
+def run_env(threads):
+    """The environment of a train.py run: its torch threads, and a live log."""
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+
+
 def launch(run, args):
     """Start one run: continued (--resume auto) when its record holds the same flags, started over otherwise."""
     folder, flags_now = os.path.join(args.out, run_name(*run)), train_flags(*run, args)
@@ -313,9 +321,7 @@ def launch(run, args):
     offset = log.tell()
     log.write(f"== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n".encode())
     log.flush()
-    threads = str(args.threads)
-    env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")  # a live log
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+    process = subprocess.Popen(command, cwd=ROOT, env=run_env(args.threads), stdout=log, stderr=subprocess.STDOUT,
                                stdin=subprocess.DEVNULL)
     return dict(run=run, process=process, log=log, log_path=log_path, offset=offset, started=time.time())
 
@@ -425,15 +431,14 @@ def measure_speeds(args):
     """Each --only entry alone for --speed-steps steps (evaluations off, every CPU's thread), one after the other;
     its median seconds per step after the first (which builds what later steps reuse) into --speeds. -> the file's
     entries. A run that fails stops the measurement with its last error line."""
-    speeds, threads = read_speeds(args.speeds), str(len(os.sched_getaffinity(0)))
-    env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
+    speeds, threads = read_speeds(args.speeds), len(os.sched_getaffinity(0))
     for name in args.only:
         folder = os.path.join(args.out, f"speed-{name}")
         command = [*TRAIN, "--out", folder, "--overwrite", *train_flags(name, args.lrs[0], args.sweep_seed, args),
                    "--steps", str(args.speed_steps), "--eval-every", "0"]
         load = os.getloadavg()[0]
         with open(folder + ".log", "wb") as log:
-            rc = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            rc = subprocess.run(command, cwd=ROOT, env=run_env(threads), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL).returncode
         metrics = last_rows(os.path.join(folder, "metrics.jsonl"))
         seconds = [metrics[s]["seconds"] for s in range(2, args.speed_steps + 1) if s in metrics]
@@ -441,11 +446,9 @@ def measure_speeds(args):
             raise SystemExit(f"error: the speed run of {name} stopped (rc {rc}): {last_error(folder + '.log')} "
                              f"(log: {folder}.log)")
         speeds[name] = dict(seconds_per_step=float(np.median(seconds)), steps=args.speed_steps, load_before=load,
-                            machine=dict(machine(args), jobs=1, threads=int(threads)),
+                            machine=dict(machine(args), jobs=1, threads=threads),
                             measured=time.strftime("%Y-%m-%d %H:%M"))
-        with open(args.speeds + ".tmp", "w") as f:
-            json.dump(speeds, f, indent=1)
-        os.replace(args.speeds + ".tmp", args.speeds)
+        write_json(args.speeds, speeds)
         print(f"{name}: {speeds[name]['seconds_per_step']:.2f} s per step of {args.per_step} samples "
               f"(median of steps 2-{args.speed_steps}; load before {load:.1f})", flush=True)
         shutil.rmtree(folder, ignore_errors=True)
@@ -474,7 +477,8 @@ def mean_std(values):
 
 def collect(args):
     """{entry: {lr, finals, curves, speed}} of every entry with a finished run at its chosen lr on a table seed. When
-    --speeds holds every such entry, the curves are timed by it (args.timed_alone); else by the league's own runs."""
+    --speeds holds every such entry, the curves are timed by it (speed: its seconds per step); else by the league's
+    own runs (speed None)."""
     results = {}
     for name in args.only:
         finals = sweep_finals(name, args)
@@ -482,12 +486,16 @@ def collect(args):
         curves = {seed: c for seed in args.seeds if lr is not None and (c := curve(args.out, (name, lr, seed)))}
         if curves:
             results[name] = dict(lr=lr, finals=finals, curves=curves, speed=None)
-    speeds = read_speeds(getattr(args, "speeds", None))
-    args.timed_alone = bool(results) and all(name in speeds for name in results)
-    for name, r in results.items() if args.timed_alone else ():
+    speeds = read_speeds(args.speeds)
+    for name, r in results.items() if all(name in speeds for name in results) else ():
         r["speed"] = speeds[name]["seconds_per_step"]
         r["curves"] = {seed: timed_by_speed(c, r["speed"]) for seed, c in r["curves"].items()}
     return results
+
+
+def timed_alone(results):
+    """Whether the curves are timed by the seconds per step measured alone (collect)."""
+    return any(r["speed"] is not None for r in results.values())
 
 
 def wall_clock_budget(results, minutes=None):
@@ -527,7 +535,7 @@ def tables(results, args):
     budget, how = wall_clock_budget(results, args.minutes)
     timing = (f"training seconds: each entry's seconds per step measured alone ({args.speeds}: "
               + ", ".join(f"{name} {r['speed']:.2f}" for name, r in results.items()) + ")"
-              if getattr(args, "timed_alone", False) else
+              if timed_alone(results) else
               "training seconds: the league's own runs (sampling, rewards, update; they shared the machine, see "
               "below; `--measure-speed` times each entry alone)")
     lines += ["", f"**Equal wall-clock**: the accuracy at each run's latest evaluation within {budget:.1f} training "
@@ -559,11 +567,11 @@ def tables(results, args):
     lines += ["", "Entries (train.py's shapes defaults plus): " + "; ".join(
         f"`{name}` {ENTRIES[name][0]}" + (f" (`{shlex.join(ENTRIES[name][1])}`)" if ENTRIES[name][1] else "")
         for name in results) + ("." if not COMMON else f"; every entry `{shlex.join(COMMON)}`."), "",
-        f"Command: `{command_line(args)}`", "", machine_line(*ran_on(args, results))]
+        f"Command: `{command_line(args, timed_alone(results))}`", "", machine_line(*ran_on(args, results))]
     return "\n".join(lines)
 
 
-def command_line(args):
+def command_line(args, speeds=False):
     """The command that reproduces the league, every setting explicit."""
     parts = ["python scripts/league.py", f"--samples {args.samples}", f"--evals {args.evals}",
              "--lrs " + " ".join(lr_text(lr) for lr in args.lrs), f"--sweep-seed {args.sweep_seed}",
@@ -576,7 +584,7 @@ def command_line(args):
         parts.append(f"--out {args.out_given}")
     if args.ledger:
         parts.append(f"--ledger {args.ledger}")
-    if getattr(args, "timed_alone", False):
+    if speeds:
         parts.append(f"--speeds {args.speeds}")
     return " ".join(parts)
 
@@ -633,7 +641,7 @@ def plot(results, args, budget, path):
     by_minutes.set_xlabel("training wall-clock (minutes; evaluations not counted)")
     by_samples.set_ylabel("held-out GenEval accuracy (ODE), mean over seeds")
     by_samples.set_title("equal samples")
-    by_minutes.set_title("equal wall-clock (seconds per step measured alone)" if getattr(args, "timed_alone", False)
+    by_minutes.set_title("equal wall-clock (seconds per step measured alone)" if timed_alone(results)
                          else f"equal wall-clock ({args.jobs} runs at a time, {args.threads} thread(s) each)")
     for ax in (by_samples, by_minutes):
         ax.grid(alpha=0.3)
@@ -662,7 +670,8 @@ def report(args):
         f.write(table + "\n")
     plot(results, args, budget, os.path.join(args.out, "league.png"))
     summary = {name: dict(lr=r["lr"], sweep={lr_text(lr): a for lr, a in r["finals"].items()},
-                          seconds_per_step=r["speed"], curves={str(seed): c for seed, c in r["curves"].items()}) for name, r in results.items()}
+                          seconds_per_step=r["speed"], curves={str(seed): c for seed, c in r["curves"].items()})
+               for name, r in results.items()}
     with open(os.path.join(args.out, "league.json"), "w") as f:
         json.dump(dict(samples=args.samples, steps=args.steps, minutes_budget=budget, entries=summary), f, indent=1)
     print(table)
