@@ -701,12 +701,25 @@ def flowdppo(t, *, kl_mask_threshold, **hyper):
     return _reference_kl(_step_weighted(value, t, **hyper), info, t, **hyper)
 
 
-def nft(t, *, nft_beta, nft_adaptive, adv_clip, **hyper):
+def nft(t, *, nft_beta, nft_adaptive, adv_clip, nft_fm=0.0, **hyper):
     """DiffusionNFT at one training sigma: nft_loss against the old copy's velocity with r = nft_optimality(A), times
-    the reference's constant adv_clip (train_nft_sd3.py L960), + the velocity KL to the base."""
+    the reference's constant adv_clip (train_nft_sd3.py L960), + the velocity KL to the base; with --nft-fm c
+    (ours, 0 in DiffusionNFT) + c times the velocity's own flow-matching error, normalised as nft_loss's:
+
+        loss = adv_clip mean_i l_i + c mean_i L_i,   L_i = l_i at r_i = 1, beta = 1   (the error of v itself)
+
+    On-policy (v = v_old) the gradient on sample i is then (A_i + c) g_i where DiffusionNFT's is A_i g_i (A_i within
+    +-adv_clip, g_i the flow-matching gradient): group-centred advantages average 0, so DiffusionNFT's update has
+    no net pull on the denoising error, and the negative samples push theirs up without bound; c > 0 adds a
+    restoring pull of c (docs/shapes.md, "The long run")."""
     r = nft_optimality(t["adv"], adv_clip=adv_clip)
     value, info = nft_loss(t["v"], t["v_old"], t["x_t"], t["x0"], t["sigma"], r, beta=nft_beta, adaptive=nft_adaptive)
-    return _velocity_reference_kl(adv_clip * value, info, t, **hyper)
+    value = adv_clip * value
+    if nft_fm > 0:
+        fm, _ = nft_loss(t["v"], t["v"], t["x_t"], t["x0"], t["sigma"], 1.0, beta=1.0, adaptive=nft_adaptive)
+        value = value + nft_fm * fm
+        info["nft_fm"] = fm.detach()
+    return _velocity_reference_kl(value, info, t, **hyper)
 
 
 def _awm_log_prob(t, *, awm_weighting, ghuber_power, **_):
@@ -989,6 +1002,12 @@ def add_arguments(parser):
     g.add_argument("--kl-beta", type=flags.NONNEG, default=None,
                    help="weight of the KL to the frozen base model (0: no reference forward; --loss nft / awm: "
                         "mean squared velocity difference, 1e-4 / 1e-3 on hub models)")
+    g.add_argument("--kl-target", type=flags.NONNEG, default=0.0,
+                   help="adaptive KL weight (Ziegler et al. 2019): after each step the weight (from --kl-beta) is "
+                        "multiplied by 1 + --kl-rate x clip(KL / target - 1, -0.2, 0.2), carried across checkpoints "
+                        "(0: --kl-beta fixed)")
+    g.add_argument("--kl-rate", type=flags.POSITIVE, default=0.1,
+                   help="--kl-target: the controller's gain K (0.1 in Ziegler et al.: at most 2 %% a step)")
     g.add_argument("--kl-reference", default="base", choices=["base", "start"],
                    help="the KL's anchor: base = the base model, the LoRA adapter off (a full fine-tune has none); "
                         "start = a float32 snapshot of the starting weights, never renewed (a full fine-tune's base, "
@@ -1007,6 +1026,10 @@ def add_arguments(parser):
                         "after each step (default: nft, awm; copy for sft / dpo; dgpo, crd)")
     g.add_argument("--nft-beta", type=flags.POSITIVE, default=1.0,
                    help="DiffusionNFT's beta: v+ = beta v + (1 - beta) v_old (its OCR setup: 0.1)")
+    g.add_argument("--nft-fm", type=flags.NONNEG, default=0.0,
+                   help="DiffusionNFT: + this x the current velocity's own flow-matching error on every trained sample "
+                        "(an advantage offset in standard deviations: the mean update then lowers the denoising error "
+                        "instead of leaving it to drift; 0: DiffusionNFT's loss)")
     g.add_argument("--nft-adaptive", action=argparse.BooleanOptionalAction, default=True,
                    help="DiffusionNFT: normalise each sample's x0 error by its own mean absolute error")
     g.add_argument("--awm-weighting", default="ghuber", choices=AWM_WEIGHTINGS,

@@ -43,6 +43,7 @@ copy, saved with every checkpoint), --gardo-diversity (the advantage). The gate'
 renewal are carried from step to step in run.carry and resumed exactly.
 """
 import argparse
+import math
 
 import torch
 
@@ -125,6 +126,19 @@ def reference_due(step, last_reset, max_kl, *, reset_freq, kl_thres):
     since the last reset had a KL (the gated term's mean) above kl_thres (`max_kl`, G L1042-1043), or when more than
     reset_freq steps have passed since `last_reset`. Never at step 0."""
     return step != 0 and (max_kl > kl_thres or step - last_reset > reset_freq)
+
+
+def adaptive_kl_beta(beta, kl, *, target, rate):
+    """The KL weight of the next step from this step's KL (Ziegler et al. 2019, "Fine-Tuning Language Models from
+    Human Preferences", Sec. 2.2: a log-space proportional controller):
+
+        e = clip(KL / target - 1, -0.2, 0.2),   beta <- beta (1 + rate e)
+
+    A KL that is not finite (a skipped step) leaves beta as it is."""
+    if not math.isfinite(kl):
+        return beta
+    error = min(max(kl / target - 1, -0.2), 0.2)
+    return beta * (1 + rate * error)
 
 
 def nearest_distances(features, groups):

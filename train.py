@@ -393,6 +393,8 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
     KL anchor renewed first when due. -> the step's statistics."""
     policy.model.train()
     hyper, train_guidance = vars(args), guidance_scales(args)[1]
+    if args.kl_target > 0:  # the adaptive KL weight, carried from step to step (and in checkpoints)
+        hyper = dict(hyper, kl_beta=run.carry.setdefault("kl_beta", args.kl_beta))
     n_micro = len(batch["prompts"]) // args.train_batch_size  # micro-batches per pass, the same on every rank
     stats, optim_steps, failed, step_kls = {}, 0, {"overflow": 0, "skipped": 0}, []
     renewed = args.gardo_reference and renew_reference(policy, run.carry, args, step)  # GARDO: before any forward
@@ -451,6 +453,11 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
     if args.gardo_reference:  # above --gardo-kl-thres: renewed at the next step (G L1042-1043, L789)
         run.carry["max_kl"] = max(run.carry["max_kl"], info["gardo_kl_max"])
         info["gardo_reset"] = int(renewed)
+    if args.kl_target > 0 and "kl" in info:  # the next step's weight from this step's KL, the mean over the ranks
+        kl = distributed.all_gather_cat(torch.tensor([info["kl"]], device=policy.device)).mean().item()
+        info["kl_beta"] = hyper["kl_beta"]  # the weight this step trained with
+        run.carry["kl_beta"] = regularizers.adaptive_kl_beta(hyper["kl_beta"], kl, target=args.kl_target,
+                                                             rate=args.kl_rate)
     return info
 
 
@@ -806,6 +813,10 @@ def check_args(p, args, world_size):
     if args.kl_beta > 0 and args.lora_rank == 0 and not args.gardo_reference and args.kl_reference == "base":
         p.error("--kl-beta > 0 with --lora-rank 0 has no base model to anchor the KL (it is the LoRA adapter off): add "
                 "--kl-reference start (a snapshot of the starting weights), or set --lora-rank > 0 or --kl-beta 0")
+    if args.kl_target > 0 and not args.kl_beta:
+        p.error("--kl-target adapts the weight of a KL term: give its starting weight with --kl-beta > 0")
+    if args.nft_fm > 0 and args.loss != "nft":
+        p.error("--nft-fm adds a flow-matching term to DiffusionNFT's loss: use --loss nft or drop it")
     if args.kl_reference == "start" and args.gardo_reference:
         p.error("--kl-reference start and --gardo-reference are two snapshots as the KL's anchor, one never renewed, "
                 "one renewed on GARDO's schedule: pick one")
