@@ -133,6 +133,30 @@ def test_nft_gradient_at_old_is_the_advantage_signed_flow_matching_gradient():
     assert v.grad[2].abs().max() < 1e-15  # A = 0: r = 1/2, positive and negative cancel
 
 
+def test_nft_fm_adds_its_weight_to_every_advantage_on_policy():
+    """--nft-fm c: at v = v_old the gradient of losses.nft on sample i is (clip(A_i, +-5) + c) times the normalised
+    flow-matching gradient 2 t e_i / (D mean|e_i|) / B of the test above (adv_clip 5 times its (2 r - 1)): an
+    offset of c on every advantage, so that the group-centred advantages (mean 0) pull the mean error down by c.
+    The term it adds is logged as nft_fm: the velocity's own normalised error, t mean(e^2) / mean|e|."""
+    x0, eps, sigma, _, _, v_old = (a.double() for a in batch(4))
+    s = sigma.view(-1, 1, 1, 1)
+    x_t = (1 - s) * x0 + s * eps
+    adv = torch.tensor([-7.0, -2.0, 0.0, 1.5, 5.0])
+    e = v_old - (eps - x0)
+    D, B = v_old[0].numel(), v_old.shape[0]
+    unit = 2 * s * e / (D * e.abs().mean((1, 2, 3), keepdim=True)) / B
+    for c in (0.0, 0.3):
+        v = v_old.clone().requires_grad_(True)
+        t = dict(v=v, v_old=v_old, x_t=x_t, x0=x0, sigma=sigma, adv=adv)
+        value, info = losses.nft(t, nft_beta=1.0, nft_adaptive=True, adv_clip=5.0, nft_fm=c, kl_beta=0.0)
+        value.backward()
+        torch.testing.assert_close(v.grad, (adv.double().clamp(-5, 5) + c).view(-1, 1, 1, 1) * unit, rtol=1e-6,
+                                   atol=1e-15)  # c = 0.3 in float32, as the loss value is
+        assert ("nft_fm" in info) == (c > 0)
+    own = (s * (e**2).mean((1, 2, 3), keepdim=True) / e.abs().mean((1, 2, 3), keepdim=True)).mean()
+    torch.testing.assert_close(info["nft_fm"].double(), own, rtol=1e-6, atol=0)
+
+
 def test_nft_bad_input():
     x0, eps, sigma, x_t, v, v_old = batch()
     with pytest.raises(ValueError, match="--nft-beta"):
