@@ -128,17 +128,20 @@ def reference_due(step, last_reset, max_kl, *, reset_freq, kl_thres):
     return step != 0 and (max_kl > kl_thres or step - last_reset > reset_freq)
 
 
-def adaptive_kl_beta(beta, kl, *, target, rate):
+def adaptive_kl_beta(beta, kl, *, target, rate, floor=0.0):
     """The KL weight of the next step from this step's KL (Ziegler et al. 2019, "Fine-Tuning Language Models from
-    Human Preferences", Sec. 2.2: a log-space proportional controller):
+    Human Preferences", Sec. 2.2: a log-space proportional controller), never below `floor`:
 
-        e = clip(KL / target - 1, -0.2, 0.2),   beta <- beta (1 + rate e)
+        e = clip(KL / target - 1, -0.2, 0.2),   beta <- max(floor, beta (1 + rate e))
 
-    A KL that is not finite (a skipped step) leaves beta as it is."""
+    train.py floors it at the starting weight (--kl-beta), where Ziegler et al. let it fall: in the shapes world's
+    long run the KL stays under target for the first hundred steps, the unfloored weight fell from 0.1 to 0.005, and
+    when the drift came (the KL 0.02 -> 0.125 in 40 steps) it could not grow back in time (docs/shapes.md, "The long
+    run"). A KL that is not finite (a skipped step) leaves beta as it is."""
     if not math.isfinite(kl):
         return beta
     error = min(max(kl / target - 1, -0.2), 0.2)
-    return beta * (1 + rate * error)
+    return max(floor, beta * (1 + rate * error))
 
 
 def nearest_distances(features, groups):

@@ -457,7 +457,7 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
         kl = distributed.all_gather_cat(torch.tensor([info["kl"]], device=policy.device)).mean().item()
         info["kl_beta"] = hyper["kl_beta"]  # the weight this step trained with
         run.carry["kl_beta"] = regularizers.adaptive_kl_beta(hyper["kl_beta"], kl, target=args.kl_target,
-                                                             rate=args.kl_rate)
+                                                             rate=args.kl_rate, floor=args.kl_beta)
     return info
 
 
