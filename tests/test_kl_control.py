@@ -19,6 +19,8 @@ def test_the_kl_weight_moves_by_the_clipped_proportional_error():
     assert step(0.018) == pytest.approx(0.5 * (1 - 0.1 * 0.1))
     assert step(5.0) == pytest.approx(0.5 * 1.02) and step(0.0) == pytest.approx(0.5 * 0.98)
     assert step(float("nan")) == 0.5 and step(math.inf) == 0.5
+    floored = lambda kl: regularizers.adaptive_kl_beta(0.5, kl, target=0.02, rate=0.1, floor=0.495)  # noqa: E731
+    assert floored(0.0) == 0.495 and floored(0.019) == pytest.approx(0.5 * (1 - 0.1 * 0.05))
     beta = 1.0
     for _ in range(10):  # a KL that stays above target: beta grows geometrically, 1 + 0.2 K a step
         beta = regularizers.adaptive_kl_beta(beta, 1.0, target=0.02, rate=0.5)
@@ -26,15 +28,15 @@ def test_the_kl_weight_moves_by_the_clipped_proportional_error():
 
 
 def test_the_adapted_weight_trains_is_carried_and_resumes_exactly(tmp_path):
-    """Step 1's KL is 0 (the policy is the base model): the weight falls by 20 % x K; every later KL is far above a
-    tiny target: it rises by 20 % x K a step. Each step logs the weight it trained with, state.json carries the next,
-    and a run resumed from step 1 logs what the uninterrupted one does."""
+    """Step 1's KL is 0 (the policy is the base model): the weight would fall by 20 % x K, but not below --kl-beta;
+    every later KL is far above a tiny target: it rises by 20 % x K a step. Each step logs the weight it trained with,
+    state.json carries the next, and a run resumed from step 1 logs what the uninterrupted one does."""
     flags = ["--loss", "nft", "--steps", "3", "--save-every", "1", "--keep-checkpoints", "9", *LORA_KL,
              "--kl-target", "1e-9", "--kl-rate", "0.5", "--nft-fm", "0.3"]
     full = train_in_process(tmp_path / "full", *flags)
     assert full[0]["kl"] == 0 and all(r["kl"] > 0 for r in full[1:])
-    assert [r["kl_beta"] for r in full] == pytest.approx([0.1, 0.09, 0.099])
-    assert [state(tmp_path / "full", s)["carry"]["kl_beta"] for s in (1, 2, 3)] == pytest.approx([0.09, 0.099, 0.1089])
+    assert [r["kl_beta"] for r in full] == pytest.approx([0.1, 0.1, 0.11])
+    assert [state(tmp_path / "full", s)["carry"]["kl_beta"] for s in (1, 2, 3)] == pytest.approx([0.1, 0.11, 0.121])
     assert all(r["nft_fm"] > 0 for r in full)
     resumed = train_in_process(tmp_path / "resumed", *flags, "--resume", str(tmp_path / "full" / "checkpoints" / "1"))
     assert same_rows(full[1:], resumed)
