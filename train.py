@@ -117,6 +117,7 @@ Where this departs from the papers, and why
    whole step, and its group noise is drawn per micro-batch from the run's seed, not from the prompt's id.
 """
 import argparse
+import inspect
 import math
 
 import numpy as np
@@ -815,8 +816,9 @@ def check_args(p, args, world_size):
                 "--kl-reference start (a snapshot of the starting weights), or set --lora-rank > 0 or --kl-beta 0")
     if args.kl_target > 0 and not args.kl_beta:
         p.error("--kl-target adapts the weight of a KL term: give its starting weight with --kl-beta > 0")
-    if args.nft_fm > 0 and args.loss != "nft":
-        p.error("--nft-fm adds a flow-matching term to DiffusionNFT's loss: use --loss nft or drop it")
+    if args.nft_fm > 0 and "nft_fm" not in inspect.signature(losses.LOSSES[args.loss].fn).parameters:
+        p.error(f"--nft-fm adds a flow-matching term to DiffusionNFT's loss, which --loss {args.loss} does not read: "
+                "use --loss nft or drop it")
     if args.kl_reference == "start" and args.gardo_reference:
         p.error("--kl-reference start and --gardo-reference are two snapshots as the KL's anchor, one never renewed, "
                 "one renewed on GARDO's schedule: pick one")
