@@ -747,12 +747,21 @@ def _features(metadata):
             for key in ("class", "count", "color", "position") if clause.get(key) not in (None, 1)}
 
 
+def hard_rows(train):
+    """The training rows without the colours tag (prompts/shapes_train_hard.jsonl): the base model gets a single
+    object's colour right 0.77-0.85 of the time and RL takes it past 0.9 within 50 steps, so this mix spends those
+    steps on two objects, counting, position and colour attribution (docs/shapes.md, "Moving the plateau")."""
+    return [r for r in train if r["metadata"]["tag"] != "colors"]
+
+
 def write_prompts(folder="prompts", seed=0):
-    """Write prompts/shapes_train.jsonl and prompts/shapes_test.jsonl (read with --input-key prompt)."""
+    """Write prompts/shapes_train.jsonl, its hard_rows as prompts/shapes_train_hard.jsonl and
+    prompts/shapes_test.jsonl (read with --input-key prompt)."""
     import json
     import os
 
-    for name, rows in zip(("train", "test"), split(seed)):
+    train, test = split(seed)
+    for name, rows in (("train", train), ("test", test), ("train_hard", hard_rows(train))):
         path = os.path.join(folder, f"shapes_{name}.jsonl")
         with open(path, "w") as f:
             for row in rows:
@@ -766,7 +775,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="The shapes world: write its prompt files (the held-out evaluation of a "
                                             "model on them is eval.py's; see README, \"The shapes world\").")
     p.add_argument("--write-prompts", action="store_true",
-                   help="write prompts/shapes_train.jsonl and prompts/shapes_test.jsonl")
+                   help="write prompts/shapes_train.jsonl, shapes_train_hard.jsonl and shapes_test.jsonl")
     p.add_argument("--write-edit-prompts", action="store_true",
                    help="write prompts/shapes_edit_{train,test,unseen}.jsonl and their source PNGs "
                         "(prompts/shapes_edit/)")

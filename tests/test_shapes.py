@@ -63,10 +63,11 @@ def test_prompts_follow_genevals_templates():
 
 def test_prompt_files_are_the_split_and_disjoint():
     train, test = shapes.split()
-    for name, rows in (("train", train), ("test", test)):
+    for name, rows in (("train", train), ("test", test), ("train_hard", shapes.hard_rows(train))):
         with open(os.path.join(ROOT, "prompts", f"shapes_{name}.jsonl")) as f:
             assert [json.loads(line) for line in f] == rows, f"prompts/shapes_{name}.jsonl is stale: python shapes.py --write-prompts"
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    assert {r["metadata"]["tag"] for r in shapes.hard_rows(train)} == set(shapes.TAGS) - {"single_object", "colors"}
     tags = [r["metadata"]["tag"] for r in test]
     assert all(tags.count(t) == shapes.ROWS_PER_TAG["test"] for t in shapes.TAGS)
     assert {r["prompt"] for r in test if r["metadata"]["tag"] == "single_object"} == {
