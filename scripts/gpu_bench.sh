@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The first run on a GPU, in one command of under 10 minutes on one H200: throughput, memory, MFU and the bf16
 # on-policy ratio of the README's anchor recipe, and a resume of a 2-step run (the EMA and old-copy path) on the GPU.
-# Random SD3.5-medium weights (--model sd3-random): no hub access.
+# Random SD3.5-medium weights (--model sd3-random): no hub access. Its figures on an H200: docs/gpu/.
 #
 #   scripts/gpu_bench.sh                   # figures in ./bench_out (or $OUT): *.json, *.log, summary.md
 #
@@ -13,15 +13,19 @@
 #           MFU, the peak allocated and reserved memory, and |ratio - 1| on the first update (bf16 rounding).
 #   resume  train.py --loss nft with an EMA on sd3-random (the EMA and the old copy live beside the weights on the GPU):
 #           a 1-step run that checkpoints, the same run continued with --resume auto --steps 2, and an uninterrupted
-#           2-step run; step 2's metrics and checkpoint (weights, EMA, old copy) of the two are compared.
+#           2-step run; step 2's metrics and checkpoint (weights, EMA, old copy) of the two are compared. A second
+#           uninterrupted run (straight_2) measures how far two runs of one command differ on the device (kernels that
+#           are not deterministic), the yardstick of that comparison.
 #   gc      the bench phase with --gradient-checkpointing, when at least GC_MIN_S of BUDGET_S are left.
 #
-# Offline machines: wheels of the pinned diffusers, transformers, tokenizers, huggingface_hub, peft and
-# importlib_metadata (requirements.txt) in $WHEELS (default wheels/) are installed, without their dependencies, into a
-# folder on PYTHONPATH when diffusers, transformers or peft cannot be imported. The reward is jpeg_compressibility
-# (about free), so the step time is the model's; bench.py times the reward on its own.
+# Offline machines: wheels of the pinned diffusers, transformers, tokenizers, peft and open_clip_torch (whose CLIP
+# vocabulary the random models' tokenizers read) in $WHEELS (default wheels/), and of regex (transformers checks its
+# version at import), are installed without their dependencies into a folder on PYTHONPATH when one of them cannot be
+# imported; the machine's own huggingface_hub serves if it is 1.31 or newer (the pinned 2.x needs httpx2).
+# The interpreter is $PYTHON, else python, else python3. The reward is jpeg_compressibility (about free), so the step
+# time is the model's; bench.py times the reward on its own.
 #
-# Knobs (environment): BUDGET_S (540: the whole script), BENCH_S (240), RESUME_S (210: the three runs together),
+# Knobs (environment): BUDGET_S (540: the whole script), BENCH_S (240), RESUME_S (270: the four runs together),
 # GC_MIN_S (150), STEPS (2 measured) and WARMUP (1) of the bench runs, MODEL / BENCH_ARGS / RESUME_ARGS (the model and
 # the flags of each phase; the test suite runs the script on the CPU model with ALLOW_CPU=1).
 set -uo pipefail
@@ -29,7 +33,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-./bench_out}
 BUDGET_S=${BUDGET_S:-540}
 BENCH_S=${BENCH_S:-240}
-RESUME_S=${RESUME_S:-210}
+RESUME_S=${RESUME_S:-270}
 GC_MIN_S=${GC_MIN_S:-150}
 STEPS=${STEPS:-2}
 WARMUP=${WARMUP:-1}
@@ -42,6 +46,8 @@ RESUME_ARGS=${RESUME_ARGS:-$small}
 WHEELS=${WHEELS:-wheels}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
+PYTHON=${PYTHON:-$(command -v python || command -v python3)}
+python() { "$PYTHON" "$@"; }
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 
 left() { echo $((BUDGET_S - SECONDS)); }
@@ -50,10 +56,11 @@ limit() { local want=$1 l; l=$(left); [ "$l" -lt 1 ] && l=1; [ "$want" -lt "$l" 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>/dev/null \
     || echo "nvidia-smi not found" > "$OUT/gpu.txt"
 cat "$OUT/gpu.txt"
-if ! python -c "import diffusers, transformers, peft" 2>/dev/null; then
+if ! python -c "import diffusers, transformers, peft, importlib.util as u; assert u.find_spec('open_clip')" 2>/dev/null
+then
     if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-        echo "error: diffusers / transformers / peft missing and no wheels in $WHEELS/: pip download the pinned ones" \
-             "(requirements.txt) into it on a connected machine"
+        echo "error: diffusers / transformers / peft / open_clip_torch missing and no wheels in $WHEELS/: pip download" \
+             "the pinned ones (requirements.txt) into it on a connected machine"
         exit 1
     fi
     site=$(mktemp -d)
@@ -72,7 +79,7 @@ bench() {  # name, seconds allowed, extra train.py flags...
     rm -rf "$OUT/$name" "$OUT/$name.json"
     echo "== $name: $WARMUP warm-up + $STEPS measured steps, at most ${seconds}s"
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
-    timeout --signal=KILL "$seconds" python bench.py --model "$MODEL" --steps "$STEPS" --warmup "$WARMUP" --repeats 3 \
+    timeout --signal=KILL "$seconds" "$PYTHON" bench.py --model "$MODEL" --steps "$STEPS" --warmup "$WARMUP" --repeats 3 \
         --out "$OUT/$name" --json "$OUT/$name.json" $BENCH_ARGS "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     tail -n 30 "$OUT/$name.log"
@@ -84,7 +91,7 @@ train() {  # log name, seconds allowed, train.py flags...
     shift 2
     echo "== $name: at most ${seconds}s"
     # shellcheck disable=SC2086
-    timeout --signal=KILL "$seconds" python train.py --model "$MODEL" --reward jpeg_compressibility --loss nft \
+    timeout --signal=KILL "$seconds" "$PYTHON" train.py --model "$MODEL" --reward jpeg_compressibility --loss nft \
         --ema-decay 0.9 --ema-every 1 --ema-repeat 1 --save-every 1 --eval-every 0 --log-images-every 0 $RESUME_ARGS \
         "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
@@ -96,11 +103,12 @@ train() {  # log name, seconds allowed, train.py flags...
 bench sd3_bench "$(limit "$BENCH_S")"
 
 # ---------------------------------------------------------------------------------------------------- resume
-rm -rf "$OUT/resumed" "$OUT/straight"
+rm -rf "$OUT/resumed" "$OUT/straight" "$OUT/straight_2"
 resume_end=$((SECONDS + $(limit "$RESUME_S")))
-train resumed_1 $(((resume_end - SECONDS) / 3)) --out "$OUT/resumed" --steps 1  # stops after step 1's checkpoint
-train resumed_2 $(((resume_end - SECONDS) / 2)) --out "$OUT/resumed" --steps 2 --resume auto
-train straight $((resume_end - SECONDS)) --out "$OUT/straight" --steps 2
+train resumed_1 $(((resume_end - SECONDS) / 4)) --out "$OUT/resumed" --steps 1  # stops after step 1's checkpoint
+train resumed_2 $(((resume_end - SECONDS) / 3)) --out "$OUT/resumed" --steps 2 --resume auto
+train straight $(((resume_end - SECONDS) / 2)) --out "$OUT/straight" --steps 2
+train straight_2 $((resume_end - SECONDS)) --out "$OUT/straight_2" --steps 2
 
 # ---------------------------------------------------------------------------------------------------- gc
 if [ "$(left)" -ge "$GC_MIN_S" ]; then

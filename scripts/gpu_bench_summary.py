@@ -6,7 +6,11 @@ A bench run that was cut at its time limit has no JSON: its row then gives what 
 (steps completed, seconds per step). The resume check compares step 2 of the run stopped after step 1 and resumed with
 step 2 of the uninterrupted run: every logged figure that is not a time, and every tensor of the step-2 checkpoint
 (trainable weights, EMA, old copy). On a GPU the two can differ by the rounding of kernels that are not deterministic
-(atomics in some backward passes); a resume that lost or misplaced state differs by far more.
+(atomics in some backward passes); a resume that lost or misplaced state differs by far more. A second uninterrupted
+run (`straight_2`) measures that rounding: two runs of the same command on one H200 differ in step 2 by up to 2 % in
+the gradient norm, 7 % in the (tiny) reward spread and 4e-3 in the checkpoint's weights, with or without
+torch.use_deterministic_algorithms (docs/gpu/), so where it exists each figure and tensor may differ by SPREAD times
+its run-to-run difference.
 """
 import json
 import math
@@ -16,6 +20,7 @@ import sys
 TOLERANCE = 1e-3  # relative: beyond kernel rounding of one step, short of any lost state (a reset EMA, a fresh Adam)
 RUNS = ("sd3_bench", "sd3_bench_gc")
 COPIES = ("trainable", "ema", "old")
+SPREAD = 3  # a resume may differ by up to this many times two uninterrupted runs' difference (one pair measures it)
 
 
 def metrics(folder):
@@ -73,28 +78,45 @@ def tensor_differences(resumed, straight):
     return out
 
 
+def step_two(folder):
+    return {r["step"]: r for r in metrics(folder)}.get(2)
+
+
 def resume_verdict(out):
     """(verdict line, detail lines) of the resume check."""
-    resumed, straight = os.path.join(out, "resumed"), os.path.join(out, "straight")
-    rows = {name: {r["step"]: r for r in metrics(folder)} for name, folder in (("resumed", resumed),
-                                                                               ("straight", straight))}
-    missing = [name for name, by_step in rows.items() if 2 not in by_step]
+    resumed, straight, straight_2 = (os.path.join(out, name) for name in ("resumed", "straight", "straight_2"))
+    rows = {"resumed": step_two(resumed), "straight": step_two(straight)}
+    missing = [name for name, row in rows.items() if row is None]
     if missing:
         return (f"resume: FAILED, no step 2 in {' and '.join(missing)} "
                 "(see resumed_1.log, resumed_2.log, straight.log)", [])
-    figures = differences(rows["resumed"][2], rows["straight"][2])
+    figures = differences(rows["resumed"], rows["straight"])
     tensors = tensor_differences(resumed, straight)
     if not tensors:
         return ("resume: FAILED, no step-2 checkpoint to compare", [])
-    worst = max(list(figures.values()) + list(tensors.values()))
-    detail = [f"  step 2 {k}: relative difference {v:.1e}" for k, v in figures.items() if v > 0]
-    detail += [f"  checkpoint 2 {k}: relative max difference {v:.1e}" for k, v in tensors.items()]
+    spread = None  # {figure or copy: difference of two uninterrupted runs}, when the second one finished
+    if step_two(straight_2) is not None:
+        spread = {**differences(step_two(straight_2), rows["straight"]), **tensor_differences(straight_2, straight)}
+    found = {**figures, **tensors}
+    worst = max(found.values())
+
+    def note(key):
+        return "" if spread is None else f" (two uninterrupted runs: {spread.get(key, math.nan):.1e})"
+
+    detail = [f"  step 2 {k}: relative difference {v:.1e}{note(k)}" for k, v in figures.items() if v > 0]
+    detail += [f"  checkpoint 2 {k}: relative max difference {v:.1e}{note(k)}" for k, v in tensors.items()]
+    beyond = [k for k, v in found.items() if v > TOLERANCE and (spread is None or v > SPREAD * spread.get(k, 0.0))]
     if worst == 0:
         verdict = "resume: identical (step 2's figures and checkpoint equal the uninterrupted run's, bit for bit)"
     elif worst <= TOLERANCE:
         verdict = f"resume: same up to kernel rounding (largest relative difference {worst:.1e} <= {TOLERANCE:g})"
+    elif not beyond:
+        verdict = (f"resume: same up to the device's run-to-run rounding (largest relative difference {worst:.1e}; "
+                   f"each within {SPREAD}x what two uninterrupted runs differ by, up to {max(spread.values()):.1e})")
     else:
-        verdict = f"resume: DIFFERS (largest relative difference {worst:.1e} > {TOLERANCE:g})"
+        verdict = (f"resume: DIFFERS (largest relative difference {worst:.1e} > {TOLERANCE:g}"
+                   + ("" if spread is None else f" and > {SPREAD}x the run-to-run difference")
+                   + f": {', '.join(beyond)})")
     return verdict, [f"  copies compared: {', '.join(tensors)}"] + detail
 
 

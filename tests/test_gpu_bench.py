@@ -55,6 +55,29 @@ def test_resume_verdict(tmp_path, case, verdict):
         assert any("checkpoint 2 ema" in d for d in detail)
 
 
+@pytest.mark.parametrize("case,verdict", [
+    ("spread", "resume: same up to the device's run-to-run rounding"), ("lost", "resume: DIFFERS"),
+    ("no_second", "resume: DIFFERS")])
+def test_resume_verdict_against_run_to_run(tmp_path, case, verdict):
+    """With a second uninterrupted run, a resume that differs by no more than 3x what the two uninterrupted runs differ
+    by (a GPU's non-deterministic kernels) passes; a reset copy (10 %) does not, and without the second run 4e-3 is
+    beyond the fixed tolerance."""
+    fake_run(tmp_path / "straight", ROWS, weights())
+    noisy = [ROWS[0], dict(ROWS[1], loss=0.25 * (1 + 2e-2))]  # 2 %: a gradient norm's run-to-run rounding on an H200
+    if case != "no_second":
+        fake_run(tmp_path / "straight_2", noisy, {c: {"w": w["w"] * (1 + 3e-3)} for c, w in weights().items()})
+    resumed = weights(1 + 4e-3)
+    if case == "lost":
+        resumed["ema"] = {"w": resumed["ema"]["w"] * 0.9}
+    fake_run(tmp_path / "resumed", [ROWS[0], dict(ROWS[1], loss=0.25 * (1 - 1e-2))], resumed)
+    line, detail = summary.resume_verdict(str(tmp_path))
+    assert line.startswith(verdict), line
+    if case == "lost":
+        assert line.endswith(": ema)"), line  # the one copy beyond the spread is named
+    if case != "no_second":
+        assert any("checkpoint 2 ema" in d and "two uninterrupted runs: 3.0e-03" in d for d in detail), detail
+
+
 def test_bench_rows(tmp_path):
     """A finished run's row gives reserved and allocated memory, MFU and the first-update ratio; a run cut at its limit
     gives the steps its metrics.jsonl logged."""
