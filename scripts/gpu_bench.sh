@@ -16,7 +16,11 @@
 #           2-step run; step 2's metrics and checkpoint (weights, EMA, old copy) of the two are compared. A second
 #           uninterrupted run (straight_2) measures how far two runs of one command differ on the device (kernels that
 #           are not deterministic), the yardstick of that comparison.
-#   gc      the bench phase with --gradient-checkpointing, when at least GC_MIN_S of BUDGET_S are left.
+#   compile the bench phase with --compile (torch.compile of the transformer; the first step pays the compilation), when
+#           at least COMPILE_MIN_S of BUDGET_S are left. Its bare replays run the eager module, so its overhead ratio
+#           under 1 is what compiling saves.
+#   gc      the bench phase with --gradient-checkpointing, when at least GC_MIN_S of BUDGET_S are left (measured on an
+#           H200 already: docs/gpu/; BUDGET_S=800 on a longer lease runs every phase).
 #
 # Offline machines: wheels of the pinned diffusers, transformers, tokenizers, peft and open_clip_torch (whose CLIP
 # vocabulary the random models' tokenizers read) in $WHEELS (default wheels/), and of regex (transformers checks its
@@ -26,7 +30,7 @@
 # time is the model's; bench.py times the reward on its own.
 #
 # Knobs (environment): BUDGET_S (540: the whole script), BENCH_S (240), RESUME_S (270: the four runs together),
-# GC_MIN_S (150), STEPS (2 measured) and WARMUP (1) of the bench runs, MODEL / BENCH_ARGS / RESUME_ARGS (the model and
+# COMPILE_MIN_S (240), GC_MIN_S (150), STEPS (2 measured) and WARMUP (1) of the bench runs, MODEL / BENCH_ARGS / RESUME_ARGS (the model and
 # the flags of each phase; the test suite runs the script on the CPU model with ALLOW_CPU=1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +38,7 @@ OUT=${OUT:-./bench_out}
 BUDGET_S=${BUDGET_S:-540}
 BENCH_S=${BENCH_S:-240}
 RESUME_S=${RESUME_S:-270}
+COMPILE_MIN_S=${COMPILE_MIN_S:-240}
 GC_MIN_S=${GC_MIN_S:-150}
 STEPS=${STEPS:-2}
 WARMUP=${WARMUP:-1}
@@ -109,6 +114,13 @@ train resumed_1 $(((resume_end - SECONDS) / 4)) --out "$OUT/resumed" --steps 1  
 train resumed_2 $(((resume_end - SECONDS) / 3)) --out "$OUT/resumed" --steps 2 --resume auto
 train straight $(((resume_end - SECONDS) / 2)) --out "$OUT/straight" --steps 2
 train straight_2 $((resume_end - SECONDS)) --out "$OUT/straight_2" --steps 2
+
+# ---------------------------------------------------------------------------------------------------- compile
+if [ "$(left)" -ge "$COMPILE_MIN_S" ]; then
+    bench sd3_bench_compile "$(limit $(($(left) - 20)))" --compile
+else
+    echo "sd3_bench_compile: skipped, $(left)s left of BUDGET_S=${BUDGET_S} (COMPILE_MIN_S=${COMPILE_MIN_S})"
+fi
 
 # ---------------------------------------------------------------------------------------------------- gc
 if [ "$(left)" -ge "$GC_MIN_S" ]; then

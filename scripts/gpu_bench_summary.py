@@ -18,7 +18,7 @@ import os
 import sys
 
 TOLERANCE = 1e-3  # relative: beyond kernel rounding of one step, short of any lost state (a reset EMA, a fresh Adam)
-RUNS = ("sd3_bench", "sd3_bench_gc")
+RUNS = ("sd3_bench", "sd3_bench_compile", "sd3_bench_gc")
 COPIES = ("trainable", "ema", "old")
 SPREAD = 3  # a resume may differ by up to this many times two uninterrupted runs' difference (one pair measures it)
 

@@ -124,6 +124,7 @@ def test_script_on_the_cpu_model(tmp_path):
     """The whole script on the tiny model (ALLOW_CPU=1): the bench JSON carries both memory peaks and the ratio, and
     the resumed run equals the uninterrupted one bit for bit."""
     env = dict(os.environ, ALLOW_CPU="1", MODEL="tiny", STEPS="1", WARMUP="1", OUT=str(tmp_path), GC_MIN_S="100000",
+               COMPILE_MIN_S="100000",
                BENCH_ARGS="-- --group-size 4 --prompts-per-step 2 --sample-batch-size 4 --train-batch-size 4 "
                           "--num-steps 4",
                RESUME_ARGS="--num-steps 4 --group-size 4 --prompts-per-step 2 --sample-batch-size 4 "
