@@ -30,8 +30,9 @@
 # time is the model's; bench.py times the reward on its own.
 #
 # Knobs (environment): BUDGET_S (540: the whole script), BENCH_S (240), RESUME_S (270: the four runs together),
-# COMPILE_MIN_S (240), GC_MIN_S (150), STEPS (2 measured) and WARMUP (1) of the bench runs, MODEL / BENCH_ARGS / RESUME_ARGS (the model and
-# the flags of each phase; the test suite runs the script on the CPU model with ALLOW_CPU=1).
+# COMPILE_MIN_S (240), GC_MIN_S (150), STEPS (2 measured) and WARMUP (1) of the bench runs, MODEL / BENCH_ARGS /
+# RESUME_ARGS (the model and the flags of each phase; the test suite runs the script on the CPU model with ALLOW_CPU=1),
+# PYTHON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./bench_out}
@@ -52,7 +53,6 @@ WHEELS=${WHEELS:-wheels}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PYTHON=${PYTHON:-$(command -v python || command -v python3)}
-python() { "$PYTHON" "$@"; }
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 
 left() { echo $((BUDGET_S - SECONDS)); }
@@ -61,19 +61,19 @@ limit() { local want=$1 l; l=$(left); [ "$l" -lt 1 ] && l=1; [ "$want" -lt "$l" 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>/dev/null \
     || echo "nvidia-smi not found" > "$OUT/gpu.txt"
 cat "$OUT/gpu.txt"
-if ! python -c "import diffusers, transformers, peft, importlib.util as u; assert u.find_spec('open_clip')" 2>/dev/null
-then
+if ! "$PYTHON" -c "import diffusers, transformers, peft, importlib.util as u; assert u.find_spec('open_clip')" \
+        2>/dev/null; then
     if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-        echo "error: diffusers / transformers / peft / open_clip_torch missing and no wheels in $WHEELS/: pip download" \
-             "the pinned ones (requirements.txt) into it on a connected machine"
+        echo "error: diffusers / transformers / peft / open_clip_torch missing and no wheels in $WHEELS/:" \
+             "pip download the pinned ones (requirements.txt) into it on a connected machine"
         exit 1
     fi
     site=$(mktemp -d)
-    python -m pip install -q --no-index --no-deps --no-compile --target "$site" "$WHEELS"/*.whl || exit 1
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$WHEELS"/*.whl || exit 1
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 if [ "${ALLOW_CPU:-0}" != 1 ]; then
-    python -c "import torch; assert torch.cuda.is_available(); print('torch', torch.__version__, torch.cuda.get_device_name())" \
+    "$PYTHON" -c "import torch as t; assert t.cuda.is_available(); print('torch', t.__version__, t.cuda.get_device_name())" \
         || { echo "error: torch sees no CUDA GPU; this script measures GPU figures (CPU: python bench.py --model tiny)"
              exit 1; }
 fi
@@ -84,8 +84,8 @@ bench() {  # name, seconds allowed, extra train.py flags...
     rm -rf "$OUT/$name" "$OUT/$name.json"
     echo "== $name: $WARMUP warm-up + $STEPS measured steps, at most ${seconds}s"
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
-    timeout --signal=KILL "$seconds" "$PYTHON" bench.py --model "$MODEL" --steps "$STEPS" --warmup "$WARMUP" --repeats 3 \
-        --out "$OUT/$name" --json "$OUT/$name.json" $BENCH_ARGS "$@" > "$OUT/$name.log" 2>&1
+    timeout --signal=KILL "$seconds" "$PYTHON" bench.py --model "$MODEL" --steps "$STEPS" --warmup "$WARMUP" \
+        --repeats 3 --out "$OUT/$name" --json "$OUT/$name.json" $BENCH_ARGS "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     tail -n 30 "$OUT/$name.log"
     [ "$rc" = 0 ] || echo "$name: failed (exit $rc; 137 = cut at ${seconds}s); see $OUT/$name.log"
@@ -129,5 +129,5 @@ else
     echo "sd3_bench_gc: skipped, $(left)s left of BUDGET_S=${BUDGET_S} (GC_MIN_S=${GC_MIN_S})"
 fi
 
-python scripts/gpu_bench_summary.py "$OUT" | tee "$OUT/summary.md"
+"$PYTHON" scripts/gpu_bench_summary.py "$OUT" | tee "$OUT/summary.md"
 echo "wrote $OUT/ in ${SECONDS}s"

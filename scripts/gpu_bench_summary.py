@@ -94,9 +94,9 @@ def resume_verdict(out):
     tensors = tensor_differences(resumed, straight)
     if not tensors:
         return ("resume: FAILED, no step-2 checkpoint to compare", [])
-    spread = None  # {figure or copy: difference of two uninterrupted runs}, when the second one finished
-    if step_two(straight_2) is not None:
-        spread = {**differences(step_two(straight_2), rows["straight"]), **tensor_differences(straight_2, straight)}
+    spread, second = None, step_two(straight_2)  # spread: {figure or copy: difference of two uninterrupted runs}
+    if second is not None:
+        spread = {**differences(second, rows["straight"]), **tensor_differences(straight_2, straight)}
     found = {**figures, **tensors}
     worst = max(found.values())
 
