@@ -4,8 +4,13 @@
         --checkpoints runs/default/checkpoints/60 --out runs/default/eval
     python eval.py --plot runs/default                      # held-out and training curves -> runs/default/curves.png
     python eval.py --plot runs/a runs/b --out runs/cmp      # several runs on one plot, labelled -> runs/cmp/curves.png
-    python eval.py --model sd3 --prompts prompts/geneval_test.jsonl --input-key prompt --max-prompts 553 \
-        --reward geneval --resolution 512 --guidance-scale 4.5 --checkpoints ...   # GenEval per tag and overall
+    python eval.py --model sd3 --prompts prompts/geneval_test.jsonl --input-key prompt \
+        --reward geneval --checkpoints ...                  # GenEval per tag and overall, at SD3's 512 px and CFG 4.5
+    python eval.py --model shapes --checkpoints runs/default/checkpoints/100    # the shapes world's held-out file
+
+Unset flags take --model's preset (presets.py, as train.py does): its resolution, ODE steps (its --eval-steps)
+and CFG scale; and where the preset names a held-out file (`eval_prompts`: the shapes worlds), that file, its
+input key, reward and detector. Every prompt of the file is sampled unless --max-prompts.
 
 Every prompt gets the same initial noise in every column (seeded by --seed and the prompt's index), so
 the columns of the grid and of the table differ only by the weights. The base model is always the
@@ -35,6 +40,7 @@ import diversity
 import flags
 import geneval
 import models
+import presets
 import rewards
 
 
@@ -634,9 +640,25 @@ def plot_runs(run_dirs, out=None):
     return out
 
 
+def fill_from_preset(args):
+    """Unset flags from --model's preset, as train.py fills its own: the sampling always; the prompt file, its key,
+    reward and detector only where the preset names a held-out file (a hub preset's training prompts are not one)."""
+    defaults = presets.preset(args.model)
+    fill = dict(resolution=defaults["resolution"], eval_steps=defaults["eval_steps"],
+                guidance_scale=defaults["guidance_scale"], prompts="prompts/tiny.txt", input_key="input",
+                reward="jpeg_compressibility")
+    if "eval_prompts" in defaults:
+        fill.update(prompts=defaults["eval_prompts"], input_key=defaults["input_key"], reward=defaults["reward"],
+                    geneval_detector=defaults.get("geneval_detector"))
+    for key, value in fill.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    shown = {name: presets.preset(name) for name in ("shapes", "tiny", "sd3", "flux")}  # --help: each one's value
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=flags.preset_help(
+        shown, ("resolution", "eval_steps", "guidance_scale")))
     p.add_argument("--plot", nargs="+", metavar="RUN_DIR",
                    help="only plot the curves of one or more run folders (labelled, one colour each)")
     p.add_argument("--model", default="tiny", choices=list(models.MODELS))
@@ -645,17 +667,22 @@ def main(argv=None):
                    help="train.py checkpoint folders (<run>/checkpoints/<step>)")
     p.add_argument("--ema", action=argparse.BooleanOptionalAction, default=True,
                    help="score a checkpoint's EMA weights where it has them (as train.py evaluates and exports)")
-    p.add_argument("--prompts", default="prompts/tiny.txt", help="held-out prompts (.txt or .jsonl)")
-    p.add_argument("--input-key", default="input", help="JSONL key of the prompt (GenEval files: prompt)")
+    p.add_argument("--prompts", default=None,
+                   help="held-out prompts (.txt or .jsonl; default: the preset's held-out file, else prompts/tiny.txt)")
+    p.add_argument("--input-key", default=None, help="JSONL key of the prompt (GenEval files: prompt; default: the "
+                   "preset's for its held-out file, else input)")
     p.add_argument("--metadata-key", default="metadata", help="JSONL key of the metadata; '' takes the whole row")
-    p.add_argument("--max-prompts", type=flags.POSITIVE_INT, default=16, help="first N prompts of the file")
-    p.add_argument("--reward", default="jpeg_compressibility", help="reward spec, as train.py --reward")
-    p.add_argument("--resolution", type=int, default=64, help="image side in pixels")
+    p.add_argument("--max-prompts", type=flags.POSITIVE_INT, default=None, help="first N prompts of the file "
+                   "(default: all)")
+    p.add_argument("--reward", default=None, help="reward spec, as train.py --reward (default: the preset's for its "
+                   "held-out file, else jpeg_compressibility)")
+    p.add_argument("--resolution", type=flags.POSITIVE_INT, default=None,
+                   help="image side in pixels")
     p.add_argument("--num-frames", type=int, default=None, help="video models (wan): frames per sample")
     p.add_argument("--shift", type=float, default=None, help="static schedule shift (default: the model's own)")
     p.add_argument("--max-sequence-length", type=int, default=None, help="text tokens (default: the family's)")
-    p.add_argument("--eval-steps", type=int, default=40, help="ODE steps")
-    p.add_argument("--guidance-scale", type=float, default=1.0, help="CFG scale")
+    p.add_argument("--eval-steps", type=flags.POSITIVE_INT, default=None, help="ODE steps")
+    p.add_argument("--guidance-scale", type=float, default=None, help="CFG scale")
     p.add_argument("--batch-size", type=int, default=8, help="images per forward")
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"],
                    help="autocast dtype of the forwards and the decode: the training run's, to score what it sampled")
@@ -669,6 +696,7 @@ def main(argv=None):
     rewards.add_arguments(p)
     diversity.add_arguments(p)
     args = p.parse_args(argv)
+    fill_from_preset(args)
     for flag, value in (("--grid-rows", args.grid_rows), ("--fps", args.fps)):
         if value < 1:
             p.error(f"{flag} {value}: must be 1 or more")

@@ -1,5 +1,6 @@
 """eval.py's pictures: the curves of runs (--plot), the before/after grid, the bars and the summary table, and the
 selection of training samples. Fake run files and images, and tiny or shipped models, keep them to seconds."""
+import argparse
 import json
 import math
 import os
@@ -300,6 +301,33 @@ def test_eval_writes_before_after_grid_bars_and_table(shapes_checkpoint, tmp_pat
     assert sorted(p for p in os.listdir(out) if p.startswith("grid")) == ["grid-2.png", "grid.png"]
     sizes = [Image.open(out / p).size for p in ("grid.png", "grid-2.png")]
     assert sizes == [(2 * grid.shape[1] + 16, head + 12 * row_h), (grid.shape[1], head + 6 * row_h)]
+
+
+def test_eval_takes_the_models_preset_where_the_command_line_is_silent(shapes_checkpoint, tmp_path, monkeypatch):
+    """`eval.py --model shapes --checkpoints ...` scores the shapes world's held-out file with its judge at 32 px (it
+    used to sample at 64 px and fail inside diffusers); a hub model gets its own size and CFG; given flags win."""
+    monkeypatch.chdir(ROOT)
+    def filled(*argv):
+        args = argparse.Namespace(**{k: None for k in ("prompts", "input_key", "reward", "resolution", "eval_steps",
+                                                       "guidance_scale", "geneval_detector")})
+        for key, value in zip(argv[::2], argv[1::2]):
+            setattr(args, key, value)
+        evaluation.fill_from_preset(args)
+        return vars(args)
+    assert filled("model", "shapes") == dict(
+        model="shapes", prompts="prompts/shapes_test.jsonl", input_key="prompt", reward="geneval", resolution=32,
+        eval_steps=10, guidance_scale=1.0, geneval_detector="shapes")
+    assert filled("model", "shapes-edit")["prompts"] == "prompts/shapes_edit_test.jsonl"
+    assert filled("model", "shapes-edit")["reward"] == "shapes_edit"
+    hub = filled("model", "sd3", "reward", "geneval", "prompts", "prompts/geneval_test.jsonl")
+    assert (hub["resolution"], hub["guidance_scale"], hub["eval_steps"]) == (512, 4.5, 40)
+    assert (hub["reward"], hub["prompts"], hub["input_key"], hub["geneval_detector"]) == (
+        "geneval", "prompts/geneval_test.jsonl", "input", None)  # a hub preset names training prompts: not used
+    assert filled("model", "tiny")["prompts"] == "prompts/tiny.txt" and filled("model", "tiny")["resolution"] == 64
+    summary = evaluation.main(["--model", "shapes", "--checkpoints", shapes_checkpoint, "--max-prompts", "6",
+                               "--eval-steps", "2", "--grid-rows", "2", "--out", str(tmp_path / "eval")])
+    assert summary["prompts"] == "prompts/shapes_test.jsonl" and summary["num_prompts"] == 6
+    assert summary["eval_steps"] == 2 and "geneval_overall" in summary["results"]["base"]
 
 
 def test_eval_of_a_video_model_writes_frames_and_gifs(tmp_path, monkeypatch):
