@@ -419,10 +419,12 @@ def save_compare_grid(folder, columns, names, prompts, notes, captions, *, key="
 
 def table_keys(tables):
     """[(short name, key)] of the summary's table and bars: GenEval's overall accuracy, the accuracy of each tag
-    that has prompts and the mean reward; otherwise the reward and each other entry (not one equal to it)."""
+    that has prompts and the mean reward; otherwise the reward and each other entry that has a value (an edit kind
+    with no prompts among those scored has none) and is not the reward again."""
     if "geneval_overall" not in tables[0]:
         return [("reward", "reward")] + [(k, k) for k in tables[0] if k not in ("reward", "rise")
-                                         and not k.endswith("_se") and any(t.get(k) != t.get("reward") for t in tables)]
+                                         and not k.endswith("_se") and any(t.get(k) != t.get("reward") for t in tables)
+                                         and any(is_number(t.get(k)) and math.isfinite(t[k]) for t in tables)]
     tags = [t for t in geneval.TAGS if any(math.isfinite(table.get(f"geneval_{t}", math.nan)) for table in tables)]
     return [("accuracy", "geneval_overall")] + [(TAG_NAMES[t], f"geneval_{t}") for t in tags] + [("reward", "reward")]
 

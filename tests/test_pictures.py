@@ -226,6 +226,9 @@ def test_bars_one_group_per_tag_and_a_bar_per_checkpoint(tmp_path):
                                              ("colors", "geneval_colors"), ("reward", "reward")]
     other = [{"jpeg": 1.0, "reward": 1.0, "reward_se": 0.1, "ocr": 0.5}]  # the reward's one component: not repeated
     assert evaluation.table_keys(other) == [("reward", "reward"), ("ocr", "ocr")]
+    edits = [{"reward": 0.25, "edit_partial": 0.5, "edit_add": 0.0, "edit_remove": math.nan}]  # no remove prompts
+    assert evaluation.table_keys(edits) == [("reward", "reward"), ("edit_partial", "edit_partial"),
+                                            ("edit_add", "edit_add")]
     size = Image.open(evaluation.save_bars(str(tmp_path / "bars.png"), ["base", "step 2"], tables)).size
     assert 500 <= size[0] <= 1500 and size[1] <= 500
 
