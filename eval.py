@@ -738,6 +738,7 @@ def main(argv=None):
         reward_fn = rewards.build_reward(args.reward, device=device, **options)
         diversity.featurizer(args.diversity, args.diversity_path, device)
         pipe = models.load_pipeline(args.model, args.model_path, device=device)
+        models.latent_shape(pipe, args.resolution, num_frames=args.num_frames)  # a size the model cannot take
     except (ValueError, OSError, RuntimeError, ImportError) as e:
         raise SystemExit(f"error: {e}")
     models.add_lora(pipe, rank, alpha)

@@ -485,7 +485,11 @@ def latent_shape(pipe, resolution, *, num_frames=None):
     families._no_frames(num_frames)
     f = pipe.vae_scale_factor
     if kind == "sd3":
-        families._check_multiple(height, width, f * pipe.transformer.config.patch_size)
+        patch, grid = pipe.transformer.config.patch_size, pipe.transformer.config.get("pos_embed_max_size")
+        families._check_multiple(height, width, f * patch)
+        if grid and max(height, width) > grid * patch * f:  # SD3 crops a learnt table of grid x grid positions
+            raise ValueError(f"--resolution {height}x{width} is past this model's position table ({grid * patch * f} "
+                             f"px a side at most): pass --resolution {grid * patch * f} or less")
         return (pipe.transformer.config.in_channels, height // f, width // f)
     families._square("FLUX.1", height, width)
     families._check_multiple(height, width, 2 * f)

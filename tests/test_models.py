@@ -74,6 +74,9 @@ def test_tiny_shapes_and_images(sd3, flux):
     assert images.float().std() > 1  # a random VAE still draws something
     with pytest.raises(ValueError, match="multiple of 8"):
         models.latent_shape(sd3, 60)
+    assert models.latent_shape(sd3, 256) == (16, 64, 64)  # SD3's position table: 32 x 32 patches of 2 x 2 latents
+    with pytest.raises(ValueError, match=r"position table \(256 px a side at most\): pass --resolution 256"):
+        models.latent_shape(sd3, 264)  # diffusers would fail inside the forward
 
 
 def test_initial_noise_is_the_pipelines_noise(sd3, flux):
