@@ -525,8 +525,9 @@ def tables(results, args):
         after = [c[-1]["accuracy"] for c in curves]
         per_tag = [np.mean([c[-1]["tags"][t] for c in curves]) for t in geneval.TAGS]
         seeds = "" if len(curves) == n else f" ({len(curves)} of {n} seeds)"
-        diversity = [c[-1].get("diversity") for c in curves]
-        diversity = mean_std(diversity) if all(isinstance(d, (int, float)) for d in diversity) else "-"
+        diversity = [d for c in curves if isinstance(d := c[-1].get("diversity"), (int, float))]  # where logged
+        diversity = ("-" if not diversity else mean_std(diversity)
+                     + ("" if len(diversity) in (1, len(curves)) else f" ({len(diversity)} seeds)"))
         seconds = np.mean([c[-1]["seconds"] for c in curves])
         lines.append(f"| {name}{seeds} | {lr_text(r['lr'])} | {curves[0][-1]['samples']:,} | {mean_std(before)} | "
                      f"{mean_std(after)} | {np.mean(after) - np.mean(before):+.3f} | "
