@@ -608,16 +608,22 @@ def ran_on(args, results):
     """The machine of the reported runs (the most common in their records; this one for older records) and the
     load averages as they ended."""
     records = [read_record(args.out, (name, r["lr"], seed)) for name, r in results.items() for seed in r["curves"]]
-    machines = [json.dumps(record["machine"], sort_keys=True) for record in records if "machine" in record]
-    found = json.loads(collections.Counter(machines).most_common(1)[0][0]) if machines else machine(args)
-    return found, [record["load"] for record in records if "load" in record]
+    machines = collections.Counter(json.dumps(record["machine"], sort_keys=True) for record in records
+                                   if "machine" in record).most_common()
+    found = json.loads(machines[0][0]) if machines else machine(args)
+    others = [(json.loads(m), n) for m, n in machines[1:]]  # runs that ran otherwise: [(machine, runs)]
+    return found, [record["load"] for record in records if "load" in record], others
 
 
-def machine_line(where, loads):
+def machine_line(where, loads, others=()):
     load = f"; load average (1 min) as the runs ended: median {np.median(loads):.1f}, the league's own runs " \
            f"included" if loads else ""
+    mixed = "" if not others else " (" + "; ".join(
+        f"{n} run(s) with {w['jobs']} at a time, {w['threads']} thread(s) each"
+        + ("" if (w["cpu"], w["cpus"]) == (where["cpu"], where["cpus"]) else f", on {w['cpu']}, {w['cpus']} CPU threads")
+        for w, n in others) + ")"
     return (f"Machine: {where['cpu']}, {where['cpus']} CPU threads; {where['jobs']} run(s) at a time, "
-            f"{where['threads']} torch thread(s) each{load}.")
+            f"{where['threads']} torch thread(s) each{mixed}{load}.")
 
 
 def plot(results, args, budget, path):
@@ -664,7 +670,7 @@ def report(args):
                          f"{' '.join(lr_text(lr) for lr in args.lrs)} on sweep seed {args.sweep_seed}, seeds "
                          f"{' '.join(map(str, args.seeds))}): run the league first, or give the flags it ran with")
     budget, _ = wall_clock_budget(results, args.minutes)
-    where, _ = ran_on(args, results)
+    where = ran_on(args, results)[0]
     args.jobs, args.threads = where["jobs"], where["threads"]  # as the runs ran: the command and the plot say so
     table = tables(results, args)
     with open(os.path.join(args.out, "league.md"), "w") as f:

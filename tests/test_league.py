@@ -410,3 +410,14 @@ def test_every_entry_is_a_valid_train_py_command_line(tmp_path):
             assert targs.lr == lr and targs.steps == args.steps
             assert targs.prompts_per_step * targs.group_size == args.per_step  # equal samples per step
             assert targs.eval_every == args.eval_every and targs.eval_prompts  # a held-out curve
+
+
+def test_machine_line_counts_the_runs_that_ran_otherwise():
+    """A league carried over machines and job counts says how each share of its runs ran, not the commonest alone."""
+    where = {"cpu": "AMD EPYC", "cpus": 2, "jobs": 1, "threads": 1}
+    line = league.machine_line(where, [2.0, 2.2], [({**where, "jobs": 2}, 3), ({**where, "cpus": 4}, 1)])
+    assert line == ("Machine: AMD EPYC, 2 CPU threads; 1 run(s) at a time, 1 torch thread(s) each (3 run(s) with 2 at "
+                    "a time, 1 thread(s) each; 1 run(s) with 1 at a time, 1 thread(s) each, on AMD EPYC, 4 CPU "
+                    "threads); load average (1 min) as the runs ended: median 2.1, the league's own runs included.")
+    alone = league.machine_line(where, [])
+    assert alone == "Machine: AMD EPYC, 2 CPU threads; 1 run(s) at a time, 1 torch thread(s) each."
