@@ -620,7 +620,8 @@ def machine_line(where, loads, others=()):
            f"included" if loads else ""
     mixed = "" if not others else " (" + "; ".join(
         f"{n} run(s) with {w['jobs']} at a time, {w['threads']} thread(s) each"
-        + ("" if (w["cpu"], w["cpus"]) == (where["cpu"], where["cpus"]) else f", on {w['cpu']}, {w['cpus']} CPU threads")
+        + ("" if (w["cpu"], w["cpus"]) == (where["cpu"], where["cpus"])
+           else f", on {w['cpu']}, {w['cpus']} CPU threads")
         for w, n in others) + ")"
     return (f"Machine: {where['cpu']}, {where['cpus']} CPU threads; {where['jobs']} run(s) at a time, "
             f"{where['threads']} torch thread(s) each{mixed}{load}.")

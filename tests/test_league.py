@@ -173,7 +173,8 @@ def test_table_reports_the_colour_diversity_after_over_seeds(tmp_path):
     assert "| 0.700 +- 0.141 | 1.1 | 2.0 |" in open(tmp_path / "league.md").read()
     # A row without it (a run finished before diversity was logged): the mean of those with it, counted
     fake_run(args, ("nft", 1e-4, 2), [30.0] * 4, [0.3, 0.4, 0.5])
-    league.report(league_args(tmp_path, "--only", "nft", "--lrs", "1e-4", "--sweep-seed", "0", "--seeds", "0", "1", "2"))
+    league.report(league_args(tmp_path, "--only", "nft", "--lrs", "1e-4", "--sweep-seed", "0",
+                              "--seeds", "0", "1", "2"))
     assert "| 0.700 +- 0.141 (2 seeds) | 1.1 | 2.0 |" in open(tmp_path / "league.md").read()
 
 
