@@ -67,6 +67,9 @@ def add_arguments(parser):
     g.add_argument("--eval-every", type=flags.NONNEG_INT, default=None,
                    help="steps between ODE evaluations on --eval-prompts (0: off)")
     g.add_argument("--eval-steps", type=flags.POSITIVE_INT, default=None, help="ODE steps of an evaluation")
+    g.add_argument("--eval-guidance-scale", type=flags.POSITIVE, default=None,
+                   help="CFG scale of an evaluation (default: --guidance-scale): e.g. rollouts guided at 3 and the "
+                        "trained model judged unguided, at 1")
     g.add_argument("--eval-samples-per-prompt", type=flags.POSITIVE_INT, default=None,
                    help="images per held-out prompt, each from its own fixed noise (copy c of prompt j takes noise "
                         "index c N + j, so the first copy is the one-image evaluation): a smaller standard error at "
@@ -311,7 +314,7 @@ class Run:
         my_texts, my_metadata = [texts[i] for i in mine], [metadata[i] for i in mine]
         with policy.ema_weights():
             images = evaluation.sample_images(policy.pipe, my_texts, resolution=args.resolution,
-                                              num_steps=args.eval_steps, guidance_scale=args.guidance_scale,
+                                              num_steps=args.eval_steps, guidance_scale=eval_guidance(args),
                                               seed=args.seed, device=device, batch_size=args.sample_batch_size,
                                               negative_prompt=args.negative_prompt, shift=args.shift,
                                               num_frames=args.num_frames, max_sequence_length=args.max_sequence_length,
@@ -437,10 +440,18 @@ EVAL_FLAGS = ("model", "resolution", "eval_steps", "guidance_scale", "seed", "ne
 # weights were read from: --model-path may move between machines)
 
 
+def eval_guidance(args):
+    """The CFG scale the held-out images are sampled at: --eval-guidance-scale, else the rollouts' --guidance-scale."""
+    scale = getattr(args, "eval_guidance_scale", None)
+    return args.guidance_scale if scale is None else scale
+
+
 def eval_fingerprint(args, texts, metadata):
-    """A digest of what a held-out evaluation measures (the prompts and their metadata, in order, and EVAL_FLAGS):
-    eval_base.pt's step-0 scores pair with a later evaluation only when both digests agree."""
+    """A digest of what a held-out evaluation measures (the prompts and their metadata, in order, and EVAL_FLAGS, the
+    guidance scale the one it is sampled at): eval_base.pt's step-0 scores pair with a later evaluation only when both
+    digests agree."""
     what = dict(texts=list(texts), metadata=list(metadata), **{k: getattr(args, k, None) for k in EVAL_FLAGS})
+    what["guidance_scale"] = eval_guidance(args)
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
 

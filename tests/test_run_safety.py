@@ -1,6 +1,7 @@
 """Nothing lost, nothing mixed: run folders, corrupt checkpoints, signals during a reward wait, and every refusal
 made before a model loads. Faults are injected from outside the training code (patched library calls, damaged
 files, signals); each test fails without the handling it names."""
+import argparse
 import json
 import math
 import os
@@ -497,3 +498,27 @@ def test_a_resume_keeps_the_evaluation_of_the_model_before_training(tmp_path, ca
     capsys.readouterr()
     assert run_module.Run.eval_base(str(tmp_path / "run" / "eval_base.pt")) is None
     assert "eval_base.pt is unreadable" in capsys.readouterr().out
+
+
+def test_eval_guidance_scale_samples_the_held_out_images_at_its_own_scale(tmp_path, monkeypatch):
+    """--eval-guidance-scale: rollouts guided at 3, the held-out images sampled unguided, and the step-0 scores filed
+    under the scale they were sampled at (a run without the flag at CFG 1 pairs with them)."""
+    monkeypatch.chdir(ROOT)
+    seen = []
+    real = run_module.evaluation.sample_images
+
+    def spy(*a, **kw):
+        seen.append(kw["guidance_scale"])
+        return real(*a, **kw)
+    monkeypatch.setattr(run_module.evaluation, "sample_images", spy)
+    train_module.main(["--prompts-per-step", "2", "--group-size", "4", "--sample-batch-size", "8",
+                       "--train-batch-size", "8", "--num-steps", "2", "--eval-steps", "2", "--eval-every", "1",
+                       "--log-images-every", "0", "--steps", "1", "--guidance-scale", "3", "--no-train-cfg",
+                       "--eval-guidance-scale", "1", "--out", str(tmp_path / "run")])
+    assert seen == [1.0, 1.0]  # step 0 and step 1
+    args = argparse.Namespace(**{k: 1 for k in run_module.EVAL_FLAGS})
+    plain = run_module.eval_fingerprint(args, ["a"], [{}])
+    args.guidance_scale, args.eval_guidance_scale = 3.0, 1
+    assert run_module.eval_fingerprint(args, ["a"], [{}]) == plain
+    args.eval_guidance_scale = None
+    assert run_module.eval_fingerprint(args, ["a"], [{}]) != plain
