@@ -6,11 +6,12 @@
     python eval.py --plot runs/a runs/b --out runs/cmp      # several runs on one plot, labelled -> runs/cmp/curves.png
     python eval.py --model sd3 --prompts prompts/geneval_test.jsonl --input-key prompt \
         --reward geneval --checkpoints ...                  # GenEval per tag and overall, at SD3's 512 px and CFG 4.5
-    python eval.py --model shapes --checkpoints runs/default/checkpoints/100    # the shapes world's held-out file
+    python eval.py --checkpoints runs/default/checkpoints/100       # the shapes world's held-out file, before / after
 
-Unset flags take --model's preset (presets.py, as train.py does): its resolution, ODE steps (its --eval-steps)
-and CFG scale; and where the preset names a held-out file (`eval_prompts`: the shapes worlds), that file, its
-input key, reward and detector. Every prompt of the file is sampled unless --max-prompts.
+--model defaults to the model the checkpoints were trained from (their state.json). Unset flags take --model's
+preset (presets.py, as train.py does): its resolution, ODE steps (its --eval-steps) and CFG scale; and where the
+preset names a held-out file (`eval_prompts`: the shapes worlds), that file, its input key, reward and detector.
+Every prompt of the file is sampled unless --max-prompts.
 
 Every prompt gets the same initial noise in every column (seeded by --seed and the prompt's index), so
 the columns of the grid and of the table differ only by the weights. The base model is always the
@@ -642,6 +643,19 @@ def plot_runs(run_dirs, out=None):
     return out
 
 
+def trained_model(paths):
+    """The --model the checkpoints were trained from (their state.json; unreadable ones are refused later), or None."""
+    names = set()
+    for path in paths:
+        with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+            with open(os.path.join(path, "state.json")) as f:
+                names.add(json.load(f)["model"])
+    if len(names) > 1:
+        raise SystemExit(f"error: the checkpoints come from different models ({', '.join(sorted(names))}): evaluate "
+                         "them in separate calls")
+    return names.pop() if names else None
+
+
 def fill_from_preset(args):
     """Unset flags from --model's preset, as train.py fills its own: the sampling always; the prompt file, its key,
     reward and detector only where the preset names a held-out file (a hub preset's training prompts are not one)."""
@@ -663,7 +677,8 @@ def main(argv=None):
         shown, ("resolution", "eval_steps", "guidance_scale")))
     p.add_argument("--plot", nargs="+", metavar="RUN_DIR",
                    help="only plot the curves of one or more run folders (labelled, one colour each)")
-    p.add_argument("--model", default="tiny", choices=list(models.MODELS))
+    p.add_argument("--model", default=None, choices=list(models.MODELS),
+                   help="default: the model the --checkpoints were trained from (their state.json), else tiny")
     p.add_argument("--model-path", default=None, help="hub id or local folder of the base pipeline")
     p.add_argument("--checkpoints", nargs="*", default=[],
                    help="train.py checkpoint folders (<run>/checkpoints/<step>)")
@@ -698,6 +713,7 @@ def main(argv=None):
     rewards.add_arguments(p)
     diversity.add_arguments(p)
     args = p.parse_args(argv)
+    args.model = args.model or trained_model(args.checkpoints) or "tiny"
     fill_from_preset(args)
     for flag, value in (("--grid-rows", args.grid_rows), ("--fps", args.fps)):
         if value < 1:

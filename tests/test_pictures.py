@@ -307,8 +307,9 @@ def test_eval_writes_before_after_grid_bars_and_table(shapes_checkpoint, tmp_pat
 
 
 def test_eval_takes_the_models_preset_where_the_command_line_is_silent(shapes_checkpoint, tmp_path, monkeypatch):
-    """`eval.py --model shapes --checkpoints ...` scores the shapes world's held-out file with its judge at 32 px (it
-    used to sample at 64 px and fail inside diffusers); a hub model gets its own size and CFG; given flags win."""
+    """`eval.py --checkpoints <a shapes run's>` scores the shapes world's held-out file with its judge at 32 px (it
+    took the tiny model, and with --model shapes sampled at 64 px and failed inside diffusers); a hub model gets its
+    own size and CFG; given flags win."""
     monkeypatch.chdir(ROOT)
     def filled(*argv):
         args = argparse.Namespace(**{k: None for k in ("prompts", "input_key", "reward", "resolution", "eval_steps",
@@ -327,10 +328,17 @@ def test_eval_takes_the_models_preset_where_the_command_line_is_silent(shapes_ch
     assert (hub["reward"], hub["prompts"], hub["input_key"], hub["geneval_detector"]) == (
         "geneval", "prompts/geneval_test.jsonl", "input", None)  # a hub preset names training prompts: not used
     assert filled("model", "tiny")["prompts"] == "prompts/tiny.txt" and filled("model", "tiny")["resolution"] == 64
-    summary = evaluation.main(["--model", "shapes", "--checkpoints", shapes_checkpoint, "--max-prompts", "6",
+    # no --model: the checkpoint's own (its state.json), then that model's preset
+    summary = evaluation.main(["--checkpoints", shapes_checkpoint, "--max-prompts", "6",
                                "--eval-steps", "2", "--grid-rows", "2", "--out", str(tmp_path / "eval")])
     assert summary["prompts"] == "prompts/shapes_test.jsonl" and summary["num_prompts"] == 6
     assert summary["eval_steps"] == 2 and "geneval_overall" in summary["results"]["base"]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "state.json").write_text(json.dumps({"model": "tiny", "step": 1}))
+    with pytest.raises(SystemExit, match="different models \\(shapes, tiny\\): evaluate them in separate calls"):
+        evaluation.main(["--checkpoints", shapes_checkpoint, str(other), "--out", str(tmp_path / "eval")])
+    assert evaluation.trained_model([str(tmp_path / "nothing")]) is None  # refused later, as an incomplete checkpoint
 
 
 def test_eval_of_a_video_model_writes_frames_and_gifs(tmp_path, monkeypatch):
