@@ -447,9 +447,9 @@ def eval_guidance(args):
 
 
 def eval_fingerprint(args, texts, metadata):
-    """A digest of what a held-out evaluation measures (the prompts and their metadata, in order, and EVAL_FLAGS, the
-    guidance scale the one it is sampled at): eval_base.pt's step-0 scores pair with a later evaluation only when both
-    digests agree."""
+    """A digest of what a held-out evaluation measures (the prompts and their metadata, in order, and EVAL_FLAGS, with
+    guidance_scale the scale its images are sampled at): eval_base.pt's step-0 scores pair with a later evaluation
+    only when both digests agree."""
     what = dict(texts=list(texts), metadata=list(metadata), **{k: getattr(args, k, None) for k in EVAL_FLAGS})
     what["guidance_scale"] = eval_guidance(args)
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()

@@ -605,8 +605,8 @@ def machine(args):
 
 
 def ran_on(args, results):
-    """The machine of the reported runs (the most common in their records; this one for older records) and the
-    load averages as they ended."""
+    """The machine of the reported runs (the most common in their records; this one for older records), the load
+    averages as they ended, and [(machine, runs)] of the runs that ran otherwise (another job count or machine)."""
     records = [read_record(args.out, (name, r["lr"], seed)) for name, r in results.items() for seed in r["curves"]]
     machines = collections.Counter(json.dumps(record["machine"], sort_keys=True) for record in records
                                    if "machine" in record).most_common()
