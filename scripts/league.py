@@ -17,6 +17,8 @@ shapes world, the exact GenEval judge) plus COMMON and the entry's flags below. 
   minutes (`--minutes`; default the fastest entry's median, so that the budget falls within every entry's curves),
   read from the same curves. Training minutes are the sum of metrics.jsonl's per-step `seconds` (sampling, rewards and
   the update; evaluations and checkpoints not counted), with `--jobs` runs sharing the machine.
+- **speed-up over Flow-GRPO**, as the papers count theirs: the samples and the training minutes each entry takes to
+  first reach `--reference`'s (grpo's) final accuracy, mean over seeds, read between evaluations.
 - **learning rate**: each entry's is chosen on one seed (`--sweep-seed`) from `--lrs`, the best final held-out
   accuracy (ties to the smaller), then the entry runs `--seeds` at it. The sweep seed is by default seed 0, one of
   the table's seeds, whose run at the chosen lr is reused (14 runs saved; that seed flatters its entry a little: a
@@ -96,6 +98,7 @@ ENTRIES = {
     "crd": ("CRD: centred rewards matched by implicit rewards, Euler rollouts", ["--loss", "crd"]),
 }
 LRS = [1e-4, 2e-4, 4e-4]
+REFERENCE = "grpo"  # the entry the papers claim their speed-ups over (Flow-GRPO)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -508,6 +511,58 @@ def wall_clock_budget(results, minutes=None):
     return medians[fastest], f"the median of the fastest entry, {fastest}"
 
 
+def mean_curve(curves):
+    """An entry's curves averaged over seeds, evaluation by evaluation: [(samples, seconds, accuracy)]."""
+    n = min(len(c) for c in curves)  # the same evaluation steps on every seed
+    return [(curves[0][i]["samples"], float(np.mean([c[i]["seconds"] for c in curves])),
+             float(np.mean([c[i]["accuracy"] for c in curves]))) for i in range(n)]
+
+
+def first_reach(points, target):
+    """(samples, seconds) at which a mean curve first reaches `target`, linear between its evaluations; None when it
+    never does."""
+    if points[0][2] >= target:
+        return points[0][:2]
+    for (s0, t0, a0), (s1, t1, a1) in zip(points, points[1:]):
+        if a1 >= target:
+            f = (target - a0) / (a1 - a0)
+            return s0 + f * (s1 - s0), t0 + f * (t1 - t0)
+    return None
+
+
+def times(whole, part):
+    """'4.2x': how many times `part` goes into `whole`; '-' for a part of zero (reached before training)."""
+    return "-" if part <= 0 else f"{whole / part:.1f}x"
+
+
+def speedup_lines(results, args):
+    """The papers' speed-up (DiffusionNFT's, AWM's, DGPO's over Flow-GRPO): the samples and training minutes each
+    entry takes to first reach the reference entry's final accuracy (mean over seeds), against the reference's whole
+    budget. [] when the reference has no row or did not rise."""
+    if args.reference not in results:
+        return []
+    ref = mean_curve(list(results[args.reference]["curves"].values()))
+    (samples, seconds, target), before = ref[-1], ref[0][2]
+    if target <= before:
+        return ["", f"**Speed-up over {args.reference}**: none to read, {args.reference} did not rise "
+                    f"({before:.3f} -> {target:.3f})."]
+    lines = ["", f"**Speed-up over {args.reference}** (how the papers count theirs): the samples and training minutes "
+                 f"each entry takes to first reach {args.reference}'s final accuracy, {target:.3f} (means over seeds; "
+                 f"linear between evaluations: for a curve that rises fastest early, the crossing late and the "
+                 f"speed-up low), and {args.reference}'s {samples:,} samples and {seconds / 60:.1f} minutes over "
+                 f"them.", "",
+             "| entry | samples to reach it | speed-up per sample | minutes to reach it | speed-up per minute |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for name, r in results.items():
+        reached = first_reach(mean_curve(list(r["curves"].values())), target)
+        if reached is None:
+            lines.append(f"| {name} | not reached | - | not reached | - |")
+            continue
+        s, t = reached
+        lines.append(f"| {name} | {s:,.0f} | {times(samples, s)} | {t / 60:.1f} | {times(seconds, t)} |")
+    return lines
+
+
 def tables(results, args):
     """The markdown of the league: equal samples, equal wall-clock, the lr sweep, the entries, command and machine."""
     tags = [evaluation.TAG_NAMES[t] for t in geneval.TAGS]
@@ -557,6 +612,7 @@ def tables(results, args):
                      f"{np.mean(accuracy) - np.mean([c[0]['accuracy'] for c in curves]):+.3f} |")
     if ended:
         lines.append(f"\n\\* ran out of samples before the budget: {', '.join(ended)} (its last evaluation).")
+    lines += speedup_lines(results, args)
     lrs = sorted({lr for r in results.values() for lr in r["finals"]} | set(args.lrs))
     lines += ["", f"**Learning rate**: each entry's final held-out accuracy on seed {args.sweep_seed} at each lr "
               f"of the sweep (the same samples); the best is chosen, ties to the smaller.", "",
@@ -581,6 +637,8 @@ def command_line(args, speeds=False):
         parts.append("--only " + " ".join(args.only))
     if args.minutes:
         parts.append(f"--minutes {args.minutes:g}")
+    if args.reference != REFERENCE:
+        parts.append(f"--reference {args.reference}")
     if args.out_given != "runs/league":
         parts.append(f"--out {args.out_given}")
     if args.ledger:
@@ -636,10 +694,8 @@ def plot(results, args, budget, path):
     colours = plt.get_cmap("tab10")
     for i, (name, r) in enumerate(results.items()):
         curves = list(r["curves"].values())
-        n = min(len(c) for c in curves)  # the same evaluation steps on every seed
-        accuracy = np.mean([[p["accuracy"] for p in c[:n]] for c in curves], 0)
-        samples = [p["samples"] for p in curves[0][:n]]
-        minutes = np.mean([[p["seconds"] / 60 for p in c[:n]] for c in curves], 0)
+        samples, seconds, accuracy = zip(*mean_curve(curves))
+        minutes = np.asarray(seconds) / 60
         style = dict(color=colours(i % 10), marker="o", markersize=3, linestyle="--" if i >= 10 else "-",
                      label=f"{name} (lr {lr_text(r['lr'])}, {len(curves)} seed{'s' if len(curves) > 1 else ''})")
         by_samples.plot(samples, accuracy, **style)
@@ -714,6 +770,9 @@ def parse_args(argv=None):
                    help="seeds of the table, at the chosen lr (default: 0 1 2)")
     p.add_argument("--minutes", type=flags.POSITIVE, default=None,
                    help="training minutes of the equal wall-clock table (default: the fastest entry's median)")
+    p.add_argument("--reference", default=REFERENCE, choices=list(ENTRIES), metavar="NAME",
+                   help="the entry whose final accuracy the speed-up table times the others to "
+                        f"(default: {REFERENCE}, Flow-GRPO)")
     p.add_argument("--jobs", type=flags.POSITIVE_INT, default=2, help="runs at once (default: 2)")
     p.add_argument("--threads", type=flags.POSITIVE_INT, default=None,
                    help="torch threads per run (default: the CPUs // --jobs, at least 1)")

@@ -137,6 +137,38 @@ def test_equal_wall_clock_reads_each_curve_at_the_budget(tmp_path):
     assert "--minutes 10" in table  # the command that reproduces it
 
 
+def test_speed_up_over_grpo_is_the_samples_and_minutes_to_reach_its_final_accuracy(tmp_path):
+    pytest.importorskip("matplotlib")
+    args = league_args(tmp_path, "--only", "grpo", "nft", "fast", "--lrs", "1e-4", "--sweep-seed", "0",
+                       "--seeds", "0", "1")
+    # evaluations at 0, 64 and 128 samples; grpo's mean curve 0.30, 0.42, 0.50 at 0, 60 and 120 s: its final 0.50
+    # is first reached at its end, 128 samples and 2 minutes
+    fake_run(args, ("grpo", 1e-4, 0), [30.0] * 4, [0.30, 0.40, 0.50])
+    fake_run(args, ("grpo", 1e-4, 1), [30.0] * 4, [0.30, 0.44, 0.50])
+    # nft's mean 0.30, 0.55, 0.65 at 0, 30 and 60 s: 0.50 four fifths of the way to its first evaluation
+    fake_run(args, ("nft", 1e-4, 0), [15.0] * 4, [0.30, 0.60, 0.70])
+    fake_run(args, ("nft", 1e-4, 1), [15.0] * 4, [0.30, 0.50, 0.60])
+    fake_run(args, ("fast", 1e-4, 0), [10.0] * 4, [0.30, 0.35, 0.40])
+    fake_run(args, ("fast", 1e-4, 1), [10.0] * 4, [0.30, 0.45, 0.48])
+    league.report(args)
+    table = open(tmp_path / "league.md").read()
+    assert "first reach grpo's final accuracy, 0.500" in table and "grpo's 128 samples and 2.0 minutes" in table
+    assert "| grpo | 128 | 1.0x | 2.0 | 1.0x |" in table
+    assert "| nft | 51 | 2.5x | 0.4 | 5.0x |" in table  # 0.8 x 64 samples, 0.8 x 30 s
+    assert "| fast | not reached | - | not reached | - |" in table
+    # Another reference, in the command that reproduces the table; one that did not rise has no speed-up to read
+    league.report(league_args(tmp_path, "--only", "grpo", "nft", "fast", "--lrs", "1e-4", "--sweep-seed", "0",
+                              "--seeds", "0", "1", "--reference", "nft"))
+    table = open(tmp_path / "league.md").read()
+    assert "first reach nft's final accuracy, 0.650" in table and "| grpo | not reached |" in table
+    assert "--reference nft" in table
+    assert league.first_reach([(0, 0.0, 0.4), (64, 30.0, 0.3)], 0.35) == (0, 0.0)
+    fake_run(args, ("grpo", 1e-4, 2), [30.0] * 4, [0.30, 0.30, 0.25])
+    league.report(league_args(tmp_path, "--only", "grpo", "nft", "--lrs", "1e-4", "--sweep-seed", "0", "--seeds", "2"))
+    assert "**Speed-up over grpo**: none to read, grpo did not rise (0.300 -> 0.250)." \
+        in open(tmp_path / "league.md").read()
+
+
 def test_table_has_the_six_tags_the_lr_the_samples_the_minutes_command_and_machine(tmp_path):
     pytest.importorskip("matplotlib")
     args = league_args(tmp_path, "--only", "guard", "--lrs", "2e-4", "--sweep-seed", "0", "--seeds", "0", "1")
