@@ -5,6 +5,7 @@ Every entry (algorithm or sampler) runs at its own learning rate, chosen on one 
     python scripts/league.py                      # 14 entries: 3-lr sweep on seed 0, then seeds 1 2 -> runs/league/
     python scripts/league.py --only grpo nft --lrs 1e-4 --sweep-seed 0 --seeds 0 --samples 64    # a quick look
     python scripts/league.py --report             # the tables and the plot again from the finished runs
+    python scripts/league.py --report --readme README.md    # and the tables into the README, between its markers
 
 Each entry is `python train.py` on its defaults (`--model shapes`: the pretrained 32 px model, GenEval prompts of the
 shapes world, the exact GenEval judge) plus COMMON and the entry's flags below. What is held equal:
@@ -738,9 +739,31 @@ def report(args):
                for name, r in results.items()}
     with open(os.path.join(args.out, "league.json"), "w") as f:
         json.dump(dict(samples=args.samples, steps=args.steps, minutes_budget=budget, entries=summary), f, indent=1)
+    if args.readme:
+        write_into(args.readme, table)
     print(table)
-    print(f"wrote {os.path.join(args.out, 'league.md')}, league.png, league.json")
+    print(f"wrote {os.path.join(args.out, 'league.md')}, league.png, league.json"
+          + (f"; the tables into {args.readme}" if args.readme else ""))
     return results
+
+
+README_START, README_END = "<!-- league.md: written by scripts/league.py --report --readme -->", "<!-- league.md end -->"
+
+
+def write_into(path, text):
+    """Put `text` between the README_START and README_END lines of the markdown file `path` (what was there goes);
+    one error line when the file lacks them."""
+    try:
+        with open(path) as f:
+            page = f.read()
+    except OSError as e:
+        raise SystemExit(f"error: --readme {path} cannot be read ({e.strerror or e}): give the README's path") from None
+    start, end = page.find(README_START), page.find(README_END)
+    if start < 0 or end < start:
+        raise SystemExit(f"error: --readme {path} has no place for the table: put the lines {README_START} and "
+                         f"{README_END} where it goes")
+    with open(path, "w") as f:
+        f.write(page[:start + len(README_START)] + "\n" + text + "\n" + page[end:])
 
 
 # ----------------------------------------------------------------------------- main
@@ -793,6 +816,8 @@ def parse_args(argv=None):
     p.add_argument("--speed-steps", type=flags.bounded(int, 2), default=5,
                    help="steps of each speed run; the first is not counted (default: 5)")
     p.add_argument("--report", action="store_true", help="only the tables and the plot, from the finished runs")
+    p.add_argument("--readme", default=None, metavar="FILE",
+                   help="also write the tables into FILE (the README) between its league.md marker lines")
     p.add_argument("--poll", type=flags.POSITIVE, default=2.0, help=argparse.SUPPRESS)  # seconds between looks
     args = p.parse_args(argv)
     args.only = list(dict.fromkeys(args.only))
@@ -804,6 +829,9 @@ def parse_args(argv=None):
         p.error(f"--ledger {args.ledger} is not a file: give the path of a JSON lines file (made if missing)")
     if args.ledger and not os.path.isdir(os.path.dirname(os.path.abspath(args.ledger))):
         p.error(f"--ledger {args.ledger}: its folder does not exist: make it, or give a path in an existing folder")
+    if args.readme and not (os.path.isfile(args.readme) and README_START in open(args.readme).read()):
+        p.error(f"--readme {args.readme}: no such file with the line {README_START}: put it and {README_END} "
+                "where the tables go")
     if args.measure_speed and not args.speeds:
         p.error("--measure-speed needs --speeds FILE: where the seconds per step go")
     return plan(args, p)

@@ -169,6 +169,30 @@ def test_speed_up_over_grpo_is_the_samples_and_minutes_to_reach_its_final_accura
         in open(tmp_path / "league.md").read()
 
 
+def test_report_writes_the_tables_into_the_readme_between_its_markers(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Title\n\nBefore.\n{league.README_START}\nthe old table\n{league.README_END}\nAfter.\n")
+    flags = ["--out", str(tmp_path / "out"), "--samples", "128", "--evals", "3", "--only", "nft", "--lrs", "1e-4",
+             "--sweep-seed", "0", "--seeds", "0"]
+    args = league.parse_args([*flags, "--readme", str(readme)])
+    os.makedirs(args.out)
+    fake_run(args, ("nft", 1e-4, 0), [30.0] * 4, [0.3, 0.4, 0.5])
+    league.report(args)
+    page = readme.read_text()
+    assert "the old table" not in page and page.startswith("# Title\n\nBefore.\n") and page.endswith("After.\n")
+    assert f"{league.README_START}\n{open(tmp_path / 'out' / 'league.md').read()}{league.README_END}\n" in page
+    league.report(args)  # again: the same page
+    assert readme.read_text() == page
+    readme.write_text("# A README without the markers\n")
+    with pytest.raises(SystemExit) as stop:
+        league.parse_args([*flags, "--readme", str(readme)])
+    assert stop.value.code == 2 and "put it and" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        league.parse_args([*flags, "--readme", str(tmp_path / "missing.md")])
+    assert stop.value.code == 2
+
+
 def test_table_has_the_six_tags_the_lr_the_samples_the_minutes_command_and_machine(tmp_path):
     pytest.importorskip("matplotlib")
     args = league_args(tmp_path, "--only", "guard", "--lrs", "2e-4", "--sweep-seed", "0", "--seeds", "0", "1")
