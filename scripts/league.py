@@ -581,6 +581,7 @@ def tables(results, args):
         after = [c[-1]["accuracy"] for c in curves]
         per_tag = [np.mean([c[-1]["tags"][t] for c in curves]) for t in geneval.TAGS]
         seeds = "" if len(curves) == n else f" ({len(curves)} of {n} seeds)"
+        seeds += "" if len(r["finals"]) == len(args.lrs) else " (lr sweep unfinished)"
         diversity = [d for c in curves if isinstance(d := c[-1].get("diversity"), (int, float))]  # where logged
         diversity = ("-" if not diversity else mean_std(diversity)
                      + ("" if len(diversity) in (1, len(curves)) else f" ({len(diversity)} seeds)"))
@@ -620,8 +621,9 @@ def tables(results, args):
               "| entry | " + " | ".join(lr_text(lr) for lr in lrs) + " | chosen |",
               "| --- | " + " | ".join("---:" for _ in lrs) + " | --- |"]
     for name, r in results.items():
+        so_far = "" if len(r["finals"]) == len(args.lrs) else " so far"  # the sweep's other runs not finished
         lines.append(f"| {name} | " + " | ".join(f"{r['finals'][lr]:.3f}" if lr in r["finals"] else "-" for lr in lrs)
-                     + f" | {lr_text(r['lr'])} |")
+                     + f" | {lr_text(r['lr'])}{so_far} |")
     lines += ["", "Entries (train.py's shapes defaults plus): " + "; ".join(
         f"`{name}` {ENTRIES[name][0]}" + (f" (`{shlex.join(ENTRIES[name][1])}`)" if ENTRIES[name][1] else "")
         for name in results) + ("." if not COMMON else f"; every entry `{shlex.join(COMMON)}`."), "",

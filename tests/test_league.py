@@ -75,6 +75,13 @@ def test_lr_is_the_best_final_accuracy_of_the_sweep_ties_to_the_smaller(tmp_path
     assert results["nft"]["curves"][0][-1]["accuracy"] == 0.5
     table = open(tmp_path / "league.md").read()
     assert "| nft | 0.400 | 0.450 | 0.450 | 2e-4 |" in table  # the sweep's table, the chosen lr last
+    # An entry whose sweep has not finished shows its best lr so far, marked in both tables
+    args = league_args(tmp_path / "partial", "--only", "nft", "--lrs", "1e-4", "2e-4", "--sweep-seed", "0",
+                       "--seeds", "0", "1")
+    fake_run(args, ("nft", 1e-4, 0), [1.0] * 4, [0.3, 0.35, 0.4])
+    league.report(args)
+    table = open(tmp_path / "partial" / "league.md").read()
+    assert "| nft (1 of 2 seeds) (lr sweep unfinished) | 1e-4 |" in table and "| nft | 0.400 | - | 1e-4 so far |" in table
 
 
 def test_equal_samples_budget_defaults_to_the_default_run_and_sets_the_steps(tmp_path, monkeypatch):
@@ -376,8 +383,8 @@ def test_some_failed_runs_report_what_finished_then_exit_non_zero(tmp_path, fake
         run_league(out)
     assert str(stop.value.code).startswith("error: 2 run(s) failed; the first, grpo-lr2e-4-s3: rc 1: error: --lr 2e-4")
     table = open(out / "league.md").read()  # chosen among the finished: 4e-4
-    assert "| grpo | 4e-4 | 128 | 0.300 +- 0.000 | 0.405 +- 0.007 | +0.105 |" in table
-    assert "| grpo | 0.380 | - | 0.430 | 4e-4 |" in table  # the failed sweep run is a dash
+    assert "| grpo (lr sweep unfinished) | 4e-4 | 128 | 0.300 +- 0.000 | 0.405 +- 0.007 | +0.105 |" in table
+    assert "| grpo | 0.380 | - | 0.430 | 4e-4 so far |" in table  # the failed sweep run is a dash
     monkeypatch.delenv("FAKE_FAIL")
     before = len(fake_train())
     run_league(out)  # the failed runs run again, the rest not; 2e-4 now ties 4e-4, so the seeds run at 2e-4
