@@ -764,8 +764,15 @@ def write_into(path, text):
     if start < 0 or end < start:
         raise SystemExit(f"error: --readme {path} has no place for the table: put the lines {README_START} and "
                          f"{README_END} where it goes")
-    with open(path, "w") as f:
-        f.write(page[:start + len(README_START)] + "\n" + text + "\n" + page[end:])
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.write(page[:start + len(README_START)] + "\n" + text + "\n" + page[end:])
+        os.replace(path + ".tmp", path)  # a full disk or a kill leaves the README as it was
+    except OSError as e:
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
+        raise SystemExit(f"error: --readme {path} cannot be written ({e.strerror or e}): make it writable; "
+                         "the tables are in league.md") from None
 
 
 # ----------------------------------------------------------------------------- main

@@ -176,7 +176,7 @@ def test_speed_up_over_grpo_is_the_samples_and_minutes_to_reach_its_final_accura
         in open(tmp_path / "league.md").read()
 
 
-def test_report_writes_the_tables_into_the_readme_between_its_markers(tmp_path, capsys):
+def test_report_writes_the_tables_into_the_readme_between_its_markers(tmp_path, capsys, monkeypatch):
     pytest.importorskip("matplotlib")
     readme = tmp_path / "README.md"
     readme.write_text(f"# Title\n\nBefore.\n{league.README_START}\nthe old table\n{league.README_END}\nAfter.\n")
@@ -191,6 +191,14 @@ def test_report_writes_the_tables_into_the_readme_between_its_markers(tmp_path, 
     assert f"{league.README_START}\n{open(tmp_path / 'out' / 'league.md').read()}{league.README_END}\n" in page
     league.report(args)  # again: the same page
     assert readme.read_text() == page
+
+    def full_disk(*a):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(league.os, "replace", full_disk)  # a full disk: one error line, the README as it was
+    with pytest.raises(SystemExit, match="No space left on device.* the tables are in league.md"):
+        league.write_into(str(readme), "a new table")
+    monkeypatch.undo()
+    assert readme.read_text() == page and not os.path.exists(f"{readme}.tmp")
     readme.write_text("# A README without the markers\n")
     with pytest.raises(SystemExit) as stop:
         league.parse_args([*flags, "--readme", str(readme)])
