@@ -83,14 +83,21 @@ ENTRIES = {
     "dance": ("DanceGRPO's SDE step", ["--loss", "grpo", "--sde", "dance"]),
     "guard": ("GRPO-Guard: RatioNorm and gradient reweighting (Flow-GRPO's SDE)", ["--loss", "guard", "--sde", "flow"]),
     "flowdppo": ("FlowDPPO: KL-masked trust region", ["--loss", "flowdppo", "--sde", "cps"]),
-    "fast": ("Flow-GRPO-Fast: a window of 3 SDE steps",
-             ["--loss", "grpo", "--sde", "cps", "--sde-window", "fast", "--window-size", "3"]),
-    "mix": ("MixGRPO: a sliding window of 3 SDE steps",
+    # The windows as the authors place them over a run, scaled to 10 steps and 100 training steps. Flow-GRPO-Fast
+    # draws its window inside the first half of the schedule (sde_window_range (0, num_steps // 2), as
+    # recipes/sd3_fast_nocfg_cps.args). MixGRPO slides its 4-step window by one step every 25 iterations (Flash:
+    # 20) for 300 iterations over 25 steps: it starts at steps 0 .. 11 (0 .. 14), covers steps 0 .. 14 (0 .. 17),
+    # and never reaches the end, where its roll-back would act (recipes/flux_mixgrpo*.args). Here a 3-step window
+    # every 25 (20) of 100 steps starts at 0 .. 3 (0 .. 4) and covers steps 0 .. 5 (0 .. 6) of 10: the same share.
+    "fast": ("Flow-GRPO-Fast: a window of 3 SDE steps in the first half",
+             ["--loss", "grpo", "--sde", "cps", "--sde-window", "fast", "--window-size", "3",
+              "--window-range", "0", "5"]),
+    "mix": ("MixGRPO: a window of 3 SDE steps sliding every 25 steps",
             ["--loss", "grpo", "--sde", "cps", "--sde-window", "mix", "--window-size", "3",
-             "--iters-per-window", "5"]),
-    "mix-flash": ("MixGRPO-Flash: the sliding window, DPM-Solver++ after it",
+             "--iters-per-window", "25"]),
+    "mix-flash": ("MixGRPO-Flash: the window sliding every 20 steps, DPM-Solver++ after it",
                   ["--loss", "grpo", "--sde", "cps", "--sde-window", "mix", "--window-size", "3",
-                   "--iters-per-window", "5", "--flash"]),
+                   "--iters-per-window", "20", "--flash"]),
     "nft": ("DiffusionNFT: forward process, ODE rollouts, as the default run", ["--loss", "nft"]),
     "awm": ("Advantage Weighted Matching: forward process, ODE rollouts", ["--loss", "awm"]),
     "sft": ("online SFT (flow_grpo): each group's best samples as flow-matching targets", ["--loss", "sft"]),
