@@ -82,7 +82,11 @@ ENTRIES = {
     "flow": ("Flow-GRPO loss and SDE step", ["--loss", "grpo", "--sde", "flow"]),
     "dance": ("DanceGRPO's SDE step", ["--loss", "grpo", "--sde", "dance"]),
     "guard": ("GRPO-Guard: RatioNorm and gradient reweighting (Flow-GRPO's SDE)", ["--loss", "guard", "--sde", "flow"]),
-    "flowdppo": ("FlowDPPO: KL-masked trust region", ["--loss", "flowdppo", "--sde", "cps"]),
+    # FlowDPPO's mask acts only off-policy: with one optimizer step per batch its KL to the old policy is 0, nothing
+    # is masked and the entry is grpo to the last digit. It takes its recipe's two optimizer steps per batch, the
+    # second off-policy (UniRL's num_updates_per_batch 2: recipes/sd3_flowdppo_pickscore.args --minibatches 2).
+    "flowdppo": ("FlowDPPO: KL-masked trust region, two optimizer steps per batch",
+                 ["--loss", "flowdppo", "--sde", "cps", "--minibatches", "2"]),
     # The windows as the authors place them over a run, scaled to 10 steps and 100 training steps. Flow-GRPO-Fast
     # draws its window inside the first half of the schedule (sde_window_range (0, num_steps // 2), as
     # recipes/sd3_fast_nocfg_cps.args). MixGRPO slides its 4-step window by one step every 25 iterations (Flash:

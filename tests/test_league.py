@@ -8,15 +8,18 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 sys.path.insert(0, ROOT)
 import league  # noqa: E402
+import losses  # noqa: E402
 import forkserver  # noqa: E402
 import sde  # noqa: E402
 import train  # noqa: E402
 
+LEAGUE_COMMON = list(league.COMMON)  # the league's own, before small_steps replaces it
 TAGS = ["single_object", "two_object", "counting", "colors", "position", "color_attr"]
 
 
@@ -473,7 +476,8 @@ def test_a_terminated_league_stops_its_runs_and_exits_130(tmp_path, fake_train, 
     assert not json.load(open(out / "grpo-lr1e-4-s3.json"))["done"]
 
 
-def test_every_entry_is_a_valid_train_py_command_line(tmp_path):
+def test_every_entry_is_a_valid_train_py_command_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(league, "COMMON", LEAGUE_COMMON)  # the steps the league runs (flowdppo splits them in two)
     args = league.parse_args(["--out", str(tmp_path)])
     for name in league.ENTRIES:
         for lr in args.lrs:
@@ -507,6 +511,21 @@ def test_the_windows_cover_the_share_of_the_schedule_the_authors_recipes_do(tmp_
     share = covered_share(ours)
     assert share == pytest.approx(covered_share(theirs), abs=0.03)
     assert share <= 0.7
+
+
+def test_flowdppo_takes_the_off_policy_step_its_mask_acts_on(tmp_path):
+    """FlowDPPO's KL-ADV mask drops a term only when the policy has moved from the one that sampled it: the entry
+    takes its recipe's optimizer steps per batch, so that the second is off-policy (with one it is grpo)."""
+    args = league.parse_args(["--out", str(tmp_path)])
+    _, ours = train.parse_args(["--out", str(tmp_path / "x"), *league.train_flags("flowdppo", 1e-4, 0, args)])
+    _, theirs = train.parse_args(["@recipes/sd3_flowdppo_pickscore.args"])
+    steps = lambda a: a.minibatches * a.updates_per_batch  # noqa: E731
+    assert steps(ours) == steps(theirs) == 2
+    # on-policy the mask has nothing to act on: mu_theta = mu_old, so the KL is 0 and no term is dropped
+    mean, x = torch.randn(8, 4), torch.randn(8, 4)
+    log_prob = -((x - mean) ** 2).mean(1)
+    _, info = losses.flowdppo_loss(log_prob, log_prob.detach(), mean, mean.detach(), torch.ones(8), torch.randn(8))
+    assert info["kl_new_old_max"] == 0 and info["kl_mask_fraction"] == 0 and info["masked_fraction"] == 0
 
 
 def test_machine_line_counts_the_runs_that_ran_otherwise():
