@@ -528,6 +528,21 @@ def test_flowdppo_takes_the_off_policy_step_its_mask_acts_on(tmp_path):
     assert info["kl_new_old_max"] == 0 and info["kl_mask_fraction"] == 0 and info["masked_fraction"] == 0
 
 
+@pytest.mark.parametrize("name,eta", [("flow", "@recipes/sd3_pickscore_grpo.args"),
+                                      ("guard", "@recipes/sd3_guard_pickscore.args"),
+                                      ("dance", 0.3)])  # DanceGRPO scripts/finetune/finetune_flux_grpo.sh
+def test_each_sde_entry_samples_at_its_authors_noise_level(tmp_path, name, eta):
+    """eta means another noise in each step's formula (sde.py): Flow-GRPO's and GRPO-Guard's a = 0.7 scales
+    sqrt(s / (1 - s)), DanceGRPO's constant eta = 0.3 alone; the preset's 0.7 would be 2.3 times DanceGRPO's noise."""
+    args = league.parse_args(["--out", str(tmp_path)])
+    _, ours = train.parse_args(["--out", str(tmp_path / "x"), *league.train_flags(name, 1e-4, 0, args)])
+    if isinstance(eta, str):
+        _, theirs = train.parse_args([eta])
+        assert theirs.sde == ours.sde
+        eta = theirs.eta
+    assert ours.sde == name.replace("guard", "flow") and ours.eta == eta
+
+
 def test_machine_line_counts_the_runs_that_ran_otherwise():
     """A league carried over machines and job counts says how each share of its runs ran, not the commonest alone."""
     where = {"cpu": "AMD EPYC", "cpus": 2, "jobs": 1, "threads": 1}
