@@ -557,7 +557,7 @@ def speedup_lines(results, args):
     the samples and training minutes each entry takes to first reach its final accuracy (mean over seeds), against
     the reference's whole budget."""
     lines = []
-    for reference in args.reference:
+    for reference in dict.fromkeys(args.reference):  # each once, in the order given
         if reference in results:
             lines += speedup_table(results, reference)
     return lines

@@ -188,6 +188,9 @@ def test_speed_up_over_grpo_is_the_samples_and_minutes_to_reach_its_final_accura
     table = open(tmp_path / "league.md").read()
     assert "first reach nft's final accuracy, 0.650" in table and "| grpo | not reached |" in table
     assert "--reference nft" in table
+    league.report(league_args(tmp_path, "--only", "grpo", "nft", "fast", "--lrs", "1e-4", "--sweep-seed", "0",
+                              "--seeds", "0", "1", "--reference", "nft", "nft"))
+    assert open(tmp_path / "league.md").read().count("**Speed-up over nft**") == 1  # a repeated name, one table
     assert league.first_reach([(0, 0.0, 0.4), (64, 30.0, 0.3)], 0.35) == (0, 0.0)
     fake_run(args, ("grpo", 1e-4, 2), [30.0] * 4, [0.30, 0.30, 0.25])
     league.report(league_args(tmp_path, "--only", "grpo", "nft", "--lrs", "1e-4", "--sweep-seed", "0", "--seeds", "2"))
