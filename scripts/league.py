@@ -564,6 +564,7 @@ def speedup_lines(results, args):
 
 
 def speedup_table(results, reference):
+    """One reference's speed-up table, or a line saying it has none to read when the reference did not rise."""
     ref = mean_curve(list(results[reference]["curves"].values()))
     (samples, seconds, target), before = ref[-1], ref[0][2]
     if target <= before:
