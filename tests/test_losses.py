@@ -313,13 +313,13 @@ def test_flowdppo_mask_truth_table():
     assert info["masked_fraction"] == 0 and info["kl_mask_fraction"] == 0
 
 
-
 def test_flowdppo_masks_nothing_on_policy():
     # mu_theta = mu_old (one optimizer step per batch): the KL is 0 and the mask has nothing to act on.
     mean, x = torch.randn(8, 4), torch.randn(8, 4)
     log_prob = -((x - mean) ** 2).mean(1)
     _, info = losses.flowdppo_loss(log_prob, log_prob.detach(), mean, mean.detach(), torch.ones(8), torch.randn(8))
     assert info["kl_new_old_max"] == 0 and info["kl_mask_fraction"] == 0 and info["masked_fraction"] == 0
+
 
 # ----------------------------------------------------------------------------- Flow-GRPO's Wan step weight
 def test_wan_step_weight_by_hand():
