@@ -82,7 +82,8 @@ def means_of(result, base=None):
     """The held-out figures of a reward output (dict of [N] tensors): each entry's mean (nan-aware: rm_type overrides
     leave other components NaN), and beside it its standard error (<key>_se, the sample std / sqrt(n) over the values
     that are not NaN) for error bars. GenEval: the geneval_<tag> means are the per-tag accuracies, geneval_overall is
-    their mean (the official number) and geneval_mean_over_images the mean of geneval_correct. With base (the reward
+    their mean (the official number) and geneval_mean_over_images the mean of geneval_correct; geneval_official_overall
+    and geneval_official_<tag> the same under GenEval's own rule (geneval.py, departures). With base (the reward
     output of the same prompts and noise from another model): also `rise_of` the two."""
     means = {k: torch.nanmean(v.float()).item() for k, v in result.items() if k != "failed"}
     means.update({f"{k}_se": standard_error(v) for k, v in result.items() if k != "failed"})
@@ -92,6 +93,10 @@ def means_of(result, base=None):
         tags = [means[f"geneval_{t}_se"] for t in geneval.TAGS if t in overall]  # overall = the mean of these tags
         means.update(geneval_overall_se=math.sqrt(sum(se * se for se in tags)) / len(tags) if tags else float("nan"),
                      geneval_mean_over_images_se=means["geneval_correct_se"])
+    if "geneval_official" in result:  # GenEval's own rule on the same detections, beside the judge's
+        official = geneval.summary_of_scores(result, "geneval_official")
+        means.update({f"geneval_official_{t}": official[t] for t in geneval.TAGS if t in official},
+                     geneval_official_overall=official["overall"])
     if base is not None:
         means.update(rise_of(result, base))
     return means
@@ -202,7 +207,9 @@ def summary_line(scores):
         return " | ".join(f"{k} {v:+.4f}" for k, v in scores.items() if not k.endswith("_se") and k != "rise") + rise
     tags = ", ".join(f"{tag} {scores[f'geneval_{tag}']:.2f}" for tag in geneval.TAGS
                      if math.isfinite(scores.get(f"geneval_{tag}", float("nan"))))
-    return f"accuracy {scores['geneval_overall']:.3f} ({tags}) | reward {scores['reward']:+.4f}" + rise
+    official = scores.get("geneval_official_overall", scores["geneval_overall"])
+    official = f" | GenEval's rule {official:.3f}" if official != scores["geneval_overall"] else ""
+    return f"accuracy {scores['geneval_overall']:.3f} ({tags}){official} | reward {scores['reward']:+.4f}" + rise
 
 
 def append_scores(path, step, scores):

@@ -32,8 +32,16 @@ Rules of the official judge (`geneval_judge(...)["correct"]`)
   that splits the image into components, as the shapes world's, reports so what it cannot name: a
   deformed object, a speck) count too, whatever their score, as possibly the excluded object; the
   official rule ignores what scores under the threshold, so an extra object deformed past recognition
-  would pass as absent. Only the `correct` and `corrected` verdicts read them (`partial` and `strict`
-  stay the reward server's); `unexplained` in the verdict says how many there were.
+  would pass as absent. The `correct` and `corrected` verdicts read them, and so do the count terms of
+  `partial` and `strict` on a counting prompt, where the count stands in for the exclude clause;
+  `unexplained` in the verdict says how many there were.
+- Departure, per detector: the counting tag's threshold (`counting_threshold`, 0.9 above) is the
+  detector's. Mask2Former scores a plain object in a photograph above 0.9; the shapes world's detector
+  scores a clean but imperfect shape anywhere from 0.35 to 0.9 (a template fit), so at 0.9 an extra
+  object it recognises as the class at 0.5 passes unseen as the exclude clause's count + 1, and RL
+  learns to draw it (four squares for "two squares"). The shapes world keeps counting detections above
+  0.3, as every other tag. `official` in the verdict (`geneval_official` in the reward) is GenEval's
+  own rule on the same detections: 0.9, UNKNOWN components ignored.
 - `relative_position(A, B)` (eval L140-157): centre offset minus 0.1 x (size A + size B) per axis,
   clipped at 0 (keeps its sign); no relation if both parts < 1e-3; otherwise the clipped offset
   divided by the length of the raw offset gives (dx, dy), and dx < -0.5 "left of", dx > 0.5
@@ -149,11 +157,11 @@ def relative_position(box_a, box_b, *, margin=POSITION_MARGIN):
     return relations
 
 
-def kept_detections(detections, tag):
-    """GenEval's filter (eval L230-244): class -> its detections with score > 0.3 (> 0.9 for
-    "counting"), best first, at most 16. Ties keep the input order (the original's argsort order
+def kept_detections(detections, tag, *, counting_threshold=COUNTING_THRESHOLD):
+    """GenEval's filter (eval L230-244): class -> its detections with score > 0.3 (> `counting_threshold`, 0.9,
+    for "counting"), best first, at most 16. Ties keep the input order (the original's argsort order
     among equal scores is arbitrary). NMS is off by default in GenEval and is not done."""
-    threshold = COUNTING_THRESHOLD if tag == "counting" else THRESHOLD
+    threshold = counting_threshold if tag == "counting" else THRESHOLD
     by_class = {}
     for det in sorted(detections, key=lambda d: -float(d["score"])):
         if float(det["score"]) > threshold:
@@ -274,15 +282,18 @@ def _official(metadata, objects, unexplained=0):
     return not reasons, reasons, groups
 
 
-def _partial(metadata, objects):
-    """evaluate_reward() of server L201-264, quirks kept (module docstring) -> (strict, score)."""
+def _partial(metadata, objects, unexplained=0):
+    """evaluate_reward() of server L201-264, quirks kept (module docstring) -> (strict, score); on a clause whose
+    class an exclude clause caps, `unexplained` UNKNOWN detections count as possibly more of it."""
     terms, groups, strict = [], [], True
+    capped = {clause["class"] for clause in metadata.get("exclude", [])}
     for clause in metadata["include"]:
         name, count = clause["class"], clause["count"]
         found = objects.get(name, [])  # quirk 1: every kept detection, not the best `count`
+        n = len(found) + (unexplained if name in capped else 0)  # quirk 5's exact count stands in for the exclude
         matched = True
-        terms.append(1 - abs(count - len(found)) / count)  # server L219, can be negative
-        if len(found) != count:
+        terms.append(1 - abs(count - n) / count)  # server L219, can be negative
+        if n != count:
             strict = matched = False
             if "color" in clause or "position" in clause:
                 terms.append(0.0)  # quirk 2, server L223-224
@@ -333,33 +344,37 @@ def _corrected(metadata, objects, official_groups, unexplained=0):
     return min(max(sum(terms) / len(terms) * penalty, 0.0), 1.0)
 
 
-def geneval_judge(metadata, detections, *, score="partial"):
+def geneval_judge(metadata, detections, *, score="partial", counting_threshold=COUNTING_THRESHOLD):
     """GenEval's verdict on one image.
 
     metadata: a GenEval object {"tag", "include": [{"class", "count", "color"?, "position"?:
     [relation, clause index]}], "exclude"?: [{"class", "count"}]}. detections: dicts {"class",
     "score", "box": [x1, y1, x2, y2] pixels, "color": name or None}, unfiltered (extra keys such as
-    "mask" are ignored); the filter of `kept_detections` is applied here. Detections that a colour
-    clause looks at (the best `count` of its class) must carry a colour.
+    "mask" are ignored); the filter of `kept_detections` is applied here, with the detector's
+    `counting_threshold` (module docstring). Detections that a colour clause looks at (the best `count` of its
+    class) must carry a colour.
 
     Returns {"correct": official 0/1 (eval L160-220), "strict": the reward server's exact 0/1,
     "partial": its partial score with its quirks (server L201-264), "score_corrected": the corrected
     score, "score": the one named by `score` (partial | strict | correct | corrected), "reason":
     the first failed official rule ("" when correct), "counts": {class: kept detections}, "unexplained": the
-    detections of class UNKNOWN, which the exclude clauses of `correct` and `corrected` count}.
+    detections of class UNKNOWN, which the exclude clauses count, "official": GenEval's own 0/1 on the same
+    detections (0.9 for counting, UNKNOWN ignored): `correct` without this module's departures}.
     """
     if score not in SCORES:
         raise ValueError(f"score must be one of {', '.join(SCORES)}, got {score!r}")
     check_metadata(metadata)
-    objects = kept_detections(detections, metadata["tag"])
+    objects = kept_detections(detections, metadata["tag"], counting_threshold=counting_threshold)
     unexplained = sum(d["class"] == UNKNOWN for d in detections)
     correct, reasons, groups = _official(metadata, objects, unexplained)
-    strict, partial = _partial(metadata, objects)
+    strict, partial = _partial(metadata, objects, unexplained)
     corrected = _corrected(metadata, objects, groups, unexplained)
+    official = _official(metadata, kept_detections(detections, metadata["tag"]))[0]
     values = {"partial": partial, "strict": float(strict), "correct": float(correct), "corrected": corrected}
     return {"correct": float(correct), "strict": float(strict), "partial": partial, "score_corrected": corrected,
             "score": values[score], "reason": reasons[0] if reasons else "",
-            "counts": {name: len(dets) for name, dets in objects.items()}, "unexplained": unexplained}
+            "counts": {name: len(dets) for name, dets in objects.items()}, "unexplained": unexplained,
+            "official": float(official)}
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -391,11 +406,12 @@ def summary(tags, correct):
     return out
 
 
-def summary_of_scores(scores):
-    """`summary` from a reward output (geneval_correct and the per-tag geneval_<tag> entries)."""
+def summary_of_scores(scores, key="geneval_correct"):
+    """`summary` from a reward output: the verdicts under `key` (geneval_correct, or geneval_official: GenEval's own
+    rule) grouped by the per-tag geneval_<tag> entries."""
     import torch
 
-    correct = torch.as_tensor(scores["geneval_correct"]).float()
+    correct = torch.as_tensor(scores[key]).float()
     tags = [None] * len(correct)
     for tag in TAGS:
         if f"geneval_{tag}" in scores:
@@ -785,15 +801,16 @@ def jpeg_roundtrip(images):
 
 
 def reward(*, detect, vocabulary, device, geneval_detector, geneval_clip_path, geneval_clip_model, geneval_score,
-           geneval_batch_size, geneval_jpeg, **_):
+           geneval_batch_size, geneval_jpeg, counting_threshold=COUNTING_THRESHOLD, **_):
     """GenEval reward -> score(images uint8 [B, H, W, 3], prompts, metadata) -> {"reward": the
-    `geneval_score` [B], "geneval_correct": official 0/1 [B], "geneval_strict" [B], and for each of
-    the six TAGS "geneval_<tag>" [B]: official 0/1 on that tag's samples, NaN elsewhere}.
+    `geneval_score` [B], "geneval_correct": the judge's 0/1 [B], "geneval_official": GenEval's own rule's 0/1 [B]
+    (they differ only by the departures of the module docstring), "geneval_strict" [B], and for each of
+    the six TAGS "geneval_<tag>" [B]: the judge's 0/1 on that tag's samples, NaN elsewhere}.
 
     Every tag entry is always present (all NaN when the batch has none of that tag) so that every
     batch and every rank reports the same keys. detect(uint8 [b, H, W, 3]) -> b lists of detections is the
     detector named by geneval_detector (rewards.GENEVAL_DETECTORS builds it; vocabulary: the classes and colours it
-    reports, or None), called in batches of
+    reports, or None; counting_threshold: its score that keeps a counting prompt's detection), called in batches of
     `geneval_batch_size` images; the colour classifier (only for detections without a colour) is loaded now for
     mask2former, whose detections never have one, else on first use. With `geneval_jpeg` both see each image after
     `jpeg_roundtrip`, as AWM's reward server did.
@@ -833,7 +850,7 @@ def reward(*, detect, vocabulary, device, geneval_detector, geneval_clip_path, g
         detections = [[dict(d) for d in dets] for dets in detections]  # colours are written into copies
         jobs = []  # (image index, detection, class) the colour clauses look at that have no colour yet
         for i, (m, dets) in enumerate(zip(metadata, detections)):
-            kept = kept_detections(dets, m["tag"])
+            kept = kept_detections(dets, m["tag"], counting_threshold=min(counting_threshold, COUNTING_THRESHOLD))
             for clause in m["include"]:
                 if "color" in clause:
                     jobs += [(i, d, clause["class"]) for d in kept.get(clause["class"], [])[:clause["count"]]
@@ -841,10 +858,12 @@ def reward(*, detect, vocabulary, device, geneval_detector, geneval_clip_path, g
         if jobs:
             for (_, det, _), colour in zip(jobs, classify([(images[i], det, name) for i, det, name in jobs])):
                 det["color"] = colour
-        verdicts = [geneval_judge(m, dets, score=geneval_score) for m, dets in zip(metadata, detections)]
+        verdicts = [geneval_judge(m, dets, score=geneval_score, counting_threshold=counting_threshold)
+                    for m, dets in zip(metadata, detections)]
         correct = torch.tensor([v["correct"] for v in verdicts])
         out = {"reward": torch.tensor([v["score"] for v in verdicts], dtype=torch.float32),
-               "geneval_correct": correct, "geneval_strict": torch.tensor([v["strict"] for v in verdicts])}
+               "geneval_correct": correct, "geneval_official": torch.tensor([v["official"] for v in verdicts]),
+               "geneval_strict": torch.tensor([v["strict"] for v in verdicts])}
         for tag in TAGS:
             mine = torch.tensor([m["tag"] == tag for m in metadata])
             out[f"geneval_{tag}"] = torch.where(mine, correct, torch.tensor(float("nan")))

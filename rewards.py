@@ -865,7 +865,8 @@ def geneval_reward(*, geneval_detector, geneval_detector_path, device, **options
         raise ValueError(f"--geneval-detector must be one of {', '.join(GENEVAL_DETECTORS)}, got {name!r}")
     detect = GENEVAL_DETECTORS[name](geneval_detector_path, device)
     return geneval.reward(detect=detect, vocabulary=GENEVAL_VOCABULARY.get(name), device=device,
-                          geneval_detector=name, **options)
+                          geneval_detector=name, **options,
+                          counting_threshold=GENEVAL_COUNTING_THRESHOLD.get(name, geneval.COUNTING_THRESHOLD))
 
 
 def geneval_rows_check(detector):
@@ -914,6 +915,10 @@ GENEVAL_DETECTORS = {
 GENEVAL_VOCABULARY = {
     "mask2former": (geneval.OBJECT_NAMES, geneval.COLORS),  # GenEval's 80 COCO classes and 10 colours
     "shapes": (shapes.SHAPES, tuple(shapes.COLORS)),
+}
+GENEVAL_COUNTING_THRESHOLD = {  # the score above which a counting prompt's detection counts (geneval.py, departures)
+    "mask2former": geneval.COUNTING_THRESHOLD,  # GenEval's 0.9, for a detector scored on photographs
+    "shapes": shapes.COUNTING_THRESHOLD,  # 0.3: the shapes detector's scores are template fits, not confidences
 }
 
 

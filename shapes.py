@@ -307,6 +307,10 @@ MIN_AREA = 0.02  # components under this fraction of the image are specks, not o
 SPECK_AREA = 0.005  # under this (5 px of 1024) noise; from here to MIN_AREA a speck, reported as unknown
 UNKNOWN = geneval.UNKNOWN  # the class of a component the detector cannot name (a speck, a fit scoring <= UNEXPLAINED)
 UNEXPLAINED = geneval.THRESHOLD  # the lowest score any rule keeps (GenEval's 0.3): a fit at or under it is unknown
+# A score here is a template fit, not a confidence calibrated on photographs: a clean shape a person names at once
+# scores from 0.35 to 0.9. So a counting prompt counts every shape above GenEval's 0.3, as the other tags do, not
+# only those above GenEval's 0.9, which let RL draw four squares for "two squares" (geneval.py, departures).
+COUNTING_THRESHOLD = geneval.THRESHOLD
 
 
 def _dilate(mask):

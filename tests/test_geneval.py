@@ -618,7 +618,9 @@ def test_reward_end_to_end(monkeypatch):
     assert out["geneval_strict"].tolist() == [expected[k][1] for k in order]
     assert out["reward"].tolist() == [expected[k][2] for k in order] and out["reward"].dtype == torch.float32
     assert calls == [[("car", "car")]]  # CLIP only for the detection a colour clause needs that had no colour
-    assert set(out) == {"reward", "geneval_correct", "geneval_strict"} | {f"geneval_{t}" for t in geneval.TAGS}
+    assert set(out) == {"reward", "geneval_correct", "geneval_official", "geneval_strict"} | {
+        f"geneval_{t}" for t in geneval.TAGS}
+    assert torch.equal(out["geneval_official"], out["geneval_correct"])  # a photo detector: GenEval's rule as it is
     for tag in geneval.TAGS:  # official 0/1 on the tag's samples, NaN elsewhere; all six keys always present
         want = [expected[k][0] if metadata[k]["tag"] == tag else None for k in order]
         got = out[f"geneval_{tag}"].tolist()

@@ -21,9 +21,10 @@ def obj(shape, color, cx, cy, size):
 
 
 def verdict(prompt, image):
-    """The official GenEval verdict (0/1) of `image` for one of this world's prompts."""
+    """The shapes world's GenEval verdict (0/1) of `image` for one of this world's prompts."""
     rows = {r["prompt"]: r["metadata"] for tag in shapes.TAGS for r in shapes.prompt_rows(tag)}
-    return geneval.geneval_judge(rows[prompt], shapes.detect(image)[0])["correct"]
+    return geneval.geneval_judge(rows[prompt], shapes.detect(image)[0],
+                                 counting_threshold=shapes.COUNTING_THRESHOLD)["correct"]
 
 
 def degrade(images, rng, blur=0.7, noise=8.0):
@@ -283,6 +284,83 @@ def test_judge_verdicts_for_every_task_type():
     assert verdict("a photo of three squares", three) == 1
     assert verdict("a photo of two squares", three) == 0  # exclude clause: a third square
     assert verdict("a photo of four squares", three) == 0
+
+
+# ----------------------------------------------------------------------------- counting against the rendered truth
+# A scene holds N clean objects of a class and M deformed ones (stretched, blurred, both, squashed into a bar, or
+# small): a person counts N + M, and calls "a photo of K <class>s" right only when K = N + M. The detector scores a
+# deformed object of the class from 0.3 to 0.9 (a template fit) or cannot name it (unknown): GenEval's counting
+# threshold of 0.9 misses it, and so did this judge before its counting threshold became the detector's.
+
+DEFORMATIONS = {"stretched": dict(aspect=0.7), "blurred": dict(blur=1.2), "stretched and blurred": dict(aspect=0.7,
+                blur=1.0), "squashed": dict(aspect=0.45), "small": dict(side=7.0)}
+
+
+def deformed_scene(shape, clean, deformed, rng):
+    """A scene with `clean` objects of `shape` drawn as the renderer draws them and one of DEFORMATIONS applied to
+    each of `deformed` more, at the renderer's layout -> (uint8 [32, 32, 3], the deformations used)."""
+    n = clean + deformed
+    placed = shapes.layout({"include": [{"class": shape, "count": n}]}, 32, rng)
+    image = shapes.draw(placed[:clean], 32).astype(np.float64)
+    kinds = [list(DEFORMATIONS)[rng.integers(len(DEFORMATIONS))] for _ in range(deformed)]
+    for o, kind in zip(placed[clean:], kinds):
+        d = DEFORMATIONS[kind]
+        side = min(d.get("side", o["size"]), o["size"])
+        w, h = (side, side * d.get("aspect", 1.0))[::1 if rng.random() < 0.5 else -1]
+        cy = o["cy"] + (h / 6 if shape == "triangle" else 0)  # a triangle's template is centred on its centroid
+        alpha = shapes._blur(shapes.template(shape, o["cx"], cy, w, h, 32), d.get("blur", 0.0))[..., None]
+        image = image * (1 - alpha) + np.array(shapes.COLORS[o["color"]], np.float64) * alpha
+    return np.round(image).astype(np.uint8), kinds
+
+
+def test_counting_agrees_with_the_rendered_truth():
+    """300 scenes of N clean and M deformed objects (N + M from 1 to 4, M from 0 to 2), each asked "a photo of K
+    <class>s" for K = 2, 3, 4. The judge never calls a scene right whose count a person would not give as K; it calls
+    every scene right whose count is K when its deformed objects stay recognisable (stretched, blurred), and wrong
+    when one is squashed into a bar or shrunk to a speck (is that still one of them? it will not pay for it). GenEval's
+    own rule (0.9) calls a scene with more objects than asked right in about a third of them (measured 0.37)."""
+    rng = np.random.default_rng(11)
+    rows = {(r["metadata"]["include"][0]["class"], r["metadata"]["include"][0]["count"]): r["metadata"]
+            for r in shapes.prompt_rows("counting")}
+    recognisable = {"stretched", "blurred", "stretched and blurred"}
+    accepted_wrongly, missed, doubtful, too_many, official_too_many = [], [], 0, 0, 0
+    for i in range(300):
+        shape, deformed = shapes.SHAPES[i % 3], int(rng.integers(3))
+        clean = int(rng.integers(max(1 - deformed, 0), 5 - deformed))
+        image, kinds = deformed_scene(shape, clean, deformed, rng)
+        detections = shapes.detect(image)[0]
+        for k in (2, 3, 4):
+            got = geneval.geneval_judge(rows[shape, k], detections, counting_threshold=shapes.COUNTING_THRESHOLD)
+            if got["correct"] and clean + deformed != k:
+                accepted_wrongly.append((shape, clean, kinds, k))
+            if clean + deformed == k and set(kinds) <= recognisable and not got["correct"]:
+                missed.append((shape, clean, kinds, k, got["reason"]))
+            doubtful += clean + deformed == k and not set(kinds) <= recognisable and not got["correct"]
+            if clean + deformed > k:
+                too_many += 1
+                official_too_many += got["official"] == 1.0
+    assert not accepted_wrongly and not missed, (accepted_wrongly[:3], missed[:3])
+    assert doubtful >= 10  # the scenes where a deformed object leaves the count in doubt exist, and are refused
+    assert too_many >= 100 and 0.1 < official_too_many / too_many < 0.6, (official_too_many, too_many)
+
+
+def test_partial_score_sees_the_extra_objects():
+    """The trained score (the reward server's partial credit) counts on the judge's kept detections: two clean
+    squares, a stretched one and a bar (an unknown component, counted where the count stands in for the exclude
+    clause) for "two squares" score 1 - |2 - 4| / 2 = 0; at GenEval's 0.9 the stretched square is not seen (0.5)."""
+    rng = np.random.default_rng(3)
+    row = next(r["metadata"] for r in shapes.prompt_rows("counting") if r["prompt"] == "a photo of two squares")
+    placed = shapes.layout({"include": [{"class": "square", "count": 4}]}, 32, rng)
+    image = shapes.draw(placed[:2], 32).astype(np.float64)
+    for o, (w, h) in zip(placed[2:], ((0.65, 1.0), (1.0, 0.4))):
+        alpha = shapes.template("square", o["cx"], o["cy"], o["size"] * w, o["size"] * h, 32)[..., None]
+        image = image * (1 - alpha) + np.array(shapes.COLORS["red"], np.float64) * alpha
+    detections = shapes.detect(np.round(image).astype(np.uint8))[0]
+    assert sorted(d["class"] for d in detections) == ["square", "square", "square", "unknown"]
+    assert 0.3 < min(d["score"] for d in detections if d["class"] == "square") < 0.9
+    honest = geneval.geneval_judge(row, detections, counting_threshold=shapes.COUNTING_THRESHOLD)
+    assert (honest["correct"], honest["partial"], honest["official"]) == (0.0, 0.0, 1.0)
+    assert geneval.geneval_judge(row, detections)["partial"] == 0.5  # at GenEval's 0.9 only the bar is seen
 
 
 # ----------------------------------------------------------------------------- the model
