@@ -42,7 +42,6 @@ from typing import Callable, NamedTuple
 import torch
 
 import flags
-import regularizers
 import sde
 
 
@@ -646,7 +645,17 @@ def _gated(kl, t, empty):
     """The KL term from the per-sample kl [b]: their mean, or with GARDO's gate (t["kl_gate"] [b] bool, the samples
     whose KL counts: regularizers.py) the mean over the flagged samples."""
     gate = t.get("kl_gate")
-    return kl.mean() if gate is None else regularizers.gated_kl(kl, gate, empty=empty)
+    return kl.mean() if gate is None else gated_kl(kl, gate, empty=empty)
+
+
+def gated_kl(kl, flagged, *, empty="zero"):
+    """GARDO's gated KL term (regularizers.py): kl [N] per sample, flagged [N] bool -> the mean over the flagged ones.
+    No flagged sample: 0 (GRPO, G L988-989) or the mean over all (`empty="all"`, DiffusionNFT, N L1054-1056).
+    Written as a weighted sum, without a branch on the flags: no wait for the GPU (G L983 reads them on the host)."""
+    weight = flagged.to(kl.dtype)  # [N]
+    if empty == "all":  # none flagged: every sample
+        weight = torch.where(weight.sum() > 0, weight, torch.ones_like(weight))
+    return (kl * weight).sum() / weight.sum().clamp(min=1)  # none flagged, "zero": 0, the graph kept
 
 
 def _reference_kl(value, info, t, *, kl_beta, kl_form, sde, **_):

@@ -4,7 +4,6 @@ Diversity-aware Optimization, arXiv:2512.24138; code tinnerhrhe/GARDO at 1cc77fb
     u = uncertainty(main_reward, [aux_reward, ...])         # per sample: rank under the trained reward - mean aux rank
     fraction, history = gate_fraction(fraction, history, u)  # the share of samples the KL is applied to, adapted
     flagged = kl_gate(u, fraction)                           # [B] bool: the samples whose KL counts
-    kl = gated_kl(kl_per_sample, flagged)                    # the KL term, over the flagged samples only
     due = reference_due(step, last_reset, max_kl, reset_freq=15, kl_thres=3e-4)  # reset the KL anchor now?
     adv = diversity_advantages(rewards, features, groups)    # positive advantages scaled by feature novelty
 
@@ -46,6 +45,9 @@ import argparse
 import math
 
 import torch
+
+import distributed
+import diversity
 
 
 def ranks(x):
@@ -111,16 +113,6 @@ def kl_gate(u, fraction):
     return u > threshold
 
 
-def gated_kl(kl, flagged, *, empty="zero"):
-    """The KL term over the flagged samples only: kl [N] per sample, flagged [N] bool -> scalar mean over them.
-    No flagged sample: 0 (GRPO, G L988-989) or the mean over all (`empty="all"`, DiffusionNFT, N L1054-1056).
-    Written as a weighted sum, without a branch on the flags: no wait for the GPU (G L983 reads them on the host)."""
-    weight = flagged.to(kl.dtype)  # [N]
-    if empty == "all":  # none flagged: every sample
-        weight = torch.where(weight.sum() > 0, weight, torch.ones_like(weight))
-    return (kl * weight).sum() / weight.sum().clamp(min=1)  # none flagged, "zero": 0, the graph kept
-
-
 def reference_due(step, last_reset, max_kl, *, reset_freq, kl_thres):
     """Whether the KL anchor is reset to the current weights at the start of `step` (G L789): when an optimizer step
     since the last reset had a KL (the gated term's mean) above kl_thres (`max_kl`, G L1042-1043), or when more than
@@ -183,6 +175,76 @@ def diversity_advantages(rewards, features, groups):
         members = groups == g
         centred[members] = r[members] - r[members].mean()
     return centred * diversity_weights(centred, features, groups)
+
+
+# ----------------------------------------------------------------------------- where train.py calls them
+# Three points of a step, each a plain function that applies whichever rules the flags turn on; train.py names no
+# rule. A rule's state across steps lives in `carry` (run.carry: saved with every checkpoint, resumed exactly).
+
+def shape_advantages(adv, keep, groups, rewards, scores, batch, args, carry, mine):
+    """ADVANTAGES, after the loss's rule, over every rank's samples (adv, keep, groups, rewards [samples]; scores: this
+    rank's reward components; mine: this rank's slice): --gardo-diversity scales the positive advantages in place by
+    their images' novelty in the group (the features of batch["images"], kept as batch["features"]); --gardo-gate sets
+    batch["kl_gate"] [per rank], the samples whose KL counts. -> statistics."""
+    info = {}
+    if args.gardo_diversity:  # a positive advantage grows with how unlike its group's others the image is
+        featurize = diversity.featurizer(args.diversity, args.diversity_path, adv.device)
+        batch["features"] = featurize(batch["images"])  # [n, D]: run.log's feature diversity reads them too
+        features = distributed.all_gather_cat(batch["features"].to(adv.device))  # [samples, D]
+        weight = diversity_weights(adv[keep], features[keep], groups[keep]).to(adv)
+        adv[keep] = adv[keep] * weight
+        info["gardo_weight_max"] = weight.max().item()
+    if args.gardo_gate:  # the KL only where the auxiliary rewards rank a sample well above the trained one
+        aux = [distributed.all_gather_cat(scores[name].to(rewards.device))[keep].cpu() for name in args.gardo_gate]
+        u = uncertainty(rewards[keep].cpu(), aux)  # [kept], ranks over the whole step (G L827-837)
+        carry["gate_fraction"], carry["gate_history"] = gate_fraction(
+            carry.get("gate_fraction", GATE["base"]), carry.get("gate_history", []), u)
+        flagged = torch.zeros_like(keep)  # dropped groups: never flagged (they do not train)
+        flagged[keep] = kl_gate(u, carry["gate_fraction"]).to(keep.device)
+        batch["kl_gate"] = flagged[mine]  # [per rank]: read by the loss's KL term (losses.gated_kl)
+        info.update(gardo_fraction=carry["gate_fraction"], gardo_flagged=flagged[keep].float().mean().item())
+    return info
+
+
+def before_training(policy, hyper, args, carry, step):
+    """TRAINING, before its first forward: the loss's hyper-parameters with the adaptive KL weight (--kl-target), and
+    GARDO's adaptive reference renewed when due (--gardo-reference; G L788-799). -> (hyper, the step's state)."""
+    if args.kl_target > 0:  # carried from step to step (and in checkpoints)
+        hyper = dict(hyper, kl_beta=carry.setdefault("kl_beta", args.kl_beta))
+    renewed = False
+    if args.gardo_reference:
+        carry.setdefault("last_reset", 0)
+        carry.setdefault("max_kl", 0.0)
+        renewed = reference_due(step, carry["last_reset"], carry["max_kl"], reset_freq=args.gardo_reset_freq,
+                                kl_thres=args.gardo_kl_thres)
+        if renewed:
+            policy.reset_reference()
+            carry.update(last_reset=step, max_kl=0.0)
+    return hyper, dict(renewed=renewed, step_kls=[])
+
+
+def before_optimizer_step(state, stats, n_terms, args):
+    """TRAINING, after a minibatch's backward passes: --gardo-reference keeps its KL term, the mean over its n_terms
+    micro-steps (G L1040)."""
+    if args.gardo_reference:
+        state["step_kls"].append(torch.stack(stats["kl"][-n_terms:]).mean())
+
+
+def after_training(info, hyper, state, args, carry, device):
+    """TRAINING, after the step's updates: --gardo-reference's largest KL of the step, each optimizer step's averaged
+    over the ranks (G L1041), renews the snapshot at the next step when above --gardo-kl-thres (G L1042-1043, L789);
+    --kl-target sets the next step's KL weight from this step's KL, the mean over the ranks. -> info, with theirs."""
+    if args.gardo_reference:
+        kls = distributed.all_gather_cat(torch.stack(state["step_kls"])).view(distributed.WORLD, -1)
+        info["gardo_kl_max"] = kls.mean(0).max().double().item()
+        carry["max_kl"] = max(carry["max_kl"], info["gardo_kl_max"])
+        info["gardo_reset"] = int(state["renewed"])
+    if args.kl_target > 0 and "kl" in info:
+        kl = distributed.all_gather_cat(torch.tensor([info["kl"]], device=device)).mean().item()
+        info["kl_beta"] = hyper["kl_beta"]  # the weight this step trained with
+        carry["kl_beta"] = adaptive_kl_beta(hyper["kl_beta"], kl, target=args.kl_target, rate=args.kl_rate,
+                                            floor=args.kl_beta)
+    return info
 
 
 def add_arguments(parser):

@@ -289,10 +289,9 @@ def guidance_scales(args):
 
 # ----------------------------------------------------------------------------- ADVANTAGES
 def advantages(got, loss, args, step, per_rank, batch, carry):
-    """Group-relative advantages over every rank's rewards (each group normalised over all its members, then this
-    rank's slice; with --gardo-diversity the positive ones scaled by their images' novelty in the group, from
-    batch["images"]; with --gardo-gate the samples whose KL counts, batch["kl_gate"], the gate's share carried in
-    `carry`) -> ({adv [per_rank], ids: the samples to train, rank_weight}, the step's reward statistics)."""
+    """Group-relative advantages over every rank's rewards (each group normalised over all its members, shaped by the
+    regularizers the flags turn on, their state in `carry`), then this rank's slice -> ({adv [per_rank], ids: the
+    samples to train, rank_weight}, the step's reward statistics)."""
     device = got.dropped.device
     all_rewards = distributed.all_gather_cat(got.scores[args.reward_key].to(device))  # [samples]
     groups = torch.arange(args.prompts_per_step, device=device).repeat_interleave(args.group_size)  # [samples]
@@ -307,18 +306,8 @@ def advantages(got, loss, args, step, per_rank, batch, carry):
     else:  # the loss's rule: group-relative advantages, or its own (the best of each group, its best-worst pair)
         all_adv[keep] = loss.advantages(all_rewards[keep], groups[keep], global_std=args.global_std,
                                         clip=args.adv_clip)
-    if args.gardo_diversity:  # GARDO: a positive advantage grows with how unlike its group's others the image is
-        featurize = diversity.featurizer(args.diversity, args.diversity_path, device)
-        batch["features"] = featurize(batch["images"])  # [n, D]: run.log's feature diversity reads them too
-        features = distributed.all_gather_cat(batch["features"].to(device))  # [samples, D]
-        weight = regularizers.diversity_weights(all_adv[keep], features[keep], groups[keep]).to(all_adv)
-        all_adv[keep] = all_adv[keep] * weight
-        info["gardo_weight_max"] = weight.max().item()
     mine = slice(RANK * per_rank, (RANK + 1) * per_rank)
-    if args.gardo_gate:  # GARDO: the KL only where the auxiliary rewards rank a sample well above the trained one
-        flagged = gardo_gate(got, all_rewards, keep, args, carry)  # [samples] bool
-        batch["kl_gate"] = flagged[mine]  # [per_rank]: read by the loss's KL term (losses._gated)
-        info.update(gardo_fraction=carry["gate_fraction"], gardo_flagged=flagged[keep].float().mean().item())
+    info |= regularizers.shape_advantages(all_adv, keep, groups, all_rewards, got.scores, batch, args, carry, mine)
     # Samples with advantage 0 (saturated groups, dropped groups) carry no policy gradient and leave the update
     # (departure 4); each rank keeps its micro-batch count and trains its kept samples in smaller micro-batches.
     # The forward-process losses train every sample of the kept groups, as their references (departure 8).
@@ -334,19 +323,6 @@ def advantages(got, loss, args, step, per_rank, batch, carry):
             info[key] = torch.nanmean(distributed.all_gather_cat(value.to(device))).item()
     # DDP averages the ranks' gradients: weighting each rank by its share makes the step the mean over all samples.
     return dict(adv=all_adv[mine], ids=ids, rank_weight=WORLD * len(ids) / counts.sum().item()), info
-
-
-def gardo_gate(got, rewards, keep, args, carry):
-    """GARDO's gate over every rank's kept samples (regularizers.py, G L827-837): each one's uncertainty (its rank under
-    the trained reward less its mean rank under the --gardo-gate rewards), the share of flagged samples adapted to it
-    (its state in `carry`, saved with the run) and the flagged samples -> [samples] bool, beside `rewards`."""
-    aux = [distributed.all_gather_cat(got.scores[name].to(rewards.device))[keep].cpu() for name in args.gardo_gate]
-    u = regularizers.uncertainty(rewards[keep].cpu(), aux)  # [kept], ranks over the whole step
-    carry["gate_fraction"], carry["gate_history"] = regularizers.gate_fraction(
-        carry.get("gate_fraction", regularizers.GATE["base"]), carry.get("gate_history", []), u)
-    flagged = torch.zeros_like(keep)  # dropped groups: never flagged (they do not train)
-    flagged[keep] = regularizers.kl_gate(u, carry["gate_fraction"]).to(keep.device)
-    return flagged
 
 
 def trained_ids(loss, adv, keep, n_micro, generator, group_size):
@@ -390,15 +366,13 @@ def trained_pairs(adv, n_micro, generator):
 def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
     """--updates-per-batch passes over the trained samples, each in --minibatches optimizer steps of micro-batches;
     one loss term per micro-batch and trained step (or training sigma), built by reverse_terms / forward_terms and
-    scored by loss.fn. Then the on-policy check (departure 2) and the old copy's decay; with --gardo-reference the
-    KL anchor renewed first when due. -> the step's statistics."""
+    scored by loss.fn. Then the on-policy check (departure 2) and the old copy's decay; the regularizers act before
+    the first forward, before each optimizer step and at the end. -> the step's statistics."""
     policy.model.train()
-    hyper, train_guidance = vars(args), guidance_scales(args)[1]
-    if args.kl_target > 0:  # the adaptive KL weight, carried from step to step (and in checkpoints)
-        hyper = dict(hyper, kl_beta=run.carry.setdefault("kl_beta", args.kl_beta))
+    train_guidance = guidance_scales(args)[1]
+    hyper, state = regularizers.before_training(policy, vars(args), args, run.carry, step)  # before any forward
     n_micro = len(batch["prompts"]) // args.train_batch_size  # micro-batches per pass, the same on every rank
-    stats, optim_steps, failed, step_kls = {}, 0, {"overflow": 0, "skipped": 0}, []
-    renewed = args.gardo_reference and renew_reference(policy, run.carry, args, step)  # GARDO: before any forward
+    stats, optim_steps, failed = {}, 0, {"overflow": 0, "skipped": 0}
     on_cpu = [adv["ids"][torch.randperm(len(adv["ids"]), generator=data.seeded(args.seed, step, RANK, u, 1))]
               for u in range(args.updates_per_batch)]  # the trained samples' order in each pass, also on the
     orders = [o.to(policy.device) for o in on_cpu]  # device: CPU indices into GPU tensors would copy them over (and
@@ -440,40 +414,15 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
                     info["loss"] = value.detach()
                     for key, val in info.items():  # 0-dim tensors, fetched once per step (host_stats)
                         stats.setdefault(key, []).append(val)
-            if args.gardo_reference:  # the optimizer step's KL term: the mean over its micro-steps (G L1040)
-                step_kls.append(torch.stack(stats["kl"][-n_terms:]).mean())
+            regularizers.before_optimizer_step(state, stats, n_terms, args)
             status, grad_norm = policy.step()  # one optimizer step per minibatch; a non-finite gradient skips it
             if status != "ok":
                 failed[status] += 1
                 continue
             optim_steps += 1
             stats.setdefault("grad_norm", []).append(grad_norm)
-    if args.gardo_reference:  # the step's largest, each optimizer step's averaged over the ranks (G L1041)
-        stats["gardo_kl_max"] = [distributed.all_gather_cat(torch.stack(step_kls)).view(WORLD, -1).mean(0).max()]
     info = after_update(policy, loss, batch, host_stats(stats), optim_steps, failed, args, run)
-    if args.gardo_reference:  # above --gardo-kl-thres: renewed at the next step (G L1042-1043, L789)
-        run.carry["max_kl"] = max(run.carry["max_kl"], info["gardo_kl_max"])
-        info["gardo_reset"] = int(renewed)
-    if args.kl_target > 0 and "kl" in info:  # the next step's weight from this step's KL, the mean over the ranks
-        kl = distributed.all_gather_cat(torch.tensor([info["kl"]], device=policy.device)).mean().item()
-        info["kl_beta"] = hyper["kl_beta"]  # the weight this step trained with
-        run.carry["kl_beta"] = regularizers.adaptive_kl_beta(hyper["kl_beta"], kl, target=args.kl_target,
-                                                             rate=args.kl_rate, floor=args.kl_beta)
-    return info
-
-
-def renew_reference(policy, carry, args, step):
-    """GARDO's adaptive reference at the start of `step` (regularizers.reference_due; G L788-799): the snapshot <- the
-    current weights when a KL since the last renewal exceeded --gardo-kl-thres or more than --gardo-reset-freq steps
-    passed; its state (the last renewal, the largest KL since) in `carry`. -> whether it was renewed."""
-    carry.setdefault("last_reset", 0)
-    carry.setdefault("max_kl", 0.0)
-    due = regularizers.reference_due(step, carry["last_reset"], carry["max_kl"], reset_freq=args.gardo_reset_freq,
-                                     kl_thres=args.gardo_kl_thres)
-    if due:
-        policy.reset_reference()
-        carry.update(last_reset=step, max_kl=0.0)
-    return due
+    return regularizers.after_training(info, hyper, state, args, run.carry, policy.device)
 
 
 def host_stats(stats):

@@ -5,13 +5,14 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
-    ("flags", "sde", "data", "distributed", "geneval", "presets", "regularizers"),  # the math and the plumbing below
-    # everything: torch only; the flag defaults per model and loss; GARDO's rules
+    ("flags", "sde", "data", "distributed", "geneval", "presets"),  # the math and the plumbing below
+    # everything: torch only; the flag defaults per model and loss
     ("losses", "checkpoints", "families", "shapes", "services", "reward_models", "proxy"),  # losses and their
     # registry; run folders; the model-family adapters; the shapes world; reward-service HTTP; the neural reward models;
     # the learned proxy of the GenEval judge
     ("models", "rewards", "diversity"),  # the model interface over every family; REWARDS; diversity
-    ("policy", "eval"),  # the trained weights, their optimizer and copies; ODE evaluation, grids, curves
+    ("policy", "eval", "regularizers"),  # the trained weights, their optimizer and copies; ODE evaluation, grids,
+    # curves; what acts on every loss (GARDO's rules, the adaptive KL weight) and where train.py calls it
     ("run",),  # the life of a run: resume, logs, the reward wait, checkpoints, signals
     ("train",),  # the algorithm
     ("bench",),  # tools on top of train.main (and scripts/, which may import anything)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import losses
 import regularizers
 
 
@@ -79,11 +80,11 @@ def test_gate_flags_u_above_the_percentile_of_the_non_negative_u():
 def test_gated_kl_over_the_flagged_samples():
     kl = torch.tensor([1.0, 2.0, 3.0, 6.0], requires_grad=True)
     flagged = torch.tensor([False, True, False, True])
-    assert regularizers.gated_kl(kl, flagged).item() == 4.0  # (2 + 6) / 2
+    assert losses.gated_kl(kl, flagged).item() == 4.0  # (2 + 6) / 2
     none = torch.zeros(4, dtype=torch.bool)
-    assert regularizers.gated_kl(kl, none).item() == 0.0  # G L988-989: no KL term
-    assert regularizers.gated_kl(kl, none, empty="all").item() == 3.0  # N L1054-1056: every sample
-    regularizers.gated_kl(kl, flagged).backward()
+    assert losses.gated_kl(kl, none).item() == 0.0  # G L988-989: no KL term
+    assert losses.gated_kl(kl, none, empty="all").item() == 3.0  # N L1054-1056: every sample
+    losses.gated_kl(kl, flagged).backward()
     assert kl.grad.tolist() == [0.0, 0.5, 0.0, 0.5]  # no gradient reaches the samples the gate leaves out
 
 
