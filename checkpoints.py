@@ -105,7 +105,8 @@ RUN_FLAGS = ("out", "resume", "overwrite", "steps", "fps", "save_every", "keep_c
              "eval_prompts", "log_images_every", "max_bad_steps", "wandb", "log_to", "compile",
              "gradient_checkpointing",
              "model_path", "reward_retries", "reward_timeout", "reward_backoff", "ocr_workers", "pickscore_batch_size",
-             "hps_batch_size", "remote_batch_size", "remote_max_concurrency")
+             "hps_batch_size", "remote_batch_size", "remote_max_concurrency", "print_config",
+             "sources")  # where each value came from (config.py)
 
 
 def compare_flags(path, state, args):

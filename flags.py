@@ -1,6 +1,7 @@
 """Command-line plumbing shared by the scripts: @recipe files and flag types that refuse bad values in one line.
 
-    RecipeParser                          argparse with @recipe files (shell quoting, several flags a line, # comments)
+    RecipeParser                          argparse with @recipe files (shell quoting, several flags a line, # comments);
+                                          .given(): where each option named came from (command line, recipe:line)
     bounded(cast, low, high, ...)         a flag type: an int or finite float within an interval
     POSITIVE_INT, NONNEG_INT, POSITIVE, NONNEG, FRACTION, SEED
     resolution_arg                        --resolution: a side, or HEIGHTxWIDTH
@@ -34,11 +35,43 @@ class RecipeParser(argparse.ArgumentParser):
         except ValueError as e:  # unbalanced quotes
             self.error(f"recipe line {line.strip()!r}: {e}")
 
-    def _read_args_from_files(self, arg_strings):  # argparse's reader, each @file checked before it is read whole
-        for arg in arg_strings:
-            if arg and arg[0] in (self.fromfile_prefix_chars or "") and os.path.exists(arg[1:]):
+    def _read_args_from_files(self, arg_strings, origins=None):
+        """argparse's reader of @files, each checked before it is read whole, that also keeps where each argument came
+        from ("command line", or "<recipe>:<line>") for `given`."""
+        origins = origins or ["command line"] * len(arg_strings)
+        out, out_origins = [], []
+        for arg, origin in zip(arg_strings, origins):
+            if not arg or arg[0] not in (self.fromfile_prefix_chars or ""):
+                out.append(arg)
+                out_origins.append(origin)
+                continue
+            if os.path.exists(arg[1:]):
                 self._check_recipe(arg[1:])
-        return super()._read_args_from_files(arg_strings)
+            try:
+                with open(arg[1:]) as f:
+                    lines = f.read().splitlines()
+            except OSError as err:
+                self.error(str(err))
+            tokens = [(token, f"{arg[1:]}:{n}") for n, line in enumerate(lines, 1)
+                      for token in self.convert_arg_line_to_args(line)]
+            out += self._read_args_from_files([t for t, _ in tokens], [o for _, o in tokens])
+            out_origins += self._origins
+        self._arguments, self._origins = out, out_origins
+        return out
+
+    def given(self):
+        """{dest: where its value came from} for every option the last parse named: "command line" or "<recipe>:<line>"
+        of its last occurrence (the one argparse keeps)."""
+        out = {}
+        for token, origin in zip(getattr(self, "_arguments", []), getattr(self, "_origins", [])):
+            if not token.startswith("--"):
+                continue
+            name = token.split("=", 1)[0]
+            actions = {id(a): a for s, a in self._option_string_actions.items() if s == name} or \
+                {id(a): a for s, a in self._option_string_actions.items() if s.startswith(name)}  # an abbreviation
+            if len(actions) == 1:
+                out[next(iter(actions.values())).dest] = origin
+        return out
 
     def _check_recipe(self, path):
         """A recipe is a small text file: a device, a pipe, a huge or binary file is refused before it is read."""

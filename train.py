@@ -5,8 +5,8 @@ Launch
     python train.py                    # CPU: DiffusionNFT on the pretrained shapes model, GenEval prompts (~9 min)
     python train.py --loss grpo                                    # Flow-GRPO (SDE rollouts) on the same
     python train.py --model tiny --loss flowdppo --sde dance       # any loss / sampler on the random CPU model
-    torchrun --standalone --nproc_per_node=8 train.py @recipes/sd3_nft_geneval.args   # DiffusionNFT, GenEval
-    torchrun --standalone --nproc_per_node=8 train.py @recipes/sd3_ocr_grpo.args      # one node
+    python train.py @recipes/shapes_long.args --print-config       # every setting and where it came from, then exit
+    torchrun --standalone --nproc_per_node=8 train.py @recipes/sd3_nft_geneval.args   # one node
     torchrun --nnodes 2 --nproc_per_node 8 --node-rank R --rdzv-backend c10d \
         --rdzv-endpoint HOST:29500 train.py @recipes/sd3_pickscore_grpo.args      # two nodes (R = 0, 1)
     torchrun --standalone --nproc_per_node=8 --max-restarts 3 train.py @recipes/... --resume auto   # preemptible
@@ -16,108 +16,24 @@ Launch
     python train.py @recipes/sd3_sft_geneval.args                  # Wan, flow_grpo's online SFT and its online DPO
     python train.py @recipes/sd3_dpo_geneval.args
 
-One step = SAMPLING (SDE rollouts of `--group-size` images for each of `--prompts-per-step` prompts,
-spread over all ranks) -> REWARDS -> ADVANTAGES (group-relative, after gathering every rank's rewards)
--> TRAINING (`--updates-per-batch` passes of a clipped / masked importance-ratio loss over the trained
-denoising steps) -> LOG/EVAL/SAVE; main() is those phases, each a call. The algorithm is chosen in one place,
-losses.LOSSES (a loss is a function and a registry line: README, "Adding a loss"). The plumbing lives
-elsewhere: the trained weights, their optimizer and copies in policy.py, the run's folder, logs, checkpoints,
-signals and the wait for rewards in run.py, ranks and FSDP in distributed.py.
+One step = SAMPLING (rollouts of `--group-size` images for each of `--prompts-per-step` prompts, spread over all
+ranks) -> REWARDS (scored in a background thread while the next batch samples) -> ADVANTAGES (group-relative, after
+gathering every rank's rewards; regularizers.py shapes them) -> TRAINING (`--updates-per-batch` passes of the loss
+over the trained denoising steps or re-noised samples, in `--minibatches` optimizer steps) -> LOG/EVAL/SAVE. main()
+is those phases, each a call. The algorithm is chosen in one place, losses.LOSSES (a loss is a function and a
+registry line: README, "Adding a loss"); the flags and where each value comes from in config.py; the trained
+weights, their optimizer and frozen copies in policy.py; the run's folder, logs, checkpoints, signals and the
+reward wait in run.py; ranks and FSDP in distributed.py.
 
-The forward-process losses (`--loss nft`, DiffusionNFT arXiv:2509.16117; `--loss awm`, Advantage Weighted
-Matching arXiv:2509.25050) go through the same phases with other contents: SAMPLING runs a deterministic
-solver (`--sampler`, CFG 1 by default) and keeps only the clean samples; TRAINING re-noises each with fresh
-noise at sigmas of the rollout schedule and trains on the flow-matching error there (losses.py). Both keep
-an "old" float32 copy of the trained weights, soft-updated after each step, old <- d old + (1 - d) current
-(`--old-decay`): DiffusionNFT samples with it and contrasts against its velocity; AWM samples with the
-current weights and uses it as the anchor of its EMA-KL term (`--ema-kl-beta`; none when 0).
+The reverse-process losses (GRPO, GRPO-Guard, FlowDPPO) train on the log-probs of stored SDE transitions
+(sde.py). The forward-process losses (DiffusionNFT arXiv:2509.16117, AWM arXiv:2509.25050, online SFT / DPO,
+DGPO, CRD) sample with a deterministic solver, keep only the clean samples and train on the flow-matching error at
+re-noised points; their "old" float32 copy of the trained weights is soft-updated after each step,
+old <- d old + (1 - d) current (`--old-decay`).
 
-Where this departs from the papers, and why
--------------------------------------------
-1. The noise of every rollout is seeded from (--seed, step, rank, batch), not drawn from a running RNG:
-   a resumed run samples exactly what an uninterrupted one would, so stop/resume is bit-for-bit testable.
-2. The old log-probs (and old means, for GRPO-Guard and FlowDPPO) are the rollout's own, frozen before
-   the first update; the first optimizer step of each batch checks that the training forward reproduces
-   them (ratio == 1). This catches rollout/train mismatches (CFG on one side only, dtype, a stale adapter)
-   that otherwise train silently off-policy.
-3. The last denoising step (sigma_{N-1} -> 0) is always an ODE step and never trained. On SD3's schedule
-   (sigma ~0.009 at 10 steps, shift 3) its SDE std is ~0.006 and its log-prob would dominate the ratio.
-   Flow-GRPO's timestep_fraction 0.99 leaves it out of training too (int(10 x 0.99) = 9 of 10 steps); only a
-   Flow-GRPO-Fast window could reach it, which its default sde_window_range (0, T) allows and --window-range
-   refuses. Flow-GRPO's rollouts still add SDE noise on it; on schedules that end at linspace(1, 1/N) that is not
-   small: the Kontext recipe (6 steps, 512 px, FLUX's dynamic shift) goes from sigma 0.273 to 0, and the authors'
-   step there has std 0.29 at noise level 0.9 (untrained), where this project's is deterministic, so its final
-   samples are less noisy than the authors' (the rewards, and so the advantages, differ accordingly).
-4. Groups whose reward service failed (`--reward-on-error skip`) are dropped from the advantages as
-   whole groups (a partial group would shift the group mean of the others): advantage 0, below.
-   Samples with advantage 0 (those, and saturated groups, whose rewards are all equal) leave the update,
-   as in Flow-GRPO: the policy term is the mean over the samples that carry one, not diluted by the rest.
-   Each rank keeps its number of micro-batches (the same forwards and backwards on every rank, as DDP and
-   FSDP need) and trains its kept samples in smaller ones, topped up with advantage-0 samples to a multiple
-   of that number as Flow-GRPO does. The departure: each rank's loss is weighted by its share of the
-   trained samples, so the step is the mean over all of them; Flow-GRPO averages the GPUs' means, which
-   weights a sample by 1 / (the count on its GPU) and so depends on where the samples landed.
-5. Rewards are computed in a background thread while the next sample batch is generated; the result is
-   identical to scoring afterwards, only earlier.
-6. The EMA repeats its decay --ema-repeat times per update, fixed in the recipe. Flow-GRPO steps its EMA
-   after every micro-batch, so the repeat count is its gradient accumulation, which changes with the GPU
-   count (2 on general_ocr_sd3's 32 GPUs, 8 on 8 GPUs); stating it keeps a recipe's EMA the published
-   one on any number of GPUs.
-7. MixGRPO: the window slides to its last full position and stays there (or rolls back); MixGRPO's
-   shrinks to nothing first (from its iteration 500 at 25 steps; its published runs stop at 300). Under
-   --flash the solver after the window starts at first order; MixGRPO's carries the window's x0
-   predictions into its second-order history.
-8. --loss nft / awm: the old policy is a float32 copy of the trained weights exchanged in place for the
-   forwards that need it (checkpoints.swapped), where DiffusionNFT and AWM keep a second peft adapter: one
-   mechanism for LoRA, full fine-tunes and FSDP shards, and an exact exchange. Their samples with advantage 0
-   stay in the update (4 leaves them out of the others), as both references train them: NFT's r is 1/2 there,
-   a pull toward the old policy, and AWM's KL terms still act. Dropped groups (4) leave it, topped up alike.
-9. --loss awm samples with a deterministic solver (DPM-Solver++(2M) by default) where the reference runs a
-   stochastic SA-Solver (noise level 0.4 on GenEval and OCR, 0 on PickScore): the surrogate needs only
-   clean samples, so any solver serves, and this project has no SA-Solver. It also trains from the first
-   step, where the reference only samples in its first two epochs (a workaround in its code), and runs one
-   forward per training sigma where the reference stacks the 6 into one batch (the same gradient).
-10. --loss awm: the old log-probs of the PPO ratio are the current weights' on the first optimizer step of
-   a step (ratio 1, as in every AWM recipe: one optimizer step per sampled batch); for later optimizer steps
-   (--minibatches, --updates-per-batch) they are computed before the first one, at the same noise and
-   sigmas (the reference's on-policy mode).
-11. --sampler dpm2 takes the jump to the last nonzero sigma first order, where DiffusionNFT's solver
-   extrapolates it second order (sde.ode_sample: an 8x smaller error at 10 steps on Gaussian data).
-12. DiffusionNFT and AWM, smaller differences kept: DiffusionNFT's rollout conditions SD3 on integer timesteps
-   int(1000 s) (diffusers_patch/pipeline_with_logprob.py L213) and trains on float ones; here both are float, so the
-   rollout is the policy that trains. Its solver casts the latent to fp16 after every step (solver.py L23-68); here
-   it stays float32. Both keep the frozen base in float32 (train_nft_sd3.py L417, train_sd3_awm.py L606-608); a LoRA
-   run here loads it in --mixed-precision (half the memory; the matmuls run in that dtype either way). AWM draws its
-   training noise in fp16 (L1215-1220), here float32. Both draw each step's prompts as a fresh random subset
-   (DistributedKRepeatSampler), here every prompt once per epoch (data.step_prompt_ids); both group advantages by the
-   prompt's text, here by its place in the step, so duplicate lines of a prompt file stay separate groups.
-13. GARDO (regularizers.py; G = its scripts/train_sd3_grpo_gardo.py, N = train_sd3_nft_gardo.py) acts on every loss
-   here, where its scripts wire it into GRPO and DiffusionNFT. --gardo-diversity scales this project's advantages
-   (normalised by the group's std and clipped) where GARDO's tracker scales the raw centred reward, undivided
-   (flow_grpo/stat_tracking.py L135), so its size stays that of every other loss's advantages; features come from
-   --diversity (DINOv2 or CLIP through transformers), GARDO's from DINOv3 ViT-L/16 through timm; a group of identical
-   images keeps weight 1 where GARDO divides 0 by 0. --gardo-gate ranks the kept samples (groups a failed reward
-   service dropped never carry the KL), ties in the sort's stable order. --gardo-reference keeps its snapshot as a
-   float32 copy of the trained weights exchanged in place (as the old copy of 8), where GARDO keeps a second peft
-   adapter: it also serves full fine-tunes (N L990-991 asserts LoRA), and every reader of the reference (DGPO's
-   --dgpo-reference base too) reads the snapshot. The renewal waits for a step that trains (a skipped step neither
-   renews nor measures); its trigger is a fixed --gardo-kl-thres on the KL as --kl-form scales it, where N starts at
-   0.15 and nudges it after each renewal (L777-780). At --kl-beta 0 both rules are off, where N still computes its
-   reference velocity. The gate's share and the snapshot are saved and resumed; GARDO's scripts restart both.
-14. Qwen-Image-Edit's VL encoder is shown the resized source image, as diffusers' pipeline shows it. Flow-GRPO hands
-   it the preprocessed tensor in [-1, 1] (qwenimage_edit_pipeline_with_logprob.py L76-84), which the Qwen2-VL
-   processor still rescales by 1/255: an almost uniform image (every pixel value within 0.015 of -mean/std), so its
-   edits read the source through the VAE reference alone. --edit-vl-input authors reproduces that input.
-15. --loss sft / dpo (flow_grpo's online SFT and DPO) sample with a deterministic --sampler where flow_grpo samples its
-   SDE at noise level 0.7 (only the clean samples train). They train at sigmas interpolated between the rollout
-   schedule's at logit-normal positions, where flow_grpo indexes its 1000-step training grid (the same sigmas at the
-   schedule's own points). DPO leaves a group of equal rewards out; flow_grpo pairs its samples 1 and 0 there.
-16. --loss dgpo: its micro-batches hold whole groups on one process, where Flow-Factory splits a group over GPUs and
-   sums its preference across them (the same loss); its training sigmas are shared by a micro-batch, not by the
-   whole step, and its group noise is drawn per micro-batch from the run's seed, not from the prompt's id.
+Where this departs from the papers and their authors' code, and why: docs/departures.md, numbered as the code
+cites them ("departure 4").
 """
-import argparse
-import inspect
 import math
 
 import numpy as np
@@ -126,18 +42,14 @@ import torch
 import data
 import distributed
 import diversity
-import flags
 import losses
 import models
-import policy as policy_mod
 import regularizers
 import rewards
-import run as run_mod
 import sde
+from config import check_args, guidance_scales, n_trained, parse_args, report, unit_width, window_kwargs
 from distributed import RANK, WORLD, print0
-from flags import FRACTION, NONNEG_INT, POSITIVE, POSITIVE_INT, SEED, bounded
 from policy import Policy
-from presets import GUIDANCE_EMBEDDED, LOSS_PRESETS, PRESETS, preset
 from run import Run, check_rm_types, check_sources, mean_stats, setup_or_exit
 
 
@@ -147,6 +59,8 @@ def main(argv=None, *, on_step=None):
     p, args = parse_args(argv)
     loss = losses.LOSSES[args.loss]
     per_rank = check_args(p, args, WORLD)
+    if args.print_config:  # every setting and where it came from, before anything loads
+        return print0(report(p, args))
     device = distributed.init()
     torch.manual_seed(args.seed + RANK)  # per-rank seed for anything not explicitly seeded below
     np.random.seed(args.seed + RANK)
@@ -272,19 +186,6 @@ def starting_noise(pipe, args, step, group_ids, generator):
         return models.initial_noise(pipe, len(group_ids), generator=generator, **size)
     return torch.cat([models.initial_noise(pipe, 1, generator=data.seeded(args.seed, step, -1, g), **size)
                       for g in group_ids])
-
-
-def window_kwargs(args, step, draw=()):
-    """sde.sde_steps' arguments at `step`; `draw` (rank, rollout batch) picks the batch's own fast window."""
-    return dict(window=args.sde_window, iteration=step, timestep_fraction=args.timestep_fraction,
-                window_size=args.window_size, window_range=args.window_range, stride=args.window_stride,
-                iters_per_window=args.iters_per_window, roll_back=args.roll_back, seed=(args.seed, *draw))
-
-
-def guidance_scales(args):
-    """(sampling, training forward) guidance: the training forward drops CFG unless --train-cfg (FLUX.1-dev's
-    embedded guidance is part of the model, always)."""
-    return args.guidance_scale, args.guidance_scale if (args.train_cfg or args.model in GUIDANCE_EMBEDDED) else 1.0
 
 
 # ----------------------------------------------------------------------------- ADVANTAGES
@@ -507,11 +408,6 @@ def renoised(loss, batch, ids, sigmas, args, key):
                 x_t=[sde.renoise(x0, eps, s[:, j]) for j, eps in enumerate(noise)])
 
 
-def unit_width(loss, args):
-    """Samples per unit of loss.unit: 1, a pair's 2, or a group's --group-size."""
-    return {"sample": 1, "pair": 2, "group": args.group_size}[loss.unit]
-
-
 def schedule_at(sigmas, times):
     """The schedule's sigmas at integer indices, or linearly interpolated at float positions in [0, T)."""
     if not times.is_floating_point():
@@ -574,13 +470,6 @@ def after_update(policy, loss, batch, stats, optim_steps, failed, args, run):
     return dict(info, updates=optim_steps, trained_steps=n_trained(loss, batch, args))
 
 
-def n_trained(loss, batch, args):
-    """Loss terms per sample: its trained steps K (reverse process) or training sigmas (forward)."""
-    if loss.process == "reverse":
-        return batch["steps"].shape[1]
-    return loss.times(1, torch.Generator(), **vars(args)).shape[1]
-
-
 # ----------------------------------------------------------------------------- set-up
 def print_totals(args, loss, per_rank):
     """Derived totals, printed once so that a wrong recipe shows here and not at step 3000 (check_args asserts them)."""
@@ -606,235 +495,6 @@ def load_prompt_sets(args):
         print0(f"warning: {missing} of {len(prompts[0])} prompts in {args.prompts} have no quoted target; "
                "the OCR reward scores them 0")
     return prompts, held_out
-
-def parse_args(argv=None):
-    """The flags (add_arguments); unset flags take --model's preset, then the loss's. -> (parser, args)"""
-    shown = {name: preset(name) for name in ("shapes", "tiny", "sd3", "flux")}  # --help: each one's value
-    p = flags.RecipeParser(description=__doc__.split("\n")[0], fromfile_prefix_chars="@",
-                           formatter_class=flags.preset_help(shown, PRESETS["hub"]))
-    add_arguments(p)
-    args = p.parse_args(argv)
-    args.loss = args.loss or preset(args.model).get("loss", "grpo")
-    loss = losses.LOSSES[args.loss]
-    if loss.process == "forward" and args.sde is not None:  # flags that would be silently ignored
-        p.error(f"--sde chooses the stochastic step of the reverse-process losses; --loss {args.loss} samples with a "
-                "deterministic --sampler: drop --sde")
-    if args.window_range is not None and args.sde_window not in ("fast", "sparse"):
-        p.error("--window-range bounds the drawn steps of --sde-window fast or sparse: use one of them, or drop it")
-    defaults = dict(preset(args.model), timestep_fraction=1.0)  # the loss's defaults win over the model's
-    loss_defaults = dict(loss.defaults, **(loss.hub_defaults if args.model not in PRESETS else {}))
-    if args.model in GUIDANCE_EMBEDDED:  # FLUX.1-dev's guidance is a distilled embedding, not CFG: the model's
-        loss_defaults.pop("guidance_scale", None)
-    defaults.update(loss_defaults)
-    defaults.update(LOSS_PRESETS.get((args.model, args.loss), {}))
-    for key, value in defaults.items():  # fill what the command line left unset
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.lora_alpha is None:  # a rank given without alpha: scale alpha / rank = 1
-        args.lora_alpha = float(args.lora_rank)
-    if args.train_cfg is None:
-        args.train_cfg = args.guidance_scale > 1 and args.model not in GUIDANCE_EMBEDDED
-    if args.kl_beta == 0 and (args.gardo_gate or args.gardo_reference):  # e.g. a GARDO recipe + --kl-beta 0 (a full
-        print0("warning: --kl-beta 0 leaves no KL term for --gardo-gate / --gardo-reference to shape: both are off")
-        args.gardo_gate, args.gardo_reference = None, False  # fine-tune without a snapshot): nothing to gate or renew
-    if args.kl_beta == 0 and args.kl_reference == "start":  # no KL term: no snapshot to keep
-        args.kl_reference = "base"
-    return p, args
-
-
-def add_arguments(p):
-    """Every flag, grouped as the phases of a step: the sampling and batching here, the rest declared where the code
-    that reads it is (models.py, policy.py, data.py, rewards.py, losses.py, run.py); flag types and @recipe files in
-    flags.py."""
-    models.add_arguments(p)  # the model family, its weights and sizes
-    policy_mod.add_arguments(p)  # what trains and how: LoRA or full, precision, sharding; AdamW, clipping, the EMA
-    data.add_arguments(p)  # the prompt files
-    add_sampling_arguments(p)
-    # reward
-    p.add_argument("--reward", default=None, help='reward spec: a name or weighted mix, e.g. "ocr=0.8,pickscore=0.2"; '
-                   "choices: " + ", ".join(rewards.REWARDS))
-    p.add_argument("--reward-key", default="reward",
-                   help="which reward entry trains (a component name or the weighted total 'reward')")
-    rewards.add_arguments(p)  # the reward options, declared and defaulted in rewards.py
-    diversity.add_arguments(p)  # --diversity: feature diversity per step and evaluation
-    regularizers.add_arguments(p)  # GARDO's rules, for every loss
-    losses.add_arguments(p)  # the loss flags, declared in losses.py: --loss takes choices=LOSSES
-    # the update's batching
-    p.add_argument("--train-batch-size", type=POSITIVE_INT, default=None, help="samples per training forward, per GPU")
-    p.add_argument("--minibatches", type=POSITIVE_INT, default=None, help="optimizer steps per pass over the batch")
-    p.add_argument("--updates-per-batch", type=POSITIVE_INT, default=1, help="passes over each sampled batch")
-    # the run: its length and seed here; its folder, logs, checkpoints and evaluation in run.py
-    p.add_argument("--steps", type=POSITIVE_INT, default=None, help="training steps (each: one sampled batch)")
-    p.add_argument("--seed", type=SEED, default=0, help="seed; rank r samples with seed-derived noise per step")
-    run_mod.add_arguments(p)
-
-
-def add_sampling_arguments(p):
-    """The rollout: the schedule, guidance, the stochastic step and which steps train, the batch of groups."""
-    p.add_argument("--num-steps", type=bounded(int, 2, 1000), default=None,
-                   help="denoising steps of a training rollout (at most the 1000 of the training grid)")
-    p.add_argument("--shift", type=bounded(float, 0, 100, low_open=True), default=None,
-                   help="static time shift of the sigma schedule (default: the model's own schedule, models.sigmas; "
-                        "only for models with a static shift: sd3, wan, z-image)")
-    p.add_argument("--max-sequence-length", type=POSITIVE_INT, default=None,
-                   help="text tokens per prompt (default: the model family's, see models.py)")
-    p.add_argument("--guidance-scale", type=POSITIVE, default=None,
-                   help="CFG scale (FLUX: distilled guidance value); --loss nft / awm: 1 on CFG models")
-    p.add_argument("--negative-prompt", default="", help="negative prompt for CFG")
-    p.add_argument("--train-cfg", action=argparse.BooleanOptionalAction, default=None,
-                   help="use CFG in the training forward too (default: when sampling uses CFG)")
-    p.add_argument("--sde", default=None, choices=["flow", "dance", "cps"],
-                   help="stochastic step: Flow-GRPO, DanceGRPO or coefficient-preserving")
-    p.add_argument("--eta", type=POSITIVE, default=None, help="noise level of the SDE step")
-    p.add_argument("--sde-window", default="all", choices=sde.WINDOWS,
-                   help="which steps are stochastic and trained: all, Flow-GRPO-Fast random window, "
-                        "MixGRPO sliding window, or FlowDPPO's sparse random steps (one set per step)")
-    p.add_argument("--window-size", type=POSITIVE_INT, default=2, help="steps in the fast/mix window")
-    p.add_argument("--window-range", type=NONNEG_INT, nargs=2, default=None, metavar=("LO", "HI"),
-                   help="--sde-window fast: the window lies in steps LO .. HI - 1 (Flow-GRPO's sde_window_range; "
-                        "its start is drawn from LO .. HI - --window-size); sparse: its steps are drawn from them; "
-                        "default 0 and --num-steps - 1")
-    p.add_argument("--window-stride", type=POSITIVE_INT, default=1, help="steps the mix window slides each time")
-    p.add_argument("--iters-per-window", type=POSITIVE_INT, default=25,
-                   help="training steps before the mix window slides")
-    p.add_argument("--roll-back", action=argparse.BooleanOptionalAction, default=False,
-                   help="mix window returns to step 0 after reaching the end")
-    p.add_argument("--flash", action=argparse.BooleanOptionalAction, default=False,
-                   help="MixGRPO-Flash: second-order solver on a compressed schedule after the window")
-    p.add_argument("--flash-ratio", type=FRACTION, default=0.4,
-                   help="--flash: the steps after the window are compressed to about this fraction "
-                        "(MixGRPO's dpm_post_compress_ratio; sde.flash_grid)")
-    p.add_argument("--timestep-fraction", type=FRACTION, default=None,
-                   help="fraction of steps trained with --sde-window all; --loss nft: of the schedule's sigmas each "
-                        "sample trains at, int(T x fraction); awm: the range its strata cover (default: 1; nft 0.99, "
-                        "awm 0.9)")
-    p.add_argument("--sampler", default=None, choices=sde.SOLVERS,
-                   help="--loss nft / awm: deterministic rollout solver, Euler or DPM-Solver++(2M) (default: dpm2)")
-    p.add_argument("--group-size", type=POSITIVE_INT, default=None, help="images per prompt (a group; may span GPUs)")
-    p.add_argument("--prompts-per-step", type=POSITIVE_INT, default=None, help="prompts per training step, global")
-    p.add_argument("--sample-batch-size", type=POSITIVE_INT, default=None, help="images per rollout forward, per GPU")
-    p.add_argument("--same-noise-per-group", action=argparse.BooleanOptionalAction, default=False,
-                   help="every image of a prompt's group starts from the same noise x_T (MixGRPO's --init_same_noise; "
-                        "Flow-GRPO's same_latent); the SDE noise still differs")
-
-
-def check_args(p, args, world_size):
-    """Refuse flag combinations that cannot work, before any model is loaded."""
-    if args.gardo_diversity and args.diversity == "off":
-        p.error("--gardo-diversity scales advantages by image-feature distances: choose the features with "
-                "--diversity dinov2, clip or pixels")
-    if args.diversity == "pixels" and args.diversity_path:
-        p.error("--diversity pixels reads the images themselves, no model: drop --diversity-path")
-    if args.group_size < 2:  # every loss here is group-relative
-        p.error(f"--group-size {args.group_size}: each sample would be its own group mean, so every advantage is 0 and "
-                "nothing trains; use --group-size 2 or more")
-    samples = args.prompts_per_step * args.group_size  # global samples per step
-    if samples % world_size:
-        p.error(f"--prompts-per-step x --group-size = {samples} is not divisible by the {world_size} processes")
-    per_rank = samples // world_size
-    if per_rank % args.sample_batch_size:
-        p.error(f"{per_rank} samples per GPU are not divisible by --sample-batch-size {args.sample_batch_size}")
-    if per_rank % (args.train_batch_size * args.minibatches):
-        p.error(f"{per_rank} samples per GPU are not divisible by --train-batch-size x --minibatches = "
-                f"{args.train_batch_size * args.minibatches}")
-    if args.train_cfg and args.guidance_scale <= 1:
-        p.error("--train-cfg needs CFG at sampling: set --guidance-scale > 1 or drop --train-cfg")
-    if args.train_cfg and args.model in GUIDANCE_EMBEDDED:
-        p.error("FLUX.1-dev uses a guidance embedding, not CFG: drop --train-cfg")
-    loss = losses.LOSSES[args.loss]
-    if loss.process == "reverse" and args.sde not in loss.sde_kinds:
-        p.error(f"--loss {args.loss} needs a Gaussian transition log-prob, which --sde {args.sde} does not have "
-                f"(cps scores -mean(delta^2)): use --sde {' or '.join(loss.sde_kinds)}")
-    if args.edit_vl_input != "diffusers" and args.model not in models.families.EDIT_VL_MODELS:
-        p.error(f"--edit-vl-input {args.edit_vl_input} changes what Qwen-Image-Edit's VL encoder sees; --model "
-                f"{args.model} has no such input: drop the flag or use --model qwen-image-edit")
-    if args.eval_every and not args.eval_prompts:
-        p.error("--eval-every needs --eval-prompts (a held-out prompt file)")
-    # fp16 needs a loss scale whose overflow check agrees across the shards of every rank (FSDP1's ShardedGradScaler);
-    # policy.py's GradScaler sees its own shard only. bf16 needs no scale, and Flow-GRPO's FSDP configs use it
-    # (config/grpo.py pickscore_qwenimage, counting_qwenimage_edit: mixed_precision "bf16"); the SD3.5 recipes keep
-    # the fp16 of its LoRA runs (config/base.py), so a full fine-tune from them adds --mixed-precision bf16.
-    if args.fsdp and args.mixed_precision == "fp16":
-        p.error("--mixed-precision fp16 needs loss scaling, which is not wired for --fsdp: add --mixed-precision bf16 "
-                "after the recipe")
-    if args.fsdp and (args.lora_rank > 0 or world_size == 1):
-        p.error("--fsdp shards a full fine-tune over processes: use it with --lora-rank 0 under torchrun "
-                "--nproc_per_node N > 1 (LoRA runs use DDP)")
-    if args.kl_beta > 0 and args.lora_rank == 0 and not args.gardo_reference and args.kl_reference == "base":
-        p.error("--kl-beta > 0 with --lora-rank 0 has no base model to anchor the KL (it is the LoRA adapter off): add "
-                "--kl-reference start (a snapshot of the starting weights), or set --lora-rank > 0 or --kl-beta 0")
-    if args.kl_target > 0 and not args.kl_beta:
-        p.error("--kl-target adapts the weight of a KL term: give its starting weight with --kl-beta > 0")
-    if args.nft_fm > 0 and "nft_fm" not in inspect.signature(losses.LOSSES[args.loss].fn).parameters:
-        p.error(f"--nft-fm adds a flow-matching term to DiffusionNFT's loss, which --loss {args.loss} does not read: "
-                "use --loss nft or drop it")
-    if args.kl_reference == "start" and args.gardo_reference:
-        p.error("--kl-reference start and --gardo-reference are two snapshots as the KL's anchor, one never renewed, "
-                "one renewed on GARDO's schedule: pick one")
-    if args.gardo_reset_freq < 1 or args.gardo_kl_thres < 0:
-        p.error(f"--gardo-reset-freq {args.gardo_reset_freq} / --gardo-kl-thres {args.gardo_kl_thres:g}: a number of "
-                "steps >= 1 and a KL >= 0")
-    if loss.reference and loss.reference(vars(args)) and args.lora_rank == 0:
-        p.error(f"--loss {args.loss} compares with the base model, which is the LoRA adapter disabled: set "
-                "--lora-rank > 0, or point the loss's reference at the old copy (its flags: --help)")
-    width = unit_width(loss, args)  # a pair or group must sit on one process, whole in each micro-batch
-    if loss.unit != "sample" and (per_rank % args.group_size or args.train_batch_size % width):
-        p.error(f"--loss {args.loss} trains whole {loss.unit}s of one group's samples: make the {per_rank} samples per "
-                f"process a multiple of --group-size {args.group_size} and --train-batch-size a multiple of {width}")
-    if args.sampling_decay is not None and not (loss.sampling_copy and loss.sampling_copy(vars(args))):
-        p.error(f"--sampling-decay schedules the rollouts' own copy, which --loss {args.loss} does not keep: drop it")
-    if loss.advantages is not losses.group_advantages and args.reward_combine == "advantage":
-        p.error(f"--loss {args.loss} turns the rewards into its own sample weights: drop --reward-combine advantage")
-    if loss.process == "forward":
-        if args.sde_window != "all" or args.flash or args.step_loss_weight != "none":
-            p.error(f"--sde-window / --flash / --step-loss-weight concern the SDE steps of the reverse-process losses; "
-                    f"--loss {args.loss} samples with a deterministic --sampler and trains at re-noised samples: drop "
-                    "them")
-        try:  # the training sigmas must fit the schedule (one-line errors naming the flags)
-            n_trained(loss, None, args)
-        except ValueError as e:
-            p.error(str(e))
-    else:
-        if args.sampler is not None or args.old_decay is not None:
-            p.error(f"--sampler and --old-decay belong to --loss nft / awm; --loss {args.loss} samples with --sde")
-        if args.eta <= 0:
-            p.error("--eta must be > 0 for training: with no noise the step is an ODE and has no log-prob")
-    try:
-        components = [name for name, _ in rewards.parse_spec(args.reward)]  # unknown names fail here, before any model
-    except ValueError as e:
-        p.error(str(e))
-    if args.reward_key != "reward" and args.reward_key not in components and "custom" not in components:
-        p.error(f"--reward-key {args.reward_key!r} is not a component of --reward {args.reward!r}")
-    for name in args.gardo_gate or []:  # scored beside the trained reward, never trained on
-        if name not in components or name == args.reward_key:
-            p.error(f"--gardo-gate {name}: name components of --reward {args.reward!r} other than the trained one "
-                    f"(--reward-key {args.reward_key}), e.g. --reward ocr=1,aesthetic=0,imagereward=0 --reward-key ocr "
-                    "--gardo-gate aesthetic,imagereward")
-    if args.reward_combine == "advantage" and args.reward_key != "reward":
-        p.error("--reward-combine advantage trains on every component of --reward: drop --reward-key")
-    if args.reward_combine == "advantage" and not sum(w for _, w in rewards.parse_spec(args.reward)) > 0:
-        p.error(f"--reward-combine advantage divides the weights of --reward {args.reward!r} by their sum (MixGRPO), "
-                "which must be positive: give a positive weight")
-    if args.lr >= 1:  # Adam moves every weight by about lr a step: the first update overflows the weights
-        p.error(f"--lr {args.lr:g}: Adam moves each weight by about --lr per step; use a rate below 1 (the recipes "
-                "train LoRA at 1e-4 to 3e-4)")
-    if args.lora_rank > 0 and args.lora_alpha <= 0:
-        p.error("--lora-alpha must be > 0 with a LoRA adapter (its scale is alpha / rank)")
-    multiple = models.RESOLUTION_MULTIPLE.get(args.model)
-    sides = args.resolution if isinstance(args.resolution, tuple) else (args.resolution,)
-    if multiple and any(side % multiple for side in sides):
-        p.error(f"--resolution {args.resolution} must be a multiple of {multiple} for --model {args.model} "
-                "(VAE down-sampling x transformer patch)")
-    if args.overwrite and args.resume:
-        p.error("--overwrite starts the run over and --resume continues it: give one of them")
-    # Raises a one-line ValueError naming the window flag when the window does not fit the schedule.
-    try:
-        sde.sde_steps(args.num_steps, **window_kwargs(args, 0))
-    except ValueError as e:
-        p.error(str(e))
-    return per_rank
-
-
 
 if __name__ == "__main__":
     main()

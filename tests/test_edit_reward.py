@@ -11,6 +11,7 @@ from PIL import Image
 import data
 import families
 import models
+import reward_fixtures
 import rewards
 import sde
 import train
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def tiny_clip(tmp_path_factory):
-    return models.tiny_pickscore(str(tmp_path_factory.mktemp("clip")))
+    return reward_fixtures.tiny_pickscore(str(tmp_path_factory.mktemp("clip")))
 
 
 def random_images(n, size, seed):
@@ -105,8 +106,8 @@ def test_kontext_last_step_numbers_of_the_departure():
     is about 0.29 (the authors' rollout adds it; this project's last step is an ODE step)."""
     config = dict(use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=4096, base_shift=0.5,
                   max_shift=1.15, time_shift_type="exponential")  # black-forest-labs/FLUX.1-Kontext-dev scheduler
-    mu = families.dynamic_shift_mu(config, (512 // 16) ** 2)
-    sigmas = families.flow_match_sigmas(config, np.linspace(1.0, 1 / 6, 6), mu=mu)
+    mu = families.common.dynamic_shift_mu(config, (512 // 16) ** 2)
+    sigmas = families.common.flow_match_sigmas(config, np.linspace(1.0, 1 / 6, 6), mu=mu)
     last = float(sigmas[-2])
     assert last == pytest.approx(0.2730, abs=5e-4)
     x = torch.zeros(1, 4)
@@ -114,7 +115,9 @@ def test_kontext_last_step_numbers_of_the_departure():
     assert std == pytest.approx(0.9 * math.sqrt(last / (1 - last)) * math.sqrt(last), rel=1e-4)
     assert std == pytest.approx(0.288, abs=1e-3)
     assert sde.sde_steps(6, timestep_fraction=0.99) == [0, 1, 2, 3, 4]  # the last step is not trained
-    assert "0.273" in train.__doc__ and "0.29" in train.__doc__
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "departures.md")) as f:
+        departures = f.read()
+    assert "0.273" in departures and "0.29" in departures
 
 
 def vl_pixels(pipe, prompts, images):

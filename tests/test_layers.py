@@ -1,19 +1,22 @@
 """The modules stand in strict layers (DESIGN.md, "Layout"): each imports only modules of lower layers, every project
-import sits at the top of its module, and nothing imports in a circle. A new module must be given a layer here."""
+import sits at the top of its module, and nothing imports in a circle. A new module must be given a layer here. A
+package (families/) is one module of its layer: each of its files imports only lower layers and its own files, and
+those in no circle."""
 import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
-    ("flags", "sde", "data", "distributed", "geneval", "presets"),  # the math and the plumbing below
-    # everything: torch only; the flag defaults per model and loss
-    ("losses", "checkpoints", "families", "shapes", "services", "reward_models", "proxy"),  # losses and their
-    # registry; run folders; the model-family adapters; the shapes world; reward-service HTTP; the neural reward models;
-    # the learned proxy of the GenEval judge
-    ("models", "rewards", "diversity"),  # the model interface over every family; REWARDS; diversity
+    ("flags", "sde", "data", "distributed", "geneval"),  # the math and the plumbing below everything: torch only
+    ("losses", "checkpoints", "shapes", "services", "reward_models", "proxy"),  # losses and their registry; run
+    # folders; the shapes world; reward-service HTTP; the neural reward models; the learned proxy of the GenEval judge
+    ("families",),  # the model families, a file each, and their registry (above the shapes world, whose models two are)
+    ("models", "presets", "rewards", "diversity"),  # the model interface over every family; the flag defaults per
+    # model (its record's) and per model and loss; REWARDS; diversity
     ("policy", "eval", "regularizers"),  # the trained weights, their optimizer and copies; ODE evaluation, grids,
     # curves; what acts on every loss (GARDO's rules, the adaptive KL weight) and where train.py calls it
     ("run",),  # the life of a run: resume, logs, the reward wait, checkpoints, signals
+    ("config",),  # the flags, where each value comes from, the refusals of combinations
     ("train",),  # the algorithm
     ("bench",),  # tools on top of train.main (and scripts/, which may import anything)
 ]
@@ -21,7 +24,17 @@ LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 
 def modules():
-    return sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py") and f != "conftest.py")
+    """The root's .py files and its packages (a folder with an __init__.py)."""
+    return sorted([f[:-3] for f in os.listdir(ROOT) if f.endswith(".py") and f != "conftest.py"] +
+                  [d for d in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, d, "__init__.py"))])
+
+
+def files(name):
+    """[(path, what the layer messages call it)] of a module: its file, or every file of its package."""
+    folder = os.path.join(ROOT, name)
+    if not os.path.isdir(folder):
+        return [(os.path.join(ROOT, f"{name}.py"), f"{name}.py")]
+    return [(os.path.join(folder, f), f"{name}/{f}") for f in sorted(os.listdir(folder)) if f.endswith(".py")]
 
 
 def project_imports(path):
@@ -49,13 +62,60 @@ def test_every_module_has_a_layer():
 def test_imports_point_down_and_sit_at_the_top():
     problems = []
     for name in modules():
-        for line, imported, at_top in project_imports(os.path.join(ROOT, f"{name}.py")):
-            if not at_top:
-                problems.append(f"{name}.py:{line} imports {imported} inside a function or block")
-            elif LAYER[imported] >= LAYER[name]:
-                problems.append(f"{name}.py:{line} imports {imported} (layer {LAYER[imported]}) from layer "
-                                f"{LAYER[name]}: only lower layers")
+        for path, shown in files(name):
+            for line, imported, at_top in project_imports(path):
+                if not at_top:
+                    problems.append(f"{shown}:{line} imports {imported} inside a function or block")
+                elif imported != name and LAYER[imported] >= LAYER[name]:  # a package's own files: below
+                    problems.append(f"{shown}:{line} imports {imported} (layer {LAYER[imported]}) from layer "
+                                    f"{LAYER[name]}: only lower layers")
     assert not problems, "\n".join(problems)
+
+
+def package_imports(path, package):
+    """The files of `package` that one of its files imports ("__init__" for the package itself)."""
+    here = {f[:-3] for f in os.listdir(os.path.dirname(path)) if f.endswith(".py")}
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            found |= {(a.name.split(".") + ["__init__"])[1] for a in node.names if a.name.split(".")[0] == package}
+        elif isinstance(node, ast.ImportFrom) and (node.level == 1 or (node.module or "").split(".")[0] == package):
+            parts = ([package] if node.level else []) + (node.module or "").split(".")
+            parts = [p for p in parts if p]
+            if len(parts) > 1:
+                found.add(parts[1])  # from families.common import x
+            else:
+                found |= {a.name if a.name in here else "__init__" for a in node.names}  # from families import common
+    return found
+
+
+def circle(graph):
+    """A list of nodes that import each other in a circle, or None."""
+    done, path = set(), []
+
+    def visit(node):
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return None
+        path.append(node)
+        for other in sorted(graph.get(node, ())):
+            found = visit(other)
+            if found:
+                return found
+        path.pop()
+        done.add(node)
+        return None
+
+    return next((c for c in (visit(n) for n in sorted(graph)) if c), None)
+
+
+def test_a_package_imports_its_own_files_in_no_circle():
+    packages = [name for name in modules() if os.path.isdir(os.path.join(ROOT, name))]
+    assert "families" in packages
+    for name in packages:
+        graph = {os.path.basename(path)[:-3]: package_imports(path, name) for path, _ in files(name)}
+        assert not circle(graph), f"{name}/ imports in a circle: {' -> '.join(circle(graph))}"
 
 
 def test_scripts_import_project_modules_at_the_top():
@@ -71,3 +131,11 @@ def test_the_check_catches_an_upward_and_a_nested_import(tmp_path):
     bad.write_text("import os\nimport train\n\ndef f():\n    import sde\n")
     found = project_imports(str(bad))
     assert (2, "train", True) in found and (5, "sde", False) in found
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("from pkg import a\n")
+    (package / "a.py").write_text("from pkg.b import f\n")
+    (package / "b.py").write_text("import pkg\n")  # b needs the package, which imports a, which imports b
+    graph = {f[:-3]: package_imports(str(package / f), "pkg") for f in ("__init__.py", "a.py", "b.py")}
+    assert graph == {"__init__": {"a"}, "a": {"b"}, "b": {"__init__"}}
+    assert circle(graph) == ["__init__", "a", "b", "__init__"] and circle(dict(graph, b=set())) is None

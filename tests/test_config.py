@@ -1,0 +1,59 @@
+"""config.py: where each setting comes from (--print-config, args.json), in the order its docstring gives."""
+import json
+import os
+
+import config
+import models
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_each_value_names_its_source(tmp_path):
+    recipe = tmp_path / "r.args"
+    recipe.write_text("# a recipe\n--model shapes --lr 1e-4\n\n--group-size 4  # a comment\n--eval-every 0\n")
+    _, args = config.parse_args([f"@{recipe}", "--lr", "2e-4", "--seed", "3"])
+    s = args.sources
+    assert (args.lr, s["lr"]) == (2e-4, "command line")  # flags after a recipe win over it
+    assert (args.group_size, s["group_size"]) == (4, f"{recipe}:4")
+    assert s["model"] == f"{recipe}:2" and s["seed"] == "command line"
+    assert (args.loss, s["loss"]) == ("nft", "model preset (shapes)")
+    assert (args.num_steps, s["num_steps"]) == (6, "model and loss preset (shapes, nft)")  # presets.LOSS_PRESETS
+    assert (args.old_decay, s["old_decay"]) == ("nft", "loss default (nft)")  # losses.LOSSES["nft"].defaults
+    assert (args.sampler, s["sampler"]) == ("dpm2", "loss default (nft)")
+    assert (args.resolution, s["resolution"]) == (32, "model preset (shapes)")
+    assert s["window_size"] == "default" and s["lora_alpha"] == "derived: --lora-rank"
+    flagged = {a.dest for a in config.parse_args([])[0]._actions} - {"help"}
+    assert set(s) == flagged  # every setting has a source
+
+
+def test_abbreviations_and_equals_are_attributed():
+    _, args = config.parse_args(["--model=tiny", "--updates-per", "2"])
+    assert args.sources["model"] == "command line" and args.updates_per_batch == 2
+    assert args.sources["updates_per_batch"] == "command line"
+
+
+def test_hub_model_without_a_preset_says_so():
+    _, args = config.parse_args(["--model", "sd3", "--loss", "grpo"])
+    assert args.sources["steps"] == "model preset (hub)" and args.sources["loss"] == "command line"
+
+
+def test_print_config_reports_and_loads_nothing(monkeypatch, capsys):
+    def refuse(*a, **k):
+        raise AssertionError("--print-config loaded a model")
+    monkeypatch.setattr(models, "load_pipeline", refuse)
+    train.main([f"@{os.path.join(ROOT, 'recipes', 'sd3_ocr_grpo.args')}", "--lr", "5e-5", "--print-config"])
+    out = capsys.readouterr().out.splitlines()
+    row = {line.split()[0]: line for line in out if line.startswith("--")}
+    assert out[0].startswith("# ") and row["--lr"].startswith("--lr 5e-05") and row["--lr"].endswith("# command line")
+    assert row["--group-size"].split("# ")[1].startswith(os.path.join(ROOT, "recipes", "sd3_ocr_grpo.args") + ":")
+
+
+def test_args_json_records_the_sources(tmp_path):
+    out = tmp_path / "run"
+    train.main(["--model", "tiny", "--steps", "1", "--prompts-per-step", "2", "--group-size", "2",
+                "--sample-batch-size", "2", "--train-batch-size", "2", "--resolution", "32", "--num-steps", "3",
+                "--log-images-every", "0", "--out", str(out)])
+    with open(out / "args.json") as f:
+        saved = json.load(f)["args"]
+    assert saved["sources"]["steps"] == "command line" and saved["sources"]["lr"] == "model preset (tiny)"
