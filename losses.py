@@ -80,21 +80,6 @@ def _ratio_stats(ratio, log_ratio):
             "approx_kl": 0.5 * (log_ratio.detach().float() ** 2).mean().double()}
 
 
-def _clipped_surrogate(log_ratio, adv, clip_range):
-    """PPO's clipped surrogate per sample (arXiv:1707.06347, Eq. 7, negated to a loss):
-
-        max(-A r, -A clip(r, 1 - eps, 1 + eps)),  r = exp(log_ratio)
-
-    A term whose ratio has left [1 - eps, 1 + eps] in the advantage's direction is the clipped,
-    constant branch and carries no gradient. Returns ([B], info with the ratio statistics and clipfrac)."""
-    ratio = torch.exp(log_ratio)
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range)
-    info = _ratio_stats(ratio, log_ratio)
-    info["clipfrac"] = ((ratio.detach() - 1).abs() > clip_range).float().mean()
-    return torch.maximum(unclipped, clipped), info
-
-
 def _sq_dist(a, b):
     """mean_dims((a - b)^2) per sample, float32 -> [B]."""
     return ((a.float() - b.float()) ** 2).mean(_dims(a))
@@ -219,22 +204,30 @@ def preference_pairs(rewards, group_ids, **_):
     return out
 
 
-def grpo_loss(log_prob, old_log_prob, adv, *, clip_range, adv_clip=None):
-    """Flow-GRPO's clipped surrogate for one step (PPO arXiv:1707.06347, Eq. 7, per denoising step):
+def grpo_loss(log_prob, old_log_prob, adv, *, clip_range, adv_clip=None, step_weight=None, dtype=torch.float32):
+    """Flow-GRPO's policy term for one step (arXiv:2505.05470, Eq. 6): PPO's clipped surrogate (arXiv:1707.06347,
+    Eq. 7), negated to a loss, per denoising step:
 
-        loss = mean_i max(-A_i r_i, -A_i clip(r_i, 1 - eps, 1 + eps))
+        loss = mean_i max(-A_i r_i, -A_i clip(r_i, 1 - eps, 1 + eps)),   r_i = exp(log_prob_i - old_log_prob_i)
 
-    A term whose ratio has left [1 - eps, 1 + eps] in the advantage's direction is the clipped,
-    constant branch and carries no gradient. With r = 1 the loss is -mean(A).
+    A term whose ratio has left [1 - eps, 1 + eps] in the advantage's direction is the clipped, constant branch and
+    carries no gradient. With r = 1 the loss is -mean(A). GRPO-Guard (guard_loss) and AWM (awm_loss) take the same
+    clip of their own ratios: step_weight divides each term (Guard's reweight), dtype is the arithmetic's (AWM:
+    float64). Returns (loss, info with the ratio statistics and clipfrac).
     """
     _check(log_prob, old_log_prob, adv)
-    adv = adv.float() if adv_clip is None else adv.float().clamp(-adv_clip, adv_clip)
-    log_ratio = log_prob.float() - old_log_prob.float()
-    per_sample, info = _clipped_surrogate(log_ratio, adv, clip_range)
+    adv = adv.to(dtype) if adv_clip is None else adv.to(dtype).clamp(-adv_clip, adv_clip)
+    log_ratio = log_prob.to(dtype) - old_log_prob.to(dtype)
+    ratio = torch.exp(log_ratio)
+    per_sample = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_range, 1 + clip_range))  # [B]
+    info = _ratio_stats(ratio, log_ratio)
+    info["clipfrac"] = ((ratio.detach() - 1).abs() > clip_range).float().mean()
+    if step_weight is not None:
+        per_sample = per_sample / step_weight
     return per_sample.mean(), info
 
 
-def kl_penalty(mean, ref_mean, std, *, dt=None):
+def kl_penalty(mean, ref_mean, std, *, dt=None, gate=None):
     """KL(pi_theta || pi_ref) of the step's Gaussian transitions against the frozen reference model,
     mean-reduced over latent dims like the log-probs. std is the transition std, float or [B].
 
@@ -246,19 +239,15 @@ def kl_penalty(mean, ref_mean, std, *, dt=None):
     (sd3_sde_with_logprob.py), so per sample
         kl = mean_dims((mean - ref_mean)^2) / (2 std^2 / |dt|) = exact KL x |dt|
     which weights the steps by their length. (Its cps sampler returns the transition std itself, so
-    there its form is the exact one: pass dt=None.) Returns (mean over samples, info)."""
-    kl = _kl_per_sample(mean, ref_mean, std, dt)  # [B]
-    return kl.mean(), {"kl_mean": kl.detach().mean(), "kl_max": kl.detach().max()}
-
-
-def _kl_per_sample(mean, ref_mean, std, dt):
-    """kl_penalty's KL of each sample, [B]."""
+    there its form is the exact one: pass dt=None.) gate [B] bool: GARDO's gated KL, the mean over the
+    flagged samples only (gated_kl). Returns (mean over samples, info)."""
     kl = _sq_dist(mean, ref_mean) / (2 * _per_sample(std, mean) ** 2)  # [B]
     if dt is not None:
         dt = _per_sample(dt, mean)
         _require(dt < 0, "kl_penalty: dt = s' - s must be negative")
         kl = kl * -dt
-    return kl
+    value = kl.mean() if gate is None else gated_kl(kl, gate, empty="zero")
+    return value, {"kl_mean": kl.detach().mean(), "kl_max": kl.detach().max()}
 
 
 def guard_loss(log_prob, old_log_prob, mean, old_mean, std, dt, adv, *, clip_range, adv_clip=None):
@@ -280,11 +269,11 @@ def guard_loss(log_prob, old_log_prob, mean, old_mean, std, dt, adv, *, clip_ran
     c = _per_sample(std, log_prob)  # [B]
     _require(c > 0, "guard_loss needs a positive transition std (an ODE step or --eta 0 has none)")
     mse = _sq_dist(mean, old_mean)  # [B], per sample
-    log_ratio = (log_prob.float() - old_log_prob.float()) * c + mse / (2 * c)
-    per_sample, info = _clipped_surrogate(log_ratio, adv, clip_range)
-    per_sample = per_sample / -_per_sample(dt, log_prob)  # the gradient reweight
+    log_ratio = (log_prob.float() - old_log_prob.float()) * c + mse / (2 * c)  # RatioNorm's
+    value, info = grpo_loss(log_ratio, torch.zeros_like(log_ratio), adv, clip_range=clip_range,
+                            step_weight=-_per_sample(dt, log_prob))  # GRPO's clip, each step divided by -dt
     info["mean_shift"] = mse.detach().mean()
-    return per_sample.mean(), info
+    return value, info
 
 
 def flowdppo_loss(log_prob, old_log_prob, mean, old_mean, sigma_t, adv, *, threshold=1e-5, adv_clip=None):
@@ -468,8 +457,8 @@ def awm_loss(log_prob, old_log_prob, adv, *, clip_range=1.0, adv_clip=5.0):
     if adv_clip <= 0:
         raise ValueError(f"--adv-clip must be positive, got {adv_clip}")
     a = adv.double().clamp(-adv_clip, adv_clip) / adv_clip
-    per_term, info = _clipped_surrogate(log_prob.double() - old_log_prob.double(), a, clip_range)
-    return per_term.mean().float(), info
+    value, info = grpo_loss(log_prob, old_log_prob, a, clip_range=clip_range, dtype=torch.float64)
+    return value.float(), info
 
 
 def flow_matching_error(v, x0, eps):
@@ -664,7 +653,7 @@ def _reference_kl(value, info, t, *, kl_beta, kl_form, sde, **_):
     exact one, as in Flow-GRPO). Gated: no flagged sample, no KL term (GARDO's GRPO)."""
     if kl_beta > 0:
         dt = None if kl_form == "exact" or sde == "cps" else t["dt"]
-        kl = _gated(_kl_per_sample(t["mean"], t["ref_mean"], t["std"], dt), t, "zero")
+        kl, _ = kl_penalty(t["mean"], t["ref_mean"], t["std"], dt=dt, gate=t.get("kl_gate"))
         value = value + kl_beta * kl
         info["kl"] = kl.detach()
     return value, info
@@ -720,7 +709,12 @@ def nft(t, *, nft_beta, nft_adaptive, adv_clip, nft_fm=0.0, **hyper):
     On-policy (v = v_old) the gradient on sample i is then (A_i + c) g_i where DiffusionNFT's is A_i g_i (A_i within
     +-adv_clip, g_i the flow-matching gradient): group-centred advantages average 0, so DiffusionNFT's update has
     no net pull on the denoising error, and the negative samples push theirs up without bound; c > 0 adds a
-    restoring pull of c (docs/shapes.md, "The long run")."""
+    restoring pull of c (docs/shapes.md, "The long run").
+
+    Where each piece lives: the old copy (a float32 copy of the trained weights; policy.py's copies "old") samples
+    the rollouts (Loss.samples_with_old) and gives v_old (train.forward_terms); its decay after each step is
+    OLD_DECAYS["nft"]; the training times are _nft_times, the re-noising x_t = (1 - s) x0 + s eps train.renoised;
+    r = nft_optimality(A); the implicit positive / negative velocities and the adaptive weight are nft_loss."""
     r = nft_optimality(t["adv"], adv_clip=adv_clip)
     value, info = nft_loss(t["v"], t["v_old"], t["x_t"], t["x0"], t["sigma"], r, beta=nft_beta, adaptive=nft_adaptive)
     value = adv_clip * value
@@ -739,7 +733,11 @@ def awm(t, *, clip_range, adv_clip, ema_kl_beta, kl_beta, **hyper):
     """AWM at one training sigma: the clipped surrogate of awm_log_prob, on-policy (ratio 1) on the batch's first
     optimizer step and against old_stat on later ones (train.py departure 10), + the EMA-KL to the slowly updated
     old copy (train_sd3_awm.py L1341-1350) and the velocity KL to the base: both only with --kl-beta > 0, as AWM
-    computes its EMA-KL inside its `if config.train.beta > 0` block (L1330-1351)."""
+    computes its EMA-KL inside its `if config.train.beta > 0` block (L1330-1351).
+
+    Where each piece lives: the rollouts by the current weights (a deterministic --sampler), the training times
+    _awm_times, the re-noising train.renoised, the weighted flow-matching log-prob awm_log_prob, the clip grpo_loss
+    (through awm_loss), the old copy policy.py's "old" with OLD_DECAYS["awm"], old_stat train.frozen_stats."""
     log_prob = _awm_log_prob(t, **hyper)
     old_log_prob = log_prob.detach() if t.get("old_stat") is None else t["old_stat"]
     value, info = awm_loss(log_prob, old_log_prob, t["adv"], clip_range=clip_range, adv_clip=adv_clip)
@@ -789,33 +787,10 @@ def crd(t, *, crd_beta, crd_temperature, crd_loss_type, crd_adaptive, crd_old, c
     (Loss.sampling_copy, --sampling-decay) and the implicit reward against the old copy (--old-decay crd; the base
     with --no-crd-old). The paper's equations were not at hand: the formulas above are Flow-Factory's, cited by line.
 
-    Line by line against Flow-Factory src/flow_factory/trainers/crd.py (C) and hparams/training_args.py (H) at
-    a0b2bc5 (the authors' code is not public):
-    - C L366-368 (sampling_context L200-210): rollouts by the "sampling" snapshot -> train.rollout_weights runs
-      policy.frozen("sampling"). C L434-462: deterministic (compute_log_prob False), only the clean latent kept ->
-      Loss.process "forward", --sampler euler (its ODE dynamics; examples/crd/lora/sd3_5/default.yaml L103).
-    - C L172-194: both snapshots start as copies of the trained weights -> policy.py's copies "old", "sampling".
-    - C L374-376, L380-430: after each epoch, snapshot <- d snapshot + (1 - d) current, d = compute_decay(optimizer
-      steps so far) (L67-102; d <= 0 copies, d >= 1 keeps) -> train.after_update with OLD_DECAYS "crd" (H L851-854)
-      and "nft-ocr" (H L855-858); policy._lerp is the same blend (d 0 copies exactly, d 1 keeps).
-    - C L655-658: micro-batches of per_device_batch_size in sample order, no shuffle -> train.py's micro-batches of
-      --train-batch-size, shuffled (the same set of samples per optimizer step only on average; departure 2).
-    - C L674, L214-261: training times per micro-batch, one set shared by its samples -> _crd_times.
-    - C L683-689, L734: fresh noise per time and sample, x_t = (1 - s) x0 + s eps -> train.renoised, unit "sample".
-    - C L660-701: the old snapshot's velocities for all micro-batches before the epoch's first optimizer step;
-      the snapshot does not move within the epoch -> forward_terms' v_old per micro-batch, from the same unmoved
-      copy (the same values).
-    - C L739: the current velocity at the training forward's guidance (1 in the recipe) -> t["v"].
-    - C L748-751: the base model (adapter off) at CFG kl_cfg (H L873-883, 4.5) -> t["v_ref"] at --crd-kl-cfg.
-    - C L753-777: the implicit reward, adaptive weights in float64 -> crd_implicit_reward.
-    - C L785-791: a = clamp(clip(A) / 5 / 2 + 1/2, 0, 1) -> nft_optimality (the same map; its clamp is a no-op).
-    - C L780-782, L793-796: r and a gathered from every process for the centring -> centred over this process's
-      micro-batch (departure 1).
-    - C L522-629: the centring and the mse / bce loss, one direction (weight_temp < 0) or two -> crd_loss.
-    - C L807: x adv_clip_range[1] / max(beta, 1e-8) -> value x adv_clip / max(crd_beta, 1e-8).
-    - C L811-824: KL = kl_beta mean(mean_dims (v - v_ref)^2), weighted by min_coef + a (1 - min_coef),
-      min_coef = 1e-4 / kl_beta with reward_adaptive_kl -> as written.
-    - C L843-858: backward; clip to max_grad_norm and step when the accumulation is complete -> train.py, policy.step.
+    Where each piece lives: the sampling copy and its decay (policy.py's copies "sampling", OLD_DECAYS "nft-ocr"), the
+    old copy's velocity v_old and the base's v_ref at --crd-kl-cfg (train.forward_terms), the training times
+    (_crd_times), the re-noising (train.renoised), the implicit reward (crd_implicit_reward), the centring and the
+    matching (crd_loss). tests/test_crd.py holds the line-by-line reading of Flow-Factory's crd.py it checks.
 
     Where Flow-Factory reads differently from the paper's abstract, followed here for the recipe: its
     "reward-adaptive" KL weight is each sample's [0, 1] advantage a_i (its comment calls it the raw reward), whose

@@ -3,7 +3,36 @@ the registry: its loss against a float64 transcription of Flow-Factory's trainin
 cancels a constant shift of the implicit rewards; the optimum it drives the implicit rewards to; its training times
 against a transcription of Flow-Factory's TimeSampler.discrete; the decay of its old and sampling copies; and tiny
 runs in which the rollouts run the sampling copy, both copies are saved, and a resume is exact. Its toy-learning run
-is in tests/test_toy_learning.py."""
+is in tests/test_toy_learning.py.
+
+Line by line, losses.crd against Flow-Factory src/flow_factory/trainers/crd.py (C) and hparams/training_args.py (H) at
+a0b2bc5 (the authors' code is not public):
+- C L366-368 (sampling_context L200-210): rollouts by the "sampling" snapshot -> train.rollout_weights runs
+  policy.frozen("sampling"). C L434-462: deterministic (compute_log_prob False), only the clean latent kept ->
+  Loss.process "forward", --sampler euler (its ODE dynamics; examples/crd/lora/sd3_5/default.yaml L103).
+- C L172-194: both snapshots start as copies of the trained weights -> policy.py's copies "old", "sampling".
+- C L374-376, L380-430: after each epoch, snapshot <- d snapshot + (1 - d) current, d = compute_decay(optimizer
+  steps so far) (L67-102; d <= 0 copies, d >= 1 keeps) -> train.after_update with OLD_DECAYS "crd" (H L851-854)
+  and "nft-ocr" (H L855-858); policy._lerp is the same blend (d 0 copies exactly, d 1 keeps).
+- C L655-658: micro-batches of per_device_batch_size in sample order, no shuffle -> train.py's micro-batches of
+  --train-batch-size, shuffled (the same set of samples per optimizer step only on average; departure 2).
+- C L674, L214-261: training times per micro-batch, one set shared by its samples -> _crd_times.
+- C L683-689, L734: fresh noise per time and sample, x_t = (1 - s) x0 + s eps -> train.renoised, unit "sample".
+- C L660-701: the old snapshot's velocities for all micro-batches before the epoch's first optimizer step;
+  the snapshot does not move within the epoch -> forward_terms' v_old per micro-batch, from the same unmoved
+  copy (the same values).
+- C L739: the current velocity at the training forward's guidance (1 in the recipe) -> t["v"].
+- C L748-751: the base model (adapter off) at CFG kl_cfg (H L873-883, 4.5) -> t["v_ref"] at --crd-kl-cfg.
+- C L753-777: the implicit reward, adaptive weights in float64 -> crd_implicit_reward.
+- C L785-791: a = clamp(clip(A) / 5 / 2 + 1/2, 0, 1) -> nft_optimality (the same map; its clamp is a no-op).
+- C L780-782, L793-796: r and a gathered from every process for the centring -> centred over this process's
+  micro-batch (departure 1).
+- C L522-629: the centring and the mse / bce loss, one direction (weight_temp < 0) or two -> crd_loss.
+- C L807: x adv_clip_range[1] / max(beta, 1e-8) -> value x adv_clip / max(crd_beta, 1e-8).
+- C L811-824: KL = kl_beta mean(mean_dims (v - v_ref)^2), weighted by min_coef + a (1 - min_coef),
+  min_coef = 1e-4 / kl_beta with reward_adaptive_kl -> as written.
+- C L843-858: backward; clip to max_grad_norm and step when the accumulation is complete -> train.py, policy.step.
+"""
 
 import json
 import math
