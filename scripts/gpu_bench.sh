@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The first run on a GPU, in one command of under 10 minutes on one H200: throughput, memory, MFU and the bf16
 # on-policy ratio of the README's anchor recipe, and a resume of a 2-step run (the EMA and old-copy path) on the GPU.
-# Random SD3.5-medium weights (--model sd3-random): no hub access. Its figures on an H200: docs/gpu/.
+# Random SD3.5-medium weights (--model sd3-random): no hub access. Its figures on an H200: docs/runs/gpu/.
 #
 #   scripts/gpu_bench.sh                   # figures in ./bench_out (or $OUT): *.json, *.log, summary.md
 #
@@ -20,7 +20,7 @@
 #           at least COMPILE_MIN_S of BUDGET_S are left. Its bare replays run the eager module, so its overhead ratio
 #           under 1 is what compiling saves.
 #   gc      the bench phase with --gradient-checkpointing, when at least GC_MIN_S of BUDGET_S are left (measured on an
-#           H200 already: docs/gpu/; BUDGET_S=800 on a longer lease runs every phase).
+#           H200 already: docs/runs/gpu/; BUDGET_S=800 on a longer lease runs every phase).
 #
 # Offline machines: wheels of the pinned diffusers, transformers, tokenizers, peft and open_clip_torch (whose CLIP
 # vocabulary the random models' tokenizers read) in $WHEELS (default wheels/), and of regex (transformers checks its

@@ -5,7 +5,9 @@ Every entry (algorithm or sampler) runs at its own learning rate, chosen on one 
     python scripts/league.py                      # 14 entries: 3-lr sweep on seed 0, then seeds 1 2 -> runs/league/
     python scripts/league.py --only grpo nft --lrs 1e-4 --sweep-seed 0 --seeds 0 --samples 64    # a quick look
     python scripts/league.py --report             # the tables and the plot again from the finished runs
-    python scripts/league.py --report --readme README.md    # and the tables into the README, between its markers
+    python scripts/league.py --report --readme README.md --doc docs/league.md --copy-to docs/runs/league
+                                                  # and the one-table summary into the README, the full tables into
+                                                  # docs/league.md (each between its markers), the plot and JSON there
 
 Each entry is `python train.py` on its defaults (`--model shapes`: the pretrained 32 px model, GenEval prompts of the
 shapes world, the exact GenEval judge) plus COMMON and the entry's flags below. What is held equal:
@@ -30,11 +32,13 @@ shapes world, the exact GenEval judge) plus COMMON and the entry's flags below. 
 Outputs in --out: a run folder per entry, lr and seed (`grpo-lr1e-4-s0/`, train.py's), its log (`.log`) and its
 league record (`.json`: the train.py flags, and `done` once the run reached its last step and evaluation; a killed
 or failed run is never marked); league.md (the tables, the command, the machine), league.png (accuracy against
-samples and against training minutes) and league.json. A finished run is not run again; an interrupted one
-continues from its last checkpoint (`--resume auto`, checkpoints every `--save-every` steps; a finished run's are
-removed unless `--keep-weights`); a run whose flags changed starts over. Runs go `--jobs` at a time with
-`--threads` torch threads each; an entry's seeds start as soon as its sweep has finished. The exit status is
-non-zero, naming the first failed run, when any run failed.
+samples and against training minutes, each entry its own colour and line) and league.json. The README's summary
+(`--readme`) is one table: each entry's rise over seeds, its speed-up over flow (Flow-GRPO as its authors ran it)
+and its samples per second. A finished run is not run again; an interrupted one continues from its last checkpoint
+(`--resume auto`, checkpoints every `--save-every` steps; a finished run's are removed unless `--keep-weights`); a
+run whose flags changed starts over. Runs go `--jobs` at a time with `--threads` torch threads each; an entry's
+seeds start as soon as its sweep has finished. The exit status is non-zero, naming the first failed run, when any
+run failed.
 
 Seconds per step measured alone: `--measure-speed` runs each entry (--only) for `--speed-steps` steps with nothing
 else of the league running and all CPUs' threads, evaluations off, and writes the median seconds of its steps after
@@ -654,6 +658,40 @@ def tables(results, args):
     return "\n".join(lines)
 
 
+def summary_table(results, args):
+    """The README's one table: each entry's rise (mean +- standard deviation of its seeds' rises), its speed-up over
+    flow (Flow-GRPO as its authors ran it; else the first --reference with a row) per sample and per minute, and its
+    samples per second; the entries by rise, the largest first."""
+    reference = "flow" if "flow" in results else next((r for r in args.reference if r in results), None)
+    target = None
+    if reference is not None:
+        ref = mean_curve(list(results[reference]["curves"].values()))
+        (ref_samples, ref_seconds, target), before = ref[-1], ref[0][2]
+        target = target if target > before else None  # a reference that did not rise has no speed-up to read
+    rows = []
+    for name, r in results.items():
+        curves = list(r["curves"].values())
+        rises = [c[-1]["accuracy"] - c[0]["accuracy"] for c in curves]
+        rise = f"{np.mean(rises):+.3f}" + (f" +- {np.std(rises, ddof=1):.3f}" if len(rises) > 1 else " (1 seed)")
+        speedup = "-"
+        if target is not None and (reached := first_reach(mean_curve(curves), target)) is not None:
+            speedup = f"{times(ref_samples, reached[0])} ({times(ref_seconds, reached[1])})"
+        elif target is not None:
+            speedup = "not reached"
+        seconds = np.mean([c[-1]["seconds"] for c in curves])
+        rows.append((np.mean(rises), f"| {name} | {rise} | {speedup} | {curves[0][-1]['samples'] / seconds:.1f} |"))
+    over = f"over {reference}" if reference else "(no reference)"
+    lines = [f"| entry | rise +- sd over seeds | speed-up {over}, per sample (per minute) | samples/s |",
+             "| --- | ---: | ---: | ---: |"]
+    lines += [row for _, row in sorted(rows, key=lambda row: -row[0])]
+    read = (f"; speed-up: the samples (minutes) to first reach {reference}'s final accuracy against "
+            f"{reference}'s" if reference else "")
+    lines += ["", f"{args.samples:,} samples per run, held-out GenEval accuracy (360 prompts, ODE) from before "
+                  f"training to the end, seeds {' '.join(map(str, args.seeds))}, each entry at its best of "
+                  f"{len(args.lrs)} learning rates{read}; `{command_line(args, timed_alone(results))}`."]
+    return "\n".join(lines)
+
+
 def command_line(args, speeds=False):
     """The command that reproduces the league, every setting explicit."""
     parts = ["python scripts/league.py", f"--samples {args.samples}", f"--evals {args.evals}",
@@ -711,18 +749,26 @@ def machine_line(where, loads, others=()):
             f"{where['threads']} torch thread(s) each{mixed}{load}.")
 
 
+def entry_style(i):
+    """The i-th entry's colour, line and marker: ten hues, then the ten again lighter, dashed and square-marked, then
+    dotted, ...: no two of up to 40 entries are drawn alike."""
+    import matplotlib
+    hue, lap = i % 10, i // 10
+    return dict(color=matplotlib.colormaps["tab20"](2 * hue + lap % 2), linestyle=("-", "--", ":", "-.")[lap % 4],
+                marker=("o", "s", "^", "D")[lap % 4])
+
+
 def plot(results, args, budget, path):
     import matplotlib  # optional, heavy: only for the report
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (by_samples, by_minutes) = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
-    colours = plt.get_cmap("tab10")
+    fig, (by_samples, by_minutes) = plt.subplots(1, 2, figsize=(14, 4.8), sharey=True)
     for i, (name, r) in enumerate(results.items()):
         curves = list(r["curves"].values())
         samples, seconds, accuracy = zip(*mean_curve(curves))
         minutes = np.asarray(seconds) / 60
-        style = dict(color=colours(i % 10), marker="o", markersize=3, linestyle="--" if i >= 10 else "-",
+        style = dict(**entry_style(i), markersize=3,
                      label=f"{name} (lr {lr_text(r['lr'])}, {len(curves)} seed{'s' if len(curves) > 1 else ''})")
         by_samples.plot(samples, accuracy, **style)
         by_minutes.plot(minutes, accuracy, **style)
@@ -735,7 +781,7 @@ def plot(results, args, budget, path):
                          else f"equal wall-clock ({args.jobs} runs at a time, {args.threads} thread(s) each)")
     for ax in (by_samples, by_minutes):
         ax.grid(alpha=0.3)
-    by_minutes.legend(fontsize=7)
+    by_minutes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the plot, over no curve
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -765,36 +811,48 @@ def report(args):
     with open(os.path.join(args.out, "league.json"), "w") as f:
         json.dump(dict(samples=args.samples, steps=args.steps, minutes_budget=budget, entries=summary), f, indent=1)
     if args.readme:
-        write_into(args.readme, table)
+        write_into(args.readme, summary_table(results, args), *MARKERS["readme"])
+    if args.doc:
+        write_into(args.doc, table, *MARKERS["doc"])
+    if args.copy_to:
+        os.makedirs(args.copy_to, exist_ok=True)
+        for name in ("league.png", "league.json"):
+            shutil.copyfile(os.path.join(args.out, name), os.path.join(args.copy_to, name))
     print(table)
     print(f"wrote {os.path.join(args.out, 'league.md')}, league.png, league.json"
-          + (f"; the tables into {args.readme}" if args.readme else ""))
+          + (f"; the summary into {args.readme}" if args.readme else "")
+          + (f"; the tables into {args.doc}" if args.doc else "")
+          + (f"; league.png and league.json into {args.copy_to}" if args.copy_to else ""))
     return results
 
 
-README_START, README_END = "<!-- league.md: written by scripts/league.py --report --readme -->", "<!-- league.md end -->"
+# Where --readme and --doc write, in their files: (flag, first line, last line); what was between them goes.
+MARKERS = {
+    "readme": ("--readme", "<!-- league: written by scripts/league.py --report --readme -->", "<!-- league end -->"),
+    "doc": ("--doc", "<!-- league.md: written by scripts/league.py --report --doc -->", "<!-- league.md end -->"),
+}
 
 
-def write_into(path, text):
-    """Put `text` between the README_START and README_END lines of the markdown file `path` (what was there goes);
-    one error line when the file lacks them."""
+def write_into(path, text, flag, first, last):
+    """Put `text` between the lines `first` and `last` of the markdown file `path` (what was there goes); one error
+    line when the file lacks them."""
     try:
         with open(path) as f:
             page = f.read()
     except OSError as e:
-        raise SystemExit(f"error: --readme {path} cannot be read ({e.strerror or e}): give the README's path") from None
-    start, end = page.find(README_START), page.find(README_END)
+        raise SystemExit(f"error: {flag} {path} cannot be read ({e.strerror or e}): give the file's path") from None
+    start, end = page.find(first), page.find(last)
     if start < 0 or end < start:
-        raise SystemExit(f"error: --readme {path} has no place for the table: put the lines {README_START} and "
-                         f"{README_END} where it goes")
+        raise SystemExit(f"error: {flag} {path} has no place for the table: put the lines {first} and {last} where "
+                         "it goes")
     try:
         with open(path + ".tmp", "w") as f:
-            f.write(page[:start + len(README_START)] + "\n" + text + "\n" + page[end:])
-        os.replace(path + ".tmp", path)  # a full disk or a kill leaves the README as it was
+            f.write(page[:start + len(first)] + "\n" + text + "\n" + page[end:])
+        os.replace(path + ".tmp", path)  # a full disk or a kill leaves the file as it was
     except OSError as e:
         if os.path.exists(path + ".tmp"):
             os.remove(path + ".tmp")
-        raise SystemExit(f"error: --readme {path} cannot be written ({e.strerror or e}): make it writable; "
+        raise SystemExit(f"error: {flag} {path} cannot be written ({e.strerror or e}): make it writable; "
                          "the tables are in league.md") from None
 
 
@@ -849,7 +907,11 @@ def parse_args(argv=None):
                    help="steps of each speed run; the first is not counted (default: 5)")
     p.add_argument("--report", action="store_true", help="only the tables and the plot, from the finished runs")
     p.add_argument("--readme", default=None, metavar="FILE",
-                   help="also write the tables into FILE (the README) between its league.md marker lines")
+                   help="also write the summary table into FILE (the README) between its league marker lines")
+    p.add_argument("--doc", default=None, metavar="FILE",
+                   help="also write the full tables into FILE (docs/league.md) between its league.md marker lines")
+    p.add_argument("--copy-to", default=None, metavar="DIR",
+                   help="also copy league.png and league.json into DIR (docs/runs/league)")
     p.add_argument("--poll", type=flags.POSITIVE, default=2.0, help=argparse.SUPPRESS)  # seconds between looks
     args = p.parse_args(argv)
     args.only = list(dict.fromkeys(args.only))
@@ -861,9 +923,10 @@ def parse_args(argv=None):
         p.error(f"--ledger {args.ledger} is not a file: give the path of a JSON lines file (made if missing)")
     if args.ledger and not os.path.isdir(os.path.dirname(os.path.abspath(args.ledger))):
         p.error(f"--ledger {args.ledger}: its folder does not exist: make it, or give a path in an existing folder")
-    if args.readme and not (os.path.isfile(args.readme) and README_START in open(args.readme).read()):
-        p.error(f"--readme {args.readme}: no such file with the line {README_START}: put it and {README_END} "
-                "where the tables go")
+    for key in MARKERS:
+        path, (flag, first, last) = getattr(args, key), MARKERS[key]
+        if path and not (os.path.isfile(path) and first in open(path).read()):
+            p.error(f"{flag} {path}: no such file with the line {first}: put it and {last} where the table goes")
     if args.measure_speed and not args.speeds:
         p.error("--measure-speed needs --speeds FILE: where the seconds per step go")
     return plan(args, p)

@@ -194,36 +194,53 @@ def test_speed_up_over_grpo_is_the_samples_and_minutes_to_reach_its_final_accura
         in open(tmp_path / "league.md").read()
 
 
-def test_report_writes_the_tables_into_the_readme_between_its_markers(tmp_path, capsys, monkeypatch):
+def test_report_writes_the_summary_into_the_readme_and_the_tables_into_the_doc(tmp_path, capsys, monkeypatch):
     pytest.importorskip("matplotlib")
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# Title\n\nBefore.\n{league.README_START}\nthe old table\n{league.README_END}\nAfter.\n")
-    flags = ["--out", str(tmp_path / "out"), "--samples", "128", "--evals", "3", "--only", "nft", "--lrs", "1e-4",
-             "--sweep-seed", "0", "--seeds", "0"]
-    args = league.parse_args([*flags, "--readme", str(readme)])
+    (_, readme_start, readme_end), (_, doc_start, doc_end) = league.MARKERS["readme"], league.MARKERS["doc"]
+    readme, doc, copies = tmp_path / "README.md", tmp_path / "league.md", tmp_path / "docs" / "runs"
+    readme.write_text(f"# Title\n\nBefore.\n{readme_start}\nthe old table\n{readme_end}\nAfter.\n")
+    doc.write_text(f"# The league\n\n{doc_start}\nthe old tables\n{doc_end}\nMore.\n")
+    flags = ["--out", str(tmp_path / "out"), "--samples", "128", "--evals", "3", "--only", "nft", "grpo", "flow",
+             "--lrs", "1e-4", "--sweep-seed", "0", "--seeds", "0", "1"]
+    args = league.parse_args([*flags, "--readme", str(readme), "--doc", str(doc), "--copy-to", str(copies)])
     os.makedirs(args.out)
-    fake_run(args, ("nft", 1e-4, 0), [30.0] * 4, [0.3, 0.4, 0.5])
+    fake_run(args, ("nft", 1e-4, 0), [15.0] * 4, [0.30, 0.60, 0.70])  # mean 0.30, 0.55, 0.65 at 0, 30, 60 s
+    fake_run(args, ("nft", 1e-4, 1), [15.0] * 4, [0.30, 0.50, 0.60])
+    fake_run(args, ("grpo", 1e-4, 0), [30.0] * 4, [0.30, 0.40, 0.50])  # mean 0.30, 0.42, 0.50
+    fake_run(args, ("grpo", 1e-4, 1), [30.0] * 4, [0.30, 0.44, 0.50])
+    fake_run(args, ("flow", 1e-4, 0), [30.0] * 4, [0.30, 0.35, 0.40])  # mean 0.30, 0.375, 0.40: final 0.40
+    fake_run(args, ("flow", 1e-4, 1), [30.0] * 4, [0.30, 0.40, 0.40])
     league.report(args)
     page = readme.read_text()
     assert "the old table" not in page and page.startswith("# Title\n\nBefore.\n") and page.endswith("After.\n")
-    assert f"{league.README_START}\n{open(tmp_path / 'out' / 'league.md').read()}{league.README_END}\n" in page
-    league.report(args)  # again: the same page
-    assert readme.read_text() == page
+    summary = page[page.index(readme_start):page.index(readme_end)]
+    # one row per entry, by rise: the rise over seeds +- their standard deviation, the speed-up over flow per sample
+    # (per minute) as the full table's "Speed-up over flow" reads it, the samples per second
+    assert "| entry | rise +- sd over seeds | speed-up over flow, per sample (per minute) | samples/s |" in summary
+    rows = summary.splitlines()[3:6]  # the marker line, the head, its rule, then the rows
+    assert rows == ["| nft | +0.350 +- 0.071 | 5.0x (10.0x) | 2.1 |", "| grpo | +0.200 +- 0.000 | 2.4x (2.4x) | 1.1 |",
+                    "| flow | +0.100 +- 0.000 | 1.0x (1.0x) | 1.1 |"]
+    assert "**Equal samples**" not in summary and "python scripts/league.py --samples 128" in summary
+    tables = doc.read_text()
+    assert "the old tables" not in tables and tables.endswith("More.\n")
+    assert f"{doc_start}\n{open(tmp_path / 'out' / 'league.md').read()}{doc_end}\n" in tables
+    assert (copies / "league.png").read_bytes() == (tmp_path / "out" / "league.png").read_bytes()
+    assert json.load(open(copies / "league.json")) == json.load(open(tmp_path / "out" / "league.json"))
+    league.report(args)  # again: the same pages
+    assert readme.read_text() == page and doc.read_text() == tables
 
     def full_disk(*a):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(league.os, "replace", full_disk)  # a full disk: one error line, the README as it was
     with pytest.raises(SystemExit, match="No space left on device.* the tables are in league.md"):
-        league.write_into(str(readme), "a new table")
+        league.write_into(str(readme), "a new table", *league.MARKERS["readme"])
     monkeypatch.undo()
     assert readme.read_text() == page and not os.path.exists(f"{readme}.tmp")
-    readme.write_text("# A README without the markers\n")
-    with pytest.raises(SystemExit) as stop:
-        league.parse_args([*flags, "--readme", str(readme)])
-    assert stop.value.code == 2 and "put it and" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as stop:
-        league.parse_args([*flags, "--readme", str(tmp_path / "missing.md")])
-    assert stop.value.code == 2
+    readme.write_text(f"# A README with the doc's markers only\n{doc_start}\n{doc_end}\n")
+    for flag, path in (("--readme", readme), ("--doc", tmp_path / "missing.md")):
+        with pytest.raises(SystemExit) as stop:
+            league.parse_args([*flags, flag, str(path)])
+        assert stop.value.code == 2 and "put it and" in capsys.readouterr().err
 
 
 def test_table_has_the_six_tags_the_lr_the_samples_the_minutes_command_and_machine(tmp_path):

@@ -201,7 +201,7 @@ def test_commands_are_found():
         assert any(shown in label for label in labels), shown
     for shown in NOT_RUN:
         assert any(label.endswith(": " + shown) for label in labels), f"{shown!r} is no longer in the README: drop it"
-    assert {s for _, s, *_ in COMMANDS} >= {"train.py", "eval.py", "bench.py", "scripts/league.py", "shapes.py"}
+    assert {s for _, s, *_ in COMMANDS} >= {"train.py", "eval.py", "bench.py", "scripts/league.py"}
     worlds = {label: w for label, _, argv, w in COMMANDS if argv is not None}
     assert max(worlds.values()) == 16 and min(worlds.values()) == 1  # two nodes of 8; python
     # the Launch section's two @recipes/... lines, each on every recipe but the one-GPU ones

@@ -262,7 +262,7 @@ TABLE["sd3_crd_ocr.args"] = ("Flow-Factory examples/crd/lora/sd3_5/default.yaml 
 # Recipes with no authors' configuration to check against, and why.
 UNCHECKED = {
     "sd3_bench.args": "the throughput anchor of bench.py, not a training recipe",
-    "shapes_long.args": "this project's long run on the shapes world, measured in docs/shapes.md, no paper's setup",
+    "shapes_long.args": "this project's long run on the shapes world, measured in docs/long_run.md, no paper's setup",
 }
 # What each published run's optimizer sees: (optimizer steps per sampled batch, samples per optimizer step).
 OPTIMIZER = {
