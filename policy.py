@@ -16,6 +16,7 @@ The algorithm lives in train.py and losses.py; this is what they run it on.
 """
 import argparse
 import contextlib
+import copy
 import math
 
 import torch
@@ -68,6 +69,11 @@ class Policy:
         self.amp_dtype, self.device, self.args = amp_dtype, device, args
         self.copies = self._copies(args, old_copy, sampling_copy)
         self.optimizer_steps = 0  # all of the run's, for the EMA warm-up and the old copy's decay
+        if args.updates_per_batch * args.minibatches > 1 and (args.fsdp or self.trained_bytes() > SNAPSHOT_BYTES):
+            why = "sharded weights" if args.fsdp else f"more than {SNAPSHOT_BYTES >> 30} GB of trained weights"
+            print0(f"note: a preemption (SIGTERM) in the training phase after a step's first optimizer step finishes "
+                   f"the step before it saves ({why}: no copy of the step's start is kept), which a launcher that "
+                   "kills after 30 s may cut short; --minibatches 1 --updates-per-batch 1 lets every signal stop at once")
 
     def _copy(self):  # float32, sharded like the trained weights under FSDP
         return {n: q.detach().float().clone() for n, q in self.trainable}
@@ -178,6 +184,38 @@ class Policy:
         """Context: the trained weights hold their EMA (what is evaluated and exported), if the run keeps one."""
         return checkpoints.ema_weights(dict(self.trainable), self.copies["ema"])
 
+    def snapshot(self):
+        """What an optimizer step changes, copied to the CPU: the trained weights, Adam's state, the EMA, the loss scale
+        and the step count. A step with several optimizer steps takes one first, so that a preemption after the first
+        can still save the state the step started from (run.stop_in_training). None where it would not fit its use: a
+        sharded run, or more than SNAPSHOT_BYTES of trained weights (said at start-up)."""
+        if self.args.fsdp or self.trained_bytes() > SNAPSHOT_BYTES:
+            return None
+        cpu = lambda tensors: [t.detach().to("cpu", copy=True) for t in tensors]  # noqa: E731
+        state = self.optimizer.state_dict()
+        return dict(weights=cpu(q for _, q in self.trainable), optimizer=dict(
+                    state={k: {n: v.to("cpu", copy=True) if torch.is_tensor(v) else v for n, v in s.items()}
+                           for k, s in state["state"].items()}, param_groups=copy.deepcopy(state["param_groups"])),
+                    ema={n: t.to("cpu", copy=True) for n, t in self.copies["ema"].items()}
+                    if self.copies["ema"] is not None else None,
+                    scaler=self.scaler.state_dict(), optimizer_steps=self.optimizer_steps)
+
+    def restore(self, snapshot):
+        """Back to a `snapshot`, exactly; the gradients accumulated since are dropped."""
+        with torch.no_grad():
+            for (_, q), saved in zip(self.trainable, snapshot["weights"]):
+                q.copy_(saved)
+            for n, saved in (snapshot["ema"] or {}).items():
+                self.copies["ema"][n].copy_(saved)
+        self.optimizer.load_state_dict(snapshot["optimizer"])
+        if self.scaler.is_enabled():
+            self.scaler.load_state_dict(snapshot["scaler"])
+        self.optimizer_steps = snapshot["optimizer_steps"]
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def trained_bytes(self):
+        return sum(q.numel() * q.element_size() for _, q in self.trainable)
+
     # ------------------------------------------------------------------------- checkpoints
     def checkpoint(self, args, step, extra):
         """Write checkpoint `step` (every rank calls; rank 0 writes). LoRA runs also export the adapter in diffusers'
@@ -199,6 +237,9 @@ class Policy:
         if self.copies["reference"] is not None and "reference" not in saved:  # from a run without one: a snapshot
             self.reset_reference()  # of the weights it resumes from
         return state
+
+
+SNAPSHOT_BYTES = 4 << 30  # trained weights up to this are copied to the CPU at the start of a multi-update step
 
 
 def _lerp(copy, trainable, weight):

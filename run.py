@@ -10,10 +10,12 @@
     run.checkpoint_or_stop(step)    save when due or signalled; True ends the run
     run.finish()
 
-A SIGTERM / SIGINT (preemption) lets every rank finish its step, save and exit 0; during the wait for a hung reward
-service the wait is abandoned on every rank and the last complete step is saved. One line per step on rank 0, with
+A SIGTERM / SIGINT (preemption) stops every rank within seconds, saves the last complete step and exits 0: in the wait
+for rewards at once, in the training phase at the next micro-batch (the weights back at the step's start), in the
+sampling phase at the end of the wait. --resume auto then redoes the step exactly. One line per step on rank 0, with
 a live bar on a terminal.
 """
+import copy
 import hashlib
 import json
 import math
@@ -114,6 +116,7 @@ class Run:
         now = time.time()
         if phase is None:
             self.marks = {"start": now, "last": now}
+            self.carry_at_start = copy.deepcopy(self.carry)  # what a stop in the step's training phase saves
         else:
             self.marks[phase], self.marks["last"] = now - self.marks["last"], now
 
@@ -225,13 +228,28 @@ class Run:
             raise rewards.RewardServiceError(f"step {step + 1}, rank {RANK}, rollout batch {b} "
                                              f"(prompts {names}): {e}") from None
 
-    def _stop_while_waiting(self, step):
+    def signalled(self):
+        """Whether a SIGTERM / SIGINT reached any rank (a collective: every rank asks at the same point)."""
+        return distributed.any_rank(self.signal is not None, self.device)
+
+    def stop_in_training(self, step, snapshot):
+        """A signal arrived in the training phase: back to the state the step started from (the policy's `snapshot`
+        after an optimizer step of this step, else the weights as they are, their gradients dropped), save it as
+        checkpoint `step` with the run's state from before the step, and exit 0 at once; --resume auto redoes the step
+        exactly (departure 1: its rollouts are seeded)."""
+        if snapshot is not None:
+            self.policy.restore(snapshot)
+        self.policy.optimizer.zero_grad(set_to_none=True)
+        self.carry = self.carry_at_start  # the step's advantages already moved GARDO's gate share
+        self._stop_while_waiting(step, "in the training phase of")
+
+    def _stop_while_waiting(self, step, where="while waiting for rewards in"):
         """A signal arrived while waiting: keep the last complete step, redo this one on resume, exit 0 at once."""
         saved = os.path.isfile(os.path.join(self.args.out, "checkpoints", str(step), "state.json"))
         if not distributed.broadcast(saved):  # rank 0 wrote it: its view decides the collective save for every rank
             self.policy.checkpoint(self.args, step, self._state())  # (another node may see the file late, or never)
-        print0(f"stopped by {self.signal or 'a signal on another rank'} while waiting for rewards in step "
-               f"{step + 1}; checkpoint {step} saved, continue with --resume auto --out {self.args.out}")
+        print0(f"stopped by {self.signal or 'a signal on another rank'} {where} step {step + 1}; checkpoint {step} "
+               f"saved, continue with --resume auto --out {self.args.out}")
         self._exit_now()  # a reward request may still be blocked on the network: do not wait for its thread
 
     def _exit_now(self):

@@ -274,16 +274,19 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
     hyper, state = regularizers.before_training(policy, vars(args), args, run.carry, step)  # before any forward
     n_micro = len(batch["prompts"]) // args.train_batch_size  # micro-batches per pass, the same on every rank
     stats, optim_steps, failed = {}, 0, {"overflow": 0, "skipped": 0}
+    # Where an optimizer step comes before the step's last micro-batch, the state the step starts from, so that a
+    # preemption can go back to it (policy.snapshot: None where too large, and then a signal finishes the step).
+    snapshot = policy.snapshot() if args.updates_per_batch * args.minibatches > 1 else None
+    # The trained samples' order in each pass, on the CPU and on the device: CPU indices into GPU tensors would copy
+    # them over (and wait) at every indexing; the CPU order indexes the prompt masks, which stay there (embed_rows).
     on_cpu = [adv["ids"][torch.randperm(len(adv["ids"]), generator=data.seeded(args.seed, step, RANK, u, 1))]
-              for u in range(args.updates_per_batch)]  # the trained samples' order in each pass, also on the
-    orders = [o.to(policy.device) for o in on_cpu]  # device: CPU indices into GPU tensors would copy them over (and
-    # wait) at every indexing; the CPU order indexes the prompt masks, which stay on the CPU (embed_rows)
+              for u in range(args.updates_per_batch)]
+    orders = [o.to(policy.device) for o in on_cpu]
 
     def micro_batches(update, m):  # the micro-batches of optimizer step (update, m): (device ids, the same on the CPU)
         micros = list(zip(*(o.split(len(adv["ids"]) // n_micro) for o in (orders[update], on_cpu[update]))))
         micros = micros[m * n_micro // args.minibatches:(m + 1) * n_micro // args.minibatches]  # n_micro in a pass
-        return [(ids.reshape(-1), rows.reshape(-1)) for ids, rows in micros]  # pairs and groups ([units, width]):
-        # each unit's samples in a row
+        return [(ids.reshape(-1), rows.reshape(-1)) for ids, rows in micros]  # [units, width]: a unit's in a row
 
     old_stats = {}  # (update, m, i) -> [n, b]: the forward-process statistic of later optimizer steps (departure 10)
     if loss.old_stat is not None and args.updates_per_batch * args.minibatches > 1:
@@ -293,6 +296,9 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
             micro = micro_batches(update, m)
             n_terms, done = len(micro) * n_trained(loss, batch, args), 0
             for i, (ids, rows) in enumerate(micro):
+                stepped = update or m  # an optimizer step of this step came before
+                if (not stepped or snapshot is not None) and run.signalled():  # preempted: within seconds, not a step
+                    run.stop_in_training(step, snapshot if stepped else None)
                 sub = embed_rows(batch["embeds"], ids, rows)
                 terms = reverse_terms(policy, batch, ids, sub, adv["adv"][ids], sigmas, args) \
                     if loss.process == "reverse" else forward_terms(policy, loss, batch, ids, sub, adv["adv"][ids],
