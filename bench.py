@@ -79,6 +79,7 @@ import models
 import reward_models
 import rewards
 import train
+from tests import reward_fixtures
 
 REQUIRED_KEYS = ("rollout_samples_per_s", "train_samples_per_s", "end_to_end_samples_per_s", "overhead_ratio",
                  "peak_mem_mib", "reward_images_per_s")
@@ -634,7 +635,7 @@ def reward_flops():
     hpsv3_vision = per_depth[0] + 31 * (per_depth[1] - per_depth[0])
     words = ("system\nYou are a helpful assistant.\nuser\n" + reward_models.hpsv3_text(
         "a photo of an astronaut riding a horse on the moon, highly detailed") + "\nassistant\n")
-    tokenizer = families.clip_tokenizer()
+    tokenizer = families.common.clip_tokenizer()
     tokenizer.model_max_length = 10**6  # counting, not encoding for CLIP: no length warning
     tokens = 256 + 8 + len(tokenizer(words, add_special_tokens=False)["input_ids"])
     config = Qwen2VLConfig(text_config=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
@@ -684,21 +685,21 @@ def reward_throughput(args):
     bench(f"ocr ({args.ocr_backend}, {args.ocr_workers} worker(s))", rewards.ocr(**options), repeats=1)
     with tempfile.TemporaryDirectory() as tmp:
         # 224 px in patches of 14: the 256 image tokens of ViT-H-14, in a 2-layer, 32-wide model
-        folder = models.tiny_pickscore(os.path.join(tmp, "pickscore"), image_size=224, patch_size=14)
+        folder = reward_fixtures.tiny_pickscore(os.path.join(tmp, "pickscore"), image_size=224, patch_size=14)
         bench("pickscore (tiny random CLIP stand-in)",
               reward_models.pickscore(**dict(options, pickscore_processor_path=folder, pickscore_model_path=folder)))
-        name, path = models.tiny_hps(os.path.join(tmp, "hps"), image_size=224, patch_size=14)
+        name, path = reward_fixtures.tiny_hps(os.path.join(tmp, "hps"), image_size=224, patch_size=14)
         bench("hps (tiny random open_clip stand-in)",
               reward_models.hps(**dict(options, hps_checkpoint_path=path, hps_model_name=name)))
         bench("clipscore (tiny random CLIP stand-in)", reward_models.clipscore(**dict(options, clipscore_model_path=folder)))
         # the real models' image tokens: 224 px in patches of 16 (ImageReward); HPSv3 resizes to 448 px itself
-        ir = models.tiny_imagereward(os.path.join(tmp, "imagereward"), image_size=224, patch_size=16)
+        ir = reward_fixtures.tiny_imagereward(os.path.join(tmp, "imagereward"), image_size=224, patch_size=16)
         bench("imagereward (tiny random BLIP stand-in)", reward_models.imagereward(
             **dict(options, imagereward_model_path=ir, imagereward_tokenizer_path=ir)))
-        base, checkpoint = models.tiny_hpsv3(os.path.join(tmp, "hpsv3"))
+        base, checkpoint = reward_fixtures.tiny_hpsv3(os.path.join(tmp, "hpsv3"))
         bench("hpsv3 (tiny random Qwen2-VL stand-in)",
               reward_models.hpsv3(**dict(options, hpsv3_base_path=base, hpsv3_checkpoint_path=checkpoint)), repeats=1)
-        clip, mlp = models.tiny_aesthetic(os.path.join(tmp, "aesthetic"), image_size=224, patch_size=14)
+        clip, mlp = reward_fixtures.tiny_aesthetic(os.path.join(tmp, "aesthetic"), image_size=224, patch_size=14)
         bench("aesthetic (tiny random CLIP stand-in)",
               reward_models.aesthetic(**dict(options, aesthetic_clip_path=clip, aesthetic_mlp_path=mlp)))
     server = _unifiedreward_stub()

@@ -2,7 +2,7 @@
 
     python scripts/family_memory.py            # two markdown tables: LoRA per model; recipes term by term
 
-Counts come from families.PUBLISHED built on the meta device (SD3.5-M's transformer from models.py's config; FLUX.1-dev
+Counts come from families.PUBLISHED built on the meta device (each family's published configs; FLUX.1-dev
 is FLUX.1 Kontext [dev]'s architecture and encoders). The LoRA estimate, per GPU:
   weights      transformer and text encoders in bf16 (2 bytes), the VAE in bf16 (Wan's in float32, 4 bytes);
   LoRA + Adam  16 bytes per LoRA parameter (float32 weight, gradient, Adam's two moments), the targets
@@ -48,7 +48,6 @@ sys.path.insert(0, ROOT)
 
 import families  # noqa: E402
 import losses  # noqa: E402
-import models  # noqa: E402
 import train  # noqa: E402
 
 # name -> (setting, family for LoRA targets, LoRA rank, tokens L per sample, width h, blocks, MLP ratio, SwiGLU MLP,
@@ -84,8 +83,7 @@ SETTINGS = {
                             16, 1024 + 1024 + 512, 3072, 25, 3, True, 0, 1, False, 2),
 }
 PUBLISHED_AS = {"qwen-image-edit-2509": "qwen-image-edit", "flux2-klein-4b-edit": "flux2-klein-4b",  # same weights
-                "flux1-dev": "flux1-kontext",  # FLUX.1 Kontext [dev] is FLUX.1-dev's architecture and encoders
-                "sd3.5-medium": "sd3.5-large"}  # the same text encoders and VAE; the transformer is models.py's
+                "flux1-dev": "flux1-kontext"}  # FLUX.1 Kontext [dev] is FLUX.1-dev's architecture and encoders
 # A second self-attention over the image tokens in some blocks: SD3.5-M's dual_attention_layers 0-12 (MMDiT-X).
 # name -> (blocks, image tokens)
 IMAGE_ATTENTION = {"sd3.5-medium": (13, 1024)}
@@ -93,12 +91,7 @@ IMAGE_ATTENTION = {"sd3.5-medium": (13, 1024)}
 
 @functools.lru_cache(maxsize=None)  # meta modules, never changed: built once per run
 def build(name, component):
-    """One component of a published model on the meta device (SD3.5-M's transformer from models.py's config)."""
-    if name == "sd3.5-medium" and component == "transformer":
-        from diffusers import SD3Transformer2DModel
-        import torch
-        with torch.device("meta"):
-            return SD3Transformer2DModel(**models.SD35_MEDIUM_TRANSFORMER)
+    """One component of a published model on the meta device."""
     return families.build_published(PUBLISHED_AS.get(name, name), component)
 
 
@@ -117,7 +110,7 @@ def lora_parameters(transformer, targets, rank):
 
 
 def lora_targets(kind):
-    return models.LORA_TARGETS.get(kind) or families.FAMILIES[kind]["lora_targets"]
+    return families.MODELS[kind].lora_targets
 
 
 @functools.lru_cache(maxsize=None)

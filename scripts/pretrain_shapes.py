@@ -1,6 +1,6 @@
 """Pretrain the `shapes` model: conditional flow matching on rendered scenes of coloured shapes.
 
-    python scripts/pretrain_shapes.py                    # reproduces weights/shapes.safetensors (2 CPU threads)
+    python scripts/pretrain_shapes.py --replace-shipped  # reproduces weights/shapes.safetensors (2 CPU threads)
     python scripts/pretrain_shapes.py --steps 300 --out /tmp/shapes.safetensors      # a quick look
 
 Each step renders a batch of scenes for captions drawn from GenEval's six templates over this world
@@ -8,7 +8,7 @@ Each step renders a batch of scenes for captions drawn from GenEval's six templa
 the rectified-flow path and regresses the velocity (SD3, Esser et al. 2024, eq. 1-3 with the
 rectified-flow choice): x_s = (1 - s) x0 + s eps, target eps - x0, s from the logit-normal
 distribution (SD3 Sec. 3.1, m = 0, s = 1). The transformer and both CLIP text encoders (all but
-their token tables, see models.shapes_trained_state) train jointly; 10 % of captions are dropped to "" so
+their token tables, see families.shapes.trained_state) train jointly; 10 % of captions are dropped to "" so
 that classifier-free guidance works (Ho & Salimans 2022). The prediction goes through
 models.velocity, the same call the RL code samples with, so the timestep convention (SD3 takes
 t = 1000 s) cannot drift. The saved weights are an exponential moving average of the trained ones.
@@ -29,7 +29,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import families  # noqa: E402
 import flags  # noqa: E402
 import models  # noqa: E402
 import shapes  # noqa: E402
@@ -66,18 +68,24 @@ def main(argv=None):
     p.add_argument("--threads", type=flags.POSITIVE_INT, default=2,
                    help="torch threads (the weights depend on it in the last bits)")
     p.add_argument("--out", default=shapes.WEIGHTS, help="safetensors file written at the end")
+    p.add_argument("--replace-shipped", action="store_true",
+                   help=f"allow --out to be the shipped {shapes.WEIGHTS}, the model every `python train.py` trains")
     p.add_argument("--log-every", type=flags.POSITIVE_INT, default=100, help="steps between log lines")
     p.add_argument("--save-every", type=flags.NONNEG_INT, default=0,
                    help="steps between extra EMA snapshots <out>-<step>.safetensors (0: none)")
     args = p.parse_args(argv)
     if problem := flags.unwritable(args.out, "shapes.safetensors"):  # refused now, not after the training
         p.error(f"--out {args.out} {problem}")
+    shipped = {os.path.realpath(flags.shipped(shapes.WEIGHTS)), os.path.realpath(os.path.join(ROOT, shapes.WEIGHTS))}
+    if os.path.realpath(args.out) in shipped and os.path.exists(args.out) and not args.replace_shipped:
+        p.error(f"--out {args.out} is the shipped shapes model, which every `python train.py` trains from; write "
+                "elsewhere (--out /tmp/shapes.safetensors), or add --replace-shipped to reproduce it")
 
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
-    pipe = models.build_shapes(seed=args.seed)
-    params = models.shapes_trainable_parameters(pipe)  # transformer and text encoders; the token tables stay seeded
+    pipe = families.shapes.build(seed=args.seed)
+    params = families.shapes.trainable_parameters(pipe)  # transformer and text encoders; the token tables stay seeded
     opt = torch.optim.Adam(params, lr=args.lr, betas=(0.9, 0.99))
     ema = [q.detach().clone() for q in params]
     print(f"shapes pretraining: {sum(q.numel() for q in params) / 1e6:.2f} M parameters "
@@ -119,9 +127,9 @@ def main(argv=None):
             window = []
 
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-            models.save_shapes_ema(pipe, params, ema, f"{os.path.splitext(args.out)[0]}-{step + 1}.safetensors")
+            families.shapes.save_ema(pipe, params, ema, f"{os.path.splitext(args.out)[0]}-{step + 1}.safetensors")
 
-    models.save_shapes_ema(pipe, params, ema, args.out)
+    families.shapes.save_ema(pipe, params, ema, args.out)
     wall, cpu = time.time() - start_wall, time.process_time() - start_cpu
     print(f"wrote {args.out} ({os.path.getsize(args.out) / 1e6:.2f} MB) after {wall / 60:.1f} min wall, "
           f"{cpu / 60:.1f} min cpu", flush=True)

@@ -9,7 +9,7 @@ and the source (SD3, Esser et al. 2024, eq. 1-3 with the rectified-flow choice; 
 distribution, m = 0, s = 1, Sec. 3.1): x_s = (1 - s) x0 + s eps, target eps - x0, on the packed target latent
 alone. The source enters as Kontext's reference tokens, through models.encode_prompts(images=...) and
 models.velocity, the calls the RL code samples with, so the reference handling cannot drift between pretraining
-and RL. The transformer and both CLIP text encoders (all but their token tables, models.shapes_trained_state) train
+and RL. The transformer and both CLIP text encoders (all but their token tables, families.shapes.trained_state) train
 jointly; the saved weights are an exponential moving average of the trained ones.
 
 The run is a pure function of --seed and the thread count: rendering uses one NumPy generator, noise and
@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import families  # noqa: E402
 import flags  # noqa: E402
 import models  # noqa: E402
 import shapes  # noqa: E402
@@ -76,8 +77,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
-    pipe = models.build_shapes_edit(seed=args.seed)
-    params = models.shapes_trainable_parameters(pipe)  # transformer and text encoders; the token tables stay seeded
+    pipe = families.shapes.build_edit(seed=args.seed)
+    params = families.shapes.trainable_parameters(pipe)  # transformer and text encoders; the token tables stay seeded
     opt = torch.optim.Adam(params, lr=args.lr, betas=(0.9, 0.99))
     ema = [q.detach().clone() for q in params]
     print(f"shapes-edit pretraining: {sum(q.numel() for q in params) / 1e6:.2f} M parameters "
@@ -120,9 +121,9 @@ def main(argv=None):
                   f"eta {(args.steps - step - 1) * wall / (step + 1) / 60:.1f} min", flush=True)
             window = []
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-            models.save_shapes_ema(pipe, params, ema, f"{os.path.splitext(args.out)[0]}-{step + 1}.safetensors")
+            families.shapes.save_ema(pipe, params, ema, f"{os.path.splitext(args.out)[0]}-{step + 1}.safetensors")
 
-    models.save_shapes_ema(pipe, params, ema, args.out)
+    families.shapes.save_ema(pipe, params, ema, args.out)
     wall, cpu = time.time() - start_wall, time.process_time() - start_cpu
     print(f"wrote {args.out} ({os.path.getsize(args.out) / 1e6:.2f} MB) after {wall / 60:.1f} min wall, "
           f"{cpu / 60:.1f} min cpu", flush=True)

@@ -341,7 +341,7 @@ def hps_pixels_by_hand(image, side):
 def test_hps_pads_the_longest_side_to_a_square_as_hpsv2_does(tmp_path, height, width):
     import open_clip
 
-    import models
+    import reward_fixtures
     import reward_models
 
     images = np.random.default_rng(0).integers(0, 256, (2, height, width, 3), dtype=np.uint8)
@@ -353,7 +353,7 @@ def test_hps_pads_the_longest_side_to_a_square_as_hpsv2_does(tmp_path, height, w
         black = torch.tensor([-m / s for m, s in zip(OPENAI_MEAN, OPENAI_STD)], dtype=torch.float32)
         assert torch.allclose(by_hand[:, :, 0, 0], black.expand(2, 3)) and torch.allclose(ours[:, :, 5, 5],
                                                                                          black.expand(2, 3))
-    name, path = models.tiny_hps(str(tmp_path / "hps"))
+    name, path = reward_fixtures.tiny_hps(str(tmp_path / "hps"))
     prompts = ["a red cat", "two dogs"]
     score = rewards.REWARDS["hps"](device="cpu", **{**rewards.option_defaults(), "hps_model_name": name,
                                                    "hps_checkpoint_path": path})

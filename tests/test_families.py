@@ -1,12 +1,13 @@
-"""The families of families.py against their diffusers pipelines, on the tiny twins (no download).
+"""The families of families/ against their diffusers pipelines, on the tiny twins (no download).
 
 For each family: an Euler ODE through models.velocity reproduces the pipeline's own __call__ (Wan:
 its first UniPC step, which is an Euler step; the others: the whole trajectory, and the decoded
 pixels); models.sigmas equals the schedule __call__ sets up (its own retrieve_timesteps /
-set_timesteps and shift functions, on the same scheduler config); a rollout scored again by
-sde.sde_step gives the same log-probs bit for bit (the first-update ratio is exactly 1); a LoRA
-written by models.save_lora loads with the pipeline's load_lora_weights and gives the adapted
-velocity. Also the schedules of sd3 and FLUX.1 (models.sigmas) against their pipelines.
+set_timesteps and shift functions, on the same scheduler config). And for every tiny twin of the
+registry that generates from text: a rollout scored again by sde.sde_step gives the same log-probs
+bit for bit (the first-update ratio is exactly 1); a LoRA written by models.save_lora loads with the
+pipeline's load_lora_weights and gives the adapted velocity; train.py runs it two steps. Every hub
+model, offline, fails in one sentence naming --model-path.
 """
 
 import json
@@ -27,8 +28,10 @@ import train
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROMPTS = ['a sign that says "hello"', "a red cube on a blue sphere"]
-TINY = ["tiny-wan", "tiny-qwen-image", "tiny-flux2-klein", "tiny-z-image"]
-FRAMES = {"tiny-wan": 5}  # 5 frames -> 2 latent frames
+# The tiny twins of the registry that generate from text (the edit twins, which need source images:
+# tests/test_edit_models.py); the hub models it names.
+TWINS = [name for name, f in models.MODELS.items() if name.startswith("tiny") and f.source_images != "required"]
+HUB = [name for name, f in models.MODELS.items() if f.hub_id]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one thread
@@ -36,12 +39,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one 
 
 @pytest.fixture(scope="module")
 def pipes():
-    return {name: models.load_pipeline(name) for name in TINY}
+    return {name: models.load_pipeline(name) for name in TWINS}
 
 
 def noise(pipe, name, seed=0, batch=2):
     generator = torch.Generator().manual_seed(seed)
-    return models.initial_noise(pipe, batch, 64, num_frames=FRAMES.get(name), generator=generator)
+    frames = models.MODELS[name].preset.get("num_frames")  # tiny-wan: 5 frames -> 2 latent frames
+    return models.initial_noise(pipe, batch, 64, num_frames=frames, generator=generator)
 
 
 def euler(pipe, x, sigmas, embeds, guidance_scale):
@@ -183,7 +187,8 @@ def test_qwen_image_vae_stays_float32_in_a_bf16_load(pipes):
 
 
 def test_noise_is_the_pipelines_noise(pipes):
-    for name, pipe in pipes.items():
+    for name in ("tiny-wan", "tiny-qwen-image", "tiny-flux2-klein", "tiny-z-image"):
+        pipe = pipes[name]
         ours = noise(pipe, name, seed=3)
         g = torch.Generator().manual_seed(3)
         if name == "tiny-wan":
@@ -206,20 +211,22 @@ def reference_sigmas(pipe, name, num_steps, resolution):
 
     scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
     config = scheduler.config
-    if name in ("tiny", "tiny-wan"):
+    kind = models.family(pipe).name
+    if kind in ("sd3", "wan"):
         scheduler.set_timesteps(num_steps)
         return scheduler.sigmas
     g = torch.Generator().manual_seed(0)
-    if name == "tiny-z-image":
+    if kind == "z-image":
         latents = pipe.prepare_latents(1, pipe.transformer.in_channels, resolution, resolution, torch.float32, "cpu", g)
         tokens = (latents.shape[2] // 2) * (latents.shape[3] // 2)
         sigmas = get_default_z_image_sigmas(num_steps)
     else:
-        latents = pipe.prepare_latents(1, pipe.transformer.config.in_channels // 4, resolution, resolution,
+        source = (None,) if kind == "flux-kontext" else ()  # FluxKontextPipeline.prepare_latents takes the image first
+        latents = pipe.prepare_latents(*source, 1, pipe.transformer.config.in_channels // 4, resolution, resolution,
                                        torch.float32, "cpu", g)
         tokens = (latents[0] if isinstance(latents, tuple) else latents).shape[1]
         sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-    if name == "tiny-flux2-klein":
+    if kind == "flux2-klein":
         mu = compute_empirical_mu(image_seq_len=tokens, num_steps=num_steps)
     else:
         mu = calculate_shift(tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
@@ -228,11 +235,11 @@ def reference_sigmas(pipe, name, num_steps, resolution):
     return scheduler.sigmas
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-flux"] + TINY)
+@pytest.mark.parametrize("name", TWINS)
 def test_schedule_is_the_pipelines(name, pipes):
-    pipe = pipes[name] if name in pipes else models.load_pipeline(name)
+    pipe = pipes[name]
     for num_steps, resolution in [(4, 64), (10, 64), (28, 128), (16, 512)]:
-        if name == "tiny-wan" and resolution > 128:
+        if models.MODELS[name].video and resolution > 128:
             continue
         ours = models.sigmas(pipe, num_steps, resolution)
         expected = reference_sigmas(pipe, name, num_steps, resolution)
@@ -253,7 +260,8 @@ def test_schedules_depend_on_what_they_should(pipes):
     # klein's empirical mu, transcribed, against the pipeline's function on both branches
     from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
     for tokens, steps in [(256, 4), (1024, 50), (4096, 28), (4301, 28), (16384, 4)]:
-        assert families.klein_mu(tokens, steps) == pytest.approx(compute_empirical_mu(tokens, steps), rel=1e-12)
+        assert families.flux2_klein.empirical_mu(tokens, steps) == pytest.approx(compute_empirical_mu(tokens, steps),
+                                                                               rel=1e-12)
 
 
 def test_shift_overrides_every_schedule(pipes):
@@ -283,7 +291,7 @@ def test_shift_overrides_every_schedule(pipes):
 
 # ----------------------------------------------------------------------------- RL plumbing
 
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", TWINS)
 def test_first_update_ratio_is_exactly_one(name, pipes):
     """A rollout's stored transitions, scored again with the same velocity, give the same log-probs:
     the on-policy ratio of the first update is exactly 1 in float32 (train.py asserts it)."""
@@ -309,7 +317,7 @@ def test_first_update_ratio_is_exactly_one(name, pipes):
     assert torch.isfinite(traj["log_probs"]).all()
 
 
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", TWINS)
 def test_lora_roundtrips_through_the_pipelines_loader(name, tmp_path):
     pipe = models.load_pipeline(name)
     embeds = models.encode_prompts(pipe, PROMPTS)
@@ -322,7 +330,7 @@ def test_lora_roundtrips_through_the_pipelines_loader(name, tmp_path):
     base = v(pipe)
     params = models.add_lora(pipe, rank=4, alpha=8)  # alpha != rank: the saved scale must survive loading
     trainable = {n.rsplit(".lora_", 1)[0] for n, p in pipe.transformer.named_parameters() if p.requires_grad}
-    targets = families.FAMILIES[models.family(pipe)]["lora_targets"]
+    targets = models.family(pipe).lora_targets
     assert all(any(t.endswith("." + target) for t in trainable) for target in targets)  # every target exists
     torch.testing.assert_close(v(pipe), base)  # LoRA B starts at zero
     with torch.no_grad():
@@ -399,17 +407,17 @@ def test_sd35_large_runs_through_sd3():
 
     pipe = models.load_pipeline("sd3-random", device="meta")
     pipe.register_modules(transformer=families.build_published("sd3.5-large", "transformer").eval())
-    assert models.family(pipe) == "sd3"
+    assert models.family(pipe).name == "sd3"
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)  # stabilityai/stable-diffusion-3.5-large's config
     for num_steps in (10, 28, 40):
         scheduler.set_timesteps(num_steps)
         torch.testing.assert_close(models.sigmas(pipe, num_steps, 1024), scheduler.sigmas, atol=0, rtol=0)
     linears = {n for n, m in pipe.transformer.named_modules() if isinstance(m, torch.nn.Linear)}
-    for target in models.LORA_TARGETS["sd3"]:  # every block has them (SD3.5-Large has no second attention)
+    for target in families.sd3.LORA_TARGETS:  # every block has them (SD3.5-Large has no second attention)
         assert sum(n.endswith("." + target) for n in linears) >= 37
 
     tiny = models.load_pipeline("tiny")
-    with families.seeded_build(1, "cpu"):
+    with families.common.seeded_build(1, "cpu"):
         large_like = SD3Transformer2DModel.from_config(tiny.transformer.config, dual_attention_layers=()).eval()
     assert large_like.config.qk_norm == "rms_norm" and not large_like.transformer_blocks[0].use_dual_attention
     tiny.register_modules(transformer=large_like)
@@ -424,7 +432,7 @@ def test_sd35_large_runs_through_sd3():
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", TWINS)
 def test_train_runs_two_steps(name, tmp_path, monkeypatch):
     """`python train.py --model tiny-<family> --steps 2`, shrunk: on-policy ratio 1, finite losses, samples saved
     (an animated GIF per prompt for video)."""
@@ -438,7 +446,7 @@ def test_train_runs_two_steps(name, tmp_path, monkeypatch):
     assert [r["step"] for r in rows] == [1, 2] and not any(r.get("skipped") for r in rows)
     assert rows[0]["first_ratio_dev"] < 1e-5 and all(math.isfinite(r["loss"]) for r in rows)
     saved = sorted(os.listdir(out / "samples"))
-    if name == "tiny-wan":
+    if models.MODELS[name].video:
         assert saved == ["000002_0.gif", "000002_1.gif"]  # one GIF per prompt: the grid shows both prompts of the step
         gif = Image.open(out / "samples" / saved[0])
         # 64 px frames enlarged 2x for reading, each of the 4 samples captioned below its frame
@@ -447,7 +455,7 @@ def test_train_runs_two_steps(name, tmp_path, monkeypatch):
         assert saved == ["000002.png"]
 
 
-@pytest.mark.parametrize("name", ["wan", "qwen-image", "flux2-klein", "z-image"])
+@pytest.mark.parametrize("name", HUB)
 def test_offline_hub_model_names_the_flag(name, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)

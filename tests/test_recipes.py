@@ -6,7 +6,7 @@ import os
 import pytest
 
 import losses
-import models
+import reward_fixtures
 import rewards
 import train
 
@@ -29,11 +29,11 @@ def tiny_reward_models(tmp_path_factory):
     configs, and for GenEval's detector and colour classifier a tiny random Mask2Former (80 labels) and open_clip
     model."""
     folder = str(tmp_path_factory.mktemp("reward_models"))
-    pick = models.tiny_pickscore(os.path.join(folder, "pickscore"))
-    hps_name, hps_path = models.tiny_hps(os.path.join(folder, "hps"))
+    pick = reward_fixtures.tiny_pickscore(os.path.join(folder, "pickscore"))
+    hps_name, hps_path = reward_fixtures.tiny_hps(os.path.join(folder, "hps"))
     image_reward = os.path.join(folder, "imagereward")
-    models.tiny_imagereward(image_reward)
-    aesthetic_clip, aesthetic_mlp = models.tiny_aesthetic(os.path.join(folder, "aesthetic"))
+    reward_fixtures.tiny_imagereward(image_reward)
+    aesthetic_clip, aesthetic_mlp = reward_fixtures.tiny_aesthetic(os.path.join(folder, "aesthetic"))
     return ["--pickscore-model-path", pick, "--pickscore-processor-path", pick, "--image-similarity-model-path", pick,
             "--hps-checkpoint-path", hps_path, "--hps-model-name", hps_name,
             "--imagereward-model-path", image_reward, "--imagereward-tokenizer-path", image_reward,

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-import models
+import reward_fixtures
 import reward_models
 import rewards
 import train
@@ -41,11 +41,11 @@ PROMPTS = ["a red cat", "two dogs on a mat", "a very long prompt about a house b
 def stand_ins(tmp_path_factory, one_thread):
     """Every stand-in, built once: {name: the options that point the scorer at it}."""
     root = tmp_path_factory.mktemp("stand_ins")
-    ir = models.tiny_imagereward(str(root / "imagereward"))
-    base, checkpoint = models.tiny_hpsv3(str(root / "hpsv3"))
-    clip = models.tiny_pickscore(str(root / "clip"))
-    aesthetic_clip, mlp = models.tiny_aesthetic(str(root / "aesthetic"))
-    hps_name, hps_path = models.tiny_hps(str(root / "hps"))
+    ir = reward_fixtures.tiny_imagereward(str(root / "imagereward"))
+    base, checkpoint = reward_fixtures.tiny_hpsv3(str(root / "hpsv3"))
+    clip = reward_fixtures.tiny_pickscore(str(root / "clip"))
+    aesthetic_clip, mlp = reward_fixtures.tiny_aesthetic(str(root / "aesthetic"))
+    hps_name, hps_path = reward_fixtures.tiny_hps(str(root / "hps"))
     return {"imagereward": dict(imagereward_model_path=ir, imagereward_tokenizer_path=ir),
             "hpsv3": dict(hpsv3_base_path=base, hpsv3_checkpoint_path=checkpoint),
             "clipscore": dict(clipscore_model_path=clip),

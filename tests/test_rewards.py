@@ -15,7 +15,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 import data
-import models
+import reward_fixtures
 import rewards
 from reward_server import JsonServer, chat_reply
 from rewards import NonFiniteReward, RewardServiceError, build_reward, ocr_score
@@ -116,7 +116,7 @@ def test_jpeg_rewards_match_pil_sizes():
 
 @pytest.fixture(scope="module")
 def tiny_pickscore(tmp_path_factory):
-    return models.tiny_pickscore(str(tmp_path_factory.mktemp("pickscore")))
+    return reward_fixtures.tiny_pickscore(str(tmp_path_factory.mktemp("pickscore")))
 
 
 def test_pickscore_formula_batching_and_frames(tiny_pickscore):
@@ -162,7 +162,7 @@ def test_pickscore_missing_model_names_the_flag(tiny_pickscore, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_hps(tmp_path_factory):
-    return models.tiny_hps(str(tmp_path_factory.mktemp("hps")))
+    return reward_fixtures.tiny_hps(str(tmp_path_factory.mktemp("hps")))
 
 
 def test_hps_formula_and_batching(tiny_hps):

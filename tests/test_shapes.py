@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import families
 import geneval
 import models
 import shapes
@@ -414,9 +415,9 @@ def test_pretraining_encodes_as_the_adapter(pipe):
 
 
 def test_trained_state_is_what_trains():
-    pipe = models.build_shapes()
-    params = models.shapes_trainable_parameters(pipe)
-    state = models.shapes_trained_state(pipe)
+    pipe = families.shapes.build()
+    params = families.shapes.trainable_parameters(pipe)
+    state = families.shapes.trained_state(pipe)
     assert sum(p.numel() for p in params) == sum(v.numel() for v in state.values())  # every shipped tensor trains
     frozen = [p for n in ("text_encoder", "text_encoder_2") for k, p in getattr(pipe, n).named_parameters()
               if not p.requires_grad]
@@ -435,8 +436,8 @@ def test_pretraining_is_reproducible_and_loads(tmp_path):
                      "--log-every", "3", "--out", path])
     assert open(paths[0], "rb").read() == open(paths[1], "rb").read()  # a pure function of the seed and threads
     trained = models.load_pipeline("shapes", paths[0])
-    initial = models.build_shapes()
-    a, b = models.shapes_trained_state(trained), models.shapes_trained_state(initial)
+    initial = families.shapes.build()
+    a, b = families.shapes.trained_state(trained), families.shapes.trained_state(initial)
     unchanged = [k for k in a if torch.equal(a[k], b[k].half().float())]
     # three Adam steps moved every tensor but the text queries of the last block, whose text outputs SD3 drops
     assert unchanged == [f"transformer.transformer_blocks.5.attn.{k}" for k in ("add_q_proj.weight", "add_q_proj.bias",

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import data
+import families
 import models
 import rewards
 import shapes
@@ -47,7 +48,7 @@ def test_instructions_read_as_in_the_issue():
     assert "remove the square" in prompts["remove"] or "remove the circle" in prompts["remove"]
     assert "make two circles into three" in prompts["count"] + [r["prompt"] for r, _, _ in examples(
         200, seed=3, kind="count")]
-    tokenizer = models.shapes_tokenizer()
+    tokenizer = families.shapes.tokenizer()
     assert max(len(tokenizer(p).input_ids) for ps in prompts.values() for p in ps) <= shapes.TOKENS  # none cut
 
 
@@ -181,8 +182,8 @@ def test_edit_rows_load_whole_and_other_rows_are_refused_at_load(tmp_path):
 def test_edit_model_is_a_step_of_the_kontext_pipeline():
     """The pixel-space Kontext pipeline (random weights): our velocity, with the source as reference tokens, is the
     pipeline's own __call__; its VAE slot folds pixels exactly; the source shapes the edit."""
-    pipe = models.build_shapes_edit()
-    assert models.family(pipe) == "flux-kontext" and pipe.vae_scale_factor == 2
+    pipe = families.shapes.build_edit()
+    assert models.family(pipe).name == "flux-kontext" and pipe.vae_scale_factor == 2
     assert models.latent_shape(pipe, 32) == (64, 48) and models.default_tokens(pipe) == shapes.TOKENS
     (row, source, _), (_, other, _) = examples(2, seed=9)
     prompts = [row["prompt"]] * 2
@@ -209,9 +210,9 @@ def test_edit_model_is_a_step_of_the_kontext_pipeline():
 
 
 def test_trained_state_of_the_edit_model():
-    pipe = models.build_shapes_edit()
-    params = models.shapes_trainable_parameters(pipe)
-    assert sum(p.numel() for p in params) == sum(v.numel() for v in models.shapes_trained_state(pipe).values())
+    pipe = families.shapes.build_edit()
+    params = families.shapes.trainable_parameters(pipe)
+    assert sum(p.numel() for p in params) == sum(v.numel() for v in families.shapes.trained_state(pipe).values())
     frozen = [p for n in ("text_encoder", "text_encoder_2") for p in getattr(pipe, n).parameters()
               if not p.requires_grad]
     assert [p.shape for p in frozen] == [(49408, 64), (49408, 64)]  # only the token tables stay seeded
@@ -231,7 +232,7 @@ def test_pretraining_is_reproducible_and_loads(tmp_path):
                      "--log-every", "2", "--out", out])
     assert open(paths[0], "rb").read() == open(paths[1], "rb").read()  # a pure function of the seed and threads
     trained = models.load_pipeline("shapes-edit", paths[0])
-    a, b = models.shapes_trained_state(trained), models.shapes_trained_state(models.build_shapes_edit())
+    a, b = families.shapes.trained_state(trained), families.shapes.trained_state(families.shapes.build_edit())
     moved = [k for k in a if not torch.equal(a[k], b[k].half().float())]
     assert len(moved) > 0.9 * len(a)
     with pytest.raises(FileNotFoundError, match="pretrain_shapes_edit"):
@@ -253,7 +254,7 @@ def test_shipped_edit_model_edits_some_held_out_scenes_right():
 
 @pytest.mark.slow
 def test_edit_rl_raises_held_out_edit_accuracy_on_three_seeds(tmp_path):
-    """`python train.py --model shapes-edit` as shipped on seeds 0, 1 and 2 (docs/shapes.md, "Editing": +0.148,
+    """`python train.py --model shapes-edit` as shipped on seeds 0, 1 and 2 (docs/editing.md, "The edit run": +0.148,
     +0.125, +0.115 at step 100, measured on one thread each, as here: the thread count moves the last bits; 22-30 s
     a step with two or three seeds sharing 2 cores): every seed's held-out edit accuracy ends at least four paired
     standard errors above step 0 and within 0.03 of its best evaluation, and the rises average 0.10 or more."""
@@ -278,10 +279,10 @@ def test_edit_rl_raises_held_out_edit_accuracy_on_three_seeds(tmp_path):
 
 @pytest.mark.slow
 def test_edit_rl_holds_on_seeds_the_preset_was_not_chosen_on(tmp_path):
-    """The same command on seeds 3 and 4 (the preset was chosen on seed 2; docs/shapes.md, "On seeds the preset was
+    """The same command on seeds 3 and 4 (the preset was chosen on seed 2; docs/editing.md, "On seeds the preset was
     not chosen on": +0.123 +- 0.024 and +0.145 +- 0.024, one thread each, as here): each rises by 3 or more paired
     standard errors, the rises average 0.10 or more, and no kind of edit ends more than 0.03 under its step 0.
-    Seed 7 does not meet this bar (+0.0375 +- 0.0235 here, +0.043 +- 0.025 as first reported: docs/shapes.md)."""
+    Seed 7 does not meet this bar (+0.0375 +- 0.0235 here, +0.043 +- 0.025 as first reported: docs/editing.md)."""
     import subprocess
     import sys
     rises = []

@@ -1,0 +1,116 @@
+"""Model families: a file per family, and MODELS, the registry of every `--model` name (bottom).
+
+A family's file holds everything keyed by its models' names: hub id, loader, tiny twin, resolution multiple, source-
+image policy, preset, LoRA targets and export, published configs, and the adapter functions that map the family onto
+the repository's convention
+
+    x_s = (1 - s) x0 + s eps,    v ~ eps - x0,    Euler step  x + (s' - s) v,    s = 1 is noise,
+
+each saying how (timestep scale, sign of the output, guidance, latent layout, native schedule) and citing the diffusers
+0.42 pipeline it was checked against; tests/test_models.py, tests/test_families.py and tests/test_edit_models.py run
+each pipeline's own __call__ on the tiny twin and assert our velocity, Euler step and schedule reproduce it. models.py
+calls the adapter of a pipeline's record (models.family(pipe)); train.py, sde.py and losses.py never see a family.
+
+Our guidance scale g has one meaning in every family: classifier-free guidance v = v_u + g (v_c - v_u) (Ho & Salimans
+2022, eq. 6 with g = 1 + w), off at g = 1, the unconditional and conditional halves run as one batched forward. A family
+whose pipeline counts guidance differently (Z-Image: its w = g - 1) converts at the boundary; a guidance-distilled one
+takes g through its embedding (FLUX.1-dev, Kontext) or ignores it (a step-distilled FLUX.2 [klein]), as its pipeline.
+
+| name               | what it is                                                                 | file               |
+| ------------------ | -------------------------------------------------------------------------- | ------------------ |
+| `shapes`           | pretrained here on scenes of coloured shapes: SD3 architecture in pixel    | shapes.py          |
+|                    | space at 32 px, weights shipped in weights/                                |                    |
+| `shapes-edit`      | its edit model: FLUX.1 Kontext's pipeline in pixel space                   | shapes.py          |
+| `sd3`              | `stabilityai/stable-diffusion-3.5-medium` (SD3.5-Large by --model-path)    | sd3.py             |
+| `tiny`             | SD3 architecture at toy size, two CLIP encoders (no T5); a CPU at 64 px    | sd3.py             |
+| `sd3-random`       | SD3.5-Medium's transformer and VAE at full size, random weights (bench.py) | sd3.py             |
+| `flux`             | `black-forest-labs/FLUX.1-dev`                                             | flux.py            |
+| `wan`              | `Wan-AI/Wan2.1-T2V-1.3B-Diffusers`, text to video (14B by --model-path)    | wan.py             |
+| `qwen-image`       | `Qwen/Qwen-Image`                                                          | qwen_image.py      |
+| `flux2-klein`      | `black-forest-labs/FLUX.2-klein-base-4B`, also edits (9B, distilled: path) | flux2_klein.py     |
+| `z-image`          | `Tongyi-MAI/Z-Image` (`Z-Image-Turbo` by --model-path)                     | z_image.py         |
+| `flux-kontext`     | `black-forest-labs/FLUX.1-Kontext-dev`, FLUX.1's editor                    | flux_kontext.py    |
+| `qwen-image-edit`  | `Qwen/Qwen-Image-Edit`; `-plus`: `Qwen/Qwen-Image-Edit-2509`, several      | qwen_image_edit.py |
+|                    | source images                                                              |                    |
+| `tiny-<name>`      | the same pipeline classes at toy width, random weights, seed 0, in code    | its family's       |
+
+Hub models load by id or --model-path (a local folder), and offline fail with one sentence naming the flag. common.py
+holds what several families share; PUBLISHED (each family's) the real models' configs, for parameter counts and memory
+estimates on the meta device (build_published).
+
+Adding a family: a file here with its loader, tiny twin and adapter functions and, per model name, a dict of Family's
+fields; import it at the top and give each name its line in MODELS (tests/test_new_family.py does it with a family
+defined in the test).
+"""
+
+import dataclasses
+from typing import Callable, Optional
+
+from families import (common, flux, flux2_klein, flux_kontext, qwen_image, qwen_image_edit, sd3, shapes, wan,
+                      z_image)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One `--model` name: how to build it, what it fills in, and its family's adapter. A hub model and its tiny twin
+    share the adapter and differ in load, hub_id, hub, multiple and preset. models.load_pipeline(name) writes the name to
+    pipe.model_name, and models.family(pipe) returns this record from it."""
+    name: str  # the family whose adapter it uses (its pipeline's), as messages and tests name it
+    load: Callable  # (model_path, dtype, device) -> the diffusers pipeline (model_path: an id or folder, or None)
+    multiple: int  # image sides are multiples of this (VAE down-sampling x patch), checked before a model loads
+    preset: dict  # the flags --model fills in where the command line is silent (presets.preset)
+    tokens: int  # the reference text length, encode_prompts' default (capped by the tokenizer's context)
+    shape: Callable  # (pipe, height, width, num_frames) -> the per-sample shape of the latent sde.rollout sees
+    noise: Callable  # (pipe, batch, height, width, num_frames, generator) -> x at s = 1, float32, as the pipeline draws
+    encode: Callable  # (pipe, prompts, negative_prompt, guidance_scale, tokens[, images, size]) -> embeds, batch first
+    velocity: Callable  # (pipe, transformer, x, sigma [B] float32, embeds, guidance_scale) -> v ~ eps - x0
+    decode: Callable  # (pipe, latents) -> uint8 images [B, H, W, 3] on the CPU (videos [B, F, H, W, 3])
+    sigmas: Callable  # (pipe, num_steps, height, width, shift) -> the pipeline's schedule, float32 [N + 1], 1 -> 0
+    lora_targets: tuple  # module-name suffixes models.add_lora adapts by default
+    hub_id: Optional[str] = None  # the hub id --model-path defaults to; None: built in code
+    hub: bool = False  # a full-size model (from a hub, or sd3-random): the losses' hub defaults apply (train.py)
+    tokenizer: str = "tokenizer"  # the pipeline attribute whose context caps tokens (None there: no such text, 0)
+    unused: Callable = common.no_unused  # transformer -> layers whose output is discarded: left out of training
+    save_lora: Callable = common.save_lora  # (pipe, folder) -> the adapter written as the pipeline's loader reads it
+    video: bool = False  # samples are videos [B, F, H, W, 3]; --num-frames applies
+    source_images: Optional[str] = None  # edits: "optional" or "required" (encode takes images, size); None: text
+    guidance_embedded: bool = False  # the guidance scale enters through an embedding, not CFG (FLUX.1-dev, Kontext)
+    edit_vl_input: bool = False  # --edit-vl-input applies (Qwen-Image-Edit's VL encoder)
+
+
+# name -> component -> (class, config) of the published models (each family's PUBLISHED); Qwen-Image-Edit (2509, 2511)
+# publishes Qwen-Image's components
+PUBLISHED = {**sd3.PUBLISHED, **wan.PUBLISHED, **qwen_image.PUBLISHED, **flux2_klein.PUBLISHED, **z_image.PUBLISHED,
+             **flux_kontext.PUBLISHED, "qwen-image-edit": qwen_image.PUBLISHED["qwen-image"]}
+
+
+def build_published(name, component, device="meta"):
+    """One component of a PUBLISHED model with random (or, on "meta", no) weights."""
+    return common.build_published(*PUBLISHED[name][component], device)
+
+
+# The registry: `--model` takes these names (models.add_arguments), in this order.
+MODELS = {
+    "tiny": Family(**sd3.TINY),
+    "shapes": Family(**shapes.SHAPES),
+    "tiny-flux": Family(**flux.TINY),
+    "sd3": Family(**sd3.SD3),
+    "sd3-random": Family(**sd3.RANDOM),
+    "flux": Family(**flux.FLUX),
+    "wan": Family(**wan.WAN),
+    "tiny-wan": Family(**wan.TINY),
+    "qwen-image": Family(**qwen_image.QWEN_IMAGE),
+    "tiny-qwen-image": Family(**qwen_image.TINY),
+    "flux2-klein": Family(**flux2_klein.KLEIN),
+    "tiny-flux2-klein": Family(**flux2_klein.TINY),
+    "z-image": Family(**z_image.Z_IMAGE),
+    "tiny-z-image": Family(**z_image.TINY),
+    "flux-kontext": Family(**flux_kontext.KONTEXT),
+    "tiny-flux-kontext": Family(**flux_kontext.TINY),
+    "qwen-image-edit": Family(**qwen_image_edit.EDIT),
+    "tiny-qwen-image-edit": Family(**qwen_image_edit.TINY),
+    "qwen-image-edit-plus": Family(**qwen_image_edit.PLUS),
+    "tiny-qwen-image-edit-plus": Family(**qwen_image_edit.TINY_PLUS),
+    "shapes-edit": Family(**shapes.SHAPES_EDIT),
+}
+EDIT_VL_MODELS = tuple(name for name, f in MODELS.items() if f.edit_vl_input)  # train.py checks --edit-vl-input by it

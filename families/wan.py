@@ -1,0 +1,159 @@
+"""Wan 2.1 text-to-video: `wan` (`Wan-AI/Wan2.1-T2V-1.3B-Diffusers`; the 14B by --model-path) and `tiny-wan`.
+
+Checked against diffusers/pipelines/wan/pipeline_wan.py (WanPipeline.__call__) and
+schedulers/scheduling_unipc_multistep.py (UniPCMultistepScheduler.set_timesteps) by tests/test_families.py; the
+conventions are load's docstring. Samples are videos [B, F, H, W, 3] (the record's video); --num-frames sets F.
+"""
+
+import numpy as np
+import torch
+
+import sde
+from families import common
+
+WAN_ID = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+# Flow-GRPO's train_wan2_1.py list, which on the T2V blocks matches these (attn1 self-, attn2 cross-attention)
+LORA_TARGETS = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
+                "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0")
+
+
+def load(model_path=None, dtype=torch.float32, device="cpu"):
+    """Wan 2.1 text-to-video (`Wan-AI/Wan2.1-T2V-1.3B-Diffusers`, or the 14B by --model-path).
+
+    Conventions: latents [B, 16, F', H/8, W/8] with F' = (F - 1) / 4 + 1 (unpacked; the transformer
+    patches 1 x 2 x 2 itself); the network predicts the flow velocity eps - x0 directly (same sign as
+    ours); it is conditioned on the integer timestep floor(1000 s), because UniPC stores its flow
+    timesteps as int64 (Flow-GRPO's train_wan2_1.py trains on these too). Guidance: true CFG
+    v_u + g (v_c - v_u), one forward per half in the pipeline, batched here. Text: UMT5-XXL, padded
+    with zeros to max_sequence_length (512, WanPipeline.__call__'s default and Flow-GRPO's) and no
+    mask. Native schedule: UniPC flow sigmas, linspace(1, 1/1000, N + 1)[:-1] shifted statically by
+    flow_shift (3 for the T2V checkpoints, diffusers' convert_wan_to_diffusers.py), the first one
+    lowered by 1e-6, then 0. The pipeline integrates it with UniPC (2nd order); its first step is
+    exactly Euler, our step. The VAE is kept in float32 whatever `dtype` (diffusers' and
+    Flow-GRPO's advice: bf16 decoding of the Wan VAE loses detail).
+    """
+    from diffusers import WanPipeline
+
+    pipe = common.from_pretrained(WanPipeline, "wan", model_path or WAN_ID, WAN_ID, dtype)
+    pipe.vae.to(torch.float32)
+    return pipe
+
+
+def tiny(model_path=None, dtype=torch.float32, device="cpu"):
+    """Wan 2.1 at toy size: 2 blocks of width 24 (2 heads), UMT5 encoder of width 32, a causal 3D VAE
+    with 8x spatial / 4x temporal compression and base width 8; UniPC with flow_shift 3; seed 0."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    common.check_no_path("tiny-wan", model_path)
+    tokenizer = common.t5_tokenizer(32)
+    with common.seeded_build(0, device):
+        text_encoder = UMT5EncoderModel(UMT5Config(
+            vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+            relative_attention_num_buckets=8, relative_attention_max_distance=32, feed_forward_proj="gated-gelu",
+            pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)).eval()
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+            text_dim=32, freq_dim=32, ffn_dim=48, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32).eval()
+        vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                               temperal_downsample=[False, True, True]).eval()
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        num_train_timesteps=1000, flow_shift=3.0)
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                       transformer=transformer)
+    return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+
+
+def shape(pipe, height, width, num_frames):
+    multiple = pipe.vae_scale_factor_spatial * pipe.transformer.config.patch_size[1]
+    common.check_multiple(height, width, multiple)
+    frames = 81 if num_frames is None else num_frames  # WanPipeline.__call__'s default
+    if frames < 1 or (frames - 1) % pipe.vae_scale_factor_temporal:
+        raise ValueError(f"--num-frames {frames} must be {pipe.vae_scale_factor_temporal} k + 1 for Wan (e.g. 33, 81)")
+    f = pipe.vae_scale_factor_spatial
+    return (pipe.transformer.config.in_channels, (frames - 1) // pipe.vae_scale_factor_temporal + 1,
+            height // f, width // f)
+
+
+def noise(pipe, batch, height, width, num_frames, generator):
+    from diffusers.utils.torch_utils import randn_tensor
+
+    return randn_tensor((batch, *shape(pipe, height, width, num_frames)), generator=generator,
+                        device=pipe._execution_device, dtype=torch.float32)
+
+
+def encode(pipe, prompts, negative_prompt, guidance_scale, tokens):
+    def encode_texts(texts):
+        embeds, _ = pipe.encode_prompt(texts, do_classifier_free_guidance=False, max_sequence_length=tokens,
+                                       device=pipe._execution_device)
+        return {"prompt_embeds": embeds}
+
+    out = encode_texts(prompts)
+    if guidance_scale <= 1:
+        return out
+    return common.with_negative(out, encode_texts, negative_prompt, len(prompts), masked=False)
+
+
+def velocity(pipe, model, x, sigma, embeds, guidance_scale):
+    dtype = pipe.transformer.dtype
+    timestep = torch.floor(sigma.double() * pipe.scheduler.config.num_train_timesteps).long()  # int64, as UniPC's
+    (text,) = common.cfg_halves(embeds, ["prompt_embeds"]) if guidance_scale > 1 else (embeds["prompt_embeds"],)
+    if guidance_scale > 1:
+        x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
+    v = model(hidden_states=x.to(dtype), timestep=timestep, encoder_hidden_states=text.to(dtype), return_dict=False)[0]
+    if guidance_scale > 1:
+        v, _ = common.guided(v, guidance_scale)
+    return v
+
+
+@torch.no_grad()
+def decode(pipe, latents):
+    vae = pipe.vae
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    videos = []
+    for chunk in latents.split(1):  # one video at a time: the 3D decoder's activations are large
+        z = chunk.to(vae.device, torch.float32) * std.to(vae.device) + mean.to(vae.device)  # the pipeline's
+        video = vae.decode(z.to(vae.dtype), return_dict=False)[0]  # [1, 3, F, H, W] in [-1, 1]
+        videos.append(common.to_uint8(video).permute(0, 2, 3, 4, 1).cpu())  # [1, F, H, W, 3]
+    return torch.cat(videos)
+
+
+def sigmas(pipe, num_steps, height, width, shift):
+    config = pipe.scheduler.config
+    kind = type(pipe.scheduler).__name__
+    if kind != "UniPCMultistepScheduler" or not config.use_flow_sigmas or config.use_dynamic_shifting:
+        raise ValueError(f"wan: expected the UniPC flow-sigma scheduler with a static flow_shift, got {kind}")
+    base = np.linspace(1, 1 / config.num_train_timesteps, num_steps + 1)[:-1]  # float64, as UniPC computes it
+    s = sde.time_shift(base, config.flow_shift if shift is None else shift)
+    if config.shift_terminal:
+        raise ValueError("wan: a shift_terminal scheduler is not supported")
+    if abs(s[0] - 1) < 1e-6:
+        s[0] -= 1e-6  # UniPC keeps the first sigma below 1
+    return torch.from_numpy(np.concatenate([s, [0.0]]).astype(np.float32))
+
+
+# ----------------------------------------------------------------------------- published configs
+
+_UMT5_XXL = dict(common.T5_XXL, vocab_size=256384)  # google/umt5-xxl, Wan's text encoder
+_WAN_T2V = dict(patch_size=(1, 2, 2), attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096,
+                freq_dim=256, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6)
+# name -> component -> (class, config), from the hub repos' config.json (diffusers' convert_wan_to_diffusers.py writes
+# them); {} means the diffusers class defaults, which are the published model
+PUBLISHED = {
+    "wan-1.3b": dict(transformer=("WanTransformer3DModel", dict(_WAN_T2V, num_attention_heads=12, ffn_dim=8960,
+                                                                num_layers=30)),
+                     text_encoder=("UMT5EncoderModel", _UMT5_XXL), vae=("AutoencoderKLWan", {})),
+    "wan-14b": dict(transformer=("WanTransformer3DModel", dict(_WAN_T2V, num_attention_heads=40, ffn_dim=13824,
+                                                               num_layers=40)),
+                    text_encoder=("UMT5EncoderModel", _UMT5_XXL), vae=("AutoencoderKLWan", {})),
+}
+
+
+# ----------------------------------------------------------------------------- records (families.MODELS)
+
+WAN = dict(name="wan", load=load, hub_id=WAN_ID, hub=True, multiple=16, preset=common.HUB,
+           tokens=512, shape=shape, noise=noise, encode=encode, velocity=velocity, decode=decode, sigmas=sigmas,
+           lora_targets=LORA_TARGETS, video=True)
+TINY = dict(WAN, load=tiny, hub_id=None, hub=False, preset=dict(common.TINY, num_frames=5))  # 5 frames: 2 latent
