@@ -6,6 +6,7 @@
     cpus_per_rank()                      this rank's share of the node's CPU cores (CPU-side thread pools)
     all_gather_cat(t)                    [n, ...] on every rank -> [WORLD * n, ...] in rank order
     any_rank(flag, device)               True everywhere when True anywhere (lockstep skips and stops)
+    any_rank_host(flag)                  the same over gloo on the host, without waiting for the GPU (signals)
     union(names)                         the sorted union of every rank's names (the same collectives everywhere)
     share(n), gather_share(t, n)         this rank's share of n items; the shares' [n, ...] back in item order
     broadcast(obj)                       rank 0's value of a small object, on every rank
@@ -31,11 +32,15 @@ RANK, WORLD, LOCAL_RANK = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), (
 is_main = RANK == 0
 
 
+_HOST = []  # a gloo group beside NCCL's, for flags agreed on the host without waiting for the GPU (any_rank_host)
+
+
 def init():
     """Join the process group (under torchrun) and return this rank's device."""
     if WORLD > 1:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+        _HOST[:] = [dist.new_group(backend="gloo") if backend == "nccl" else None]  # None: the default group is gloo
     device = torch.device(f"cuda:{LOCAL_RANK}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -89,6 +94,16 @@ def any_rank(flag, device):
         return bool(flag)
     t = torch.tensor([float(flag)], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def any_rank_host(flag):
+    """any_rank of a flag the host holds (a signal), reduced over gloo on the CPU: no wait for the GPU's queued work,
+    so the training loop can ask at every micro-batch."""
+    if WORLD == 1:
+        return bool(flag)
+    t = torch.tensor([float(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_HOST[0] if _HOST else None)
     return bool(t.item())
 
 

@@ -178,7 +178,7 @@ def diversity_advantages(rewards, features, groups):
 
 
 # ----------------------------------------------------------------------------- where train.py calls them
-# Three points of a step, each a plain function that applies whichever rules the flags turn on; train.py names no
+# Named points of a step, each a plain function that applies whichever rules the flags turn on; train.py names no
 # rule. A rule's state across steps lives in `carry` (run.carry: saved with every checkpoint, resumed exactly).
 
 def shape_advantages(adv, keep, groups, rewards, scores, batch, args, carry, mine):
@@ -230,13 +230,21 @@ def before_optimizer_step(state, stats, n_terms, args):
         state["step_kls"].append(torch.stack(stats["kl"][-n_terms:]).mean())
 
 
+def statistics(state, args):
+    """TRAINING, after the step's updates: the regularizers' statistics as tensors, fetched from the device with the
+    loss's (train.host_stats): --gardo-reference's largest KL of the step, each optimizer step's averaged over the
+    ranks (G L1041). -> {name: [0-dim tensor]}."""
+    if not args.gardo_reference:
+        return {}
+    kls = distributed.all_gather_cat(torch.stack(state["step_kls"])).view(distributed.WORLD, -1)
+    return {"gardo_kl_max": [kls.mean(0).max()]}
+
+
 def after_training(info, hyper, state, args, carry, device):
-    """TRAINING, after the step's updates: --gardo-reference's largest KL of the step, each optimizer step's averaged
-    over the ranks (G L1041), renews the snapshot at the next step when above --gardo-kl-thres (G L1042-1043, L789);
-    --kl-target sets the next step's KL weight from this step's KL, the mean over the ranks. -> info, with theirs."""
+    """TRAINING, at its end: --gardo-reference renews the snapshot at the next step when the step's largest KL was above
+    --gardo-kl-thres (G L1042-1043, L789); --kl-target sets the next step's KL weight from this step's KL, the mean
+    over the ranks. -> info, with theirs."""
     if args.gardo_reference:
-        kls = distributed.all_gather_cat(torch.stack(state["step_kls"])).view(distributed.WORLD, -1)
-        info["gardo_kl_max"] = kls.mean(0).max().double().item()
         carry["max_kl"] = max(carry["max_kl"], info["gardo_kl_max"])
         info["gardo_reset"] = int(state["renewed"])
     if args.kl_target > 0 and "kl" in info:

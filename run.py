@@ -229,8 +229,9 @@ class Run:
                                              f"(prompts {names}): {e}") from None
 
     def signalled(self):
-        """Whether a SIGTERM / SIGINT reached any rank (a collective: every rank asks at the same point)."""
-        return distributed.any_rank(self.signal is not None, self.device)
+        """Whether a SIGTERM / SIGINT reached any rank (a collective on the host: every rank asks at the same point,
+        none waits for its GPU)."""
+        return distributed.any_rank_host(self.signal is not None)
 
     def stop_in_training(self, step, snapshot):
         """A signal arrived in the training phase: back to the state the step started from (the policy's `snapshot`

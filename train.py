@@ -328,6 +328,7 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
                 continue
             optim_steps += 1
             stats.setdefault("grad_norm", []).append(grad_norm)
+    stats |= regularizers.statistics(state, args)  # fetched with the loss's, in one transfer
     info = after_update(policy, loss, batch, host_stats(stats), optim_steps, failed, args, run)
     return regularizers.after_training(info, hyper, state, args, run.carry, policy.device)
 

@@ -332,6 +332,9 @@ class StubRun:
     def warn_ratio(self, deviation, limit, cause):
         pass
 
+    def signalled(self):  # no preemption
+        return False
+
 
 @pytest.mark.parametrize("name", list(losses.LOSSES))
 def test_every_loss_trains_on_the_device_without_reading_it_back(name, monkeypatch):
