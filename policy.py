@@ -73,7 +73,8 @@ class Policy:
             why = "sharded weights" if args.fsdp else f"more than {SNAPSHOT_BYTES >> 30} GB of trained weights"
             print0(f"note: a preemption (SIGTERM) in the training phase after a step's first optimizer step finishes "
                    f"the step before it saves ({why}: no copy of the step's start is kept), which a launcher that "
-                   "kills after 30 s may cut short; --minibatches 1 --updates-per-batch 1 lets every signal stop at once")
+                   "kills after 30 s may cut short; --minibatches 1 --updates-per-batch 1 let every signal stop at "
+                   "once")
 
     def _copy(self):  # float32, sharded like the trained weights under FSDP
         return {n: q.detach().float().clone() for n, q in self.trainable}
