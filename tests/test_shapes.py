@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 import families
 import geneval
@@ -362,6 +363,22 @@ def test_partial_score_sees_the_extra_objects():
     honest = geneval.geneval_judge(row, detections, counting_threshold=shapes.COUNTING_THRESHOLD)
     assert (honest["correct"], honest["partial"], honest["official"]) == (0.0, 0.0, 1.0)
     assert geneval.geneval_judge(row, detections)["partial"] == 0.5  # at GenEval's 0.9 only the bar is seen
+
+
+def test_generated_images_with_extra_objects_are_judged_wrong():
+    """Samples of the default run trained on GenEval's own counting rule (seed 0, step 100, EMA; ODE, 10 steps, seed
+    7), each labelled by a person's count (tests/data/judge/labels.json): four triangles for "three triangles", three
+    squares for "two squares", and four clean answers. GenEval's rule (0.9) calls every one correct; the judge agrees
+    with the person on all 13. docs/judge.md shows them, and three more where the person could go either way."""
+    folder = os.path.join(ROOT, "tests", "data", "judge")
+    with open(os.path.join(folder, "labels.json")) as f:
+        labels = json.load(f)
+    rows = {r["prompt"]: r["metadata"] for r in shapes.prompt_rows("counting")}
+    images = np.stack([np.asarray(Image.open(os.path.join(folder, label["file"])).convert("RGB")) for label in labels])
+    for label, detections in zip(labels, shapes.detect(images)):
+        got = geneval.geneval_judge(rows[label["prompt"]], detections, counting_threshold=shapes.COUNTING_THRESHOLD)
+        assert (got["correct"], got["official"]) == (label["person_verdict"], 1.0), (label, got["counts"])
+    assert sum(label["person_verdict"] == 0 for label in labels) == 9
 
 
 # ----------------------------------------------------------------------------- the model
