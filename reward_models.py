@@ -453,6 +453,28 @@ def _imagereward_files(path):
     return hf_hub_download(path, "ImageReward.pt"), hf_hub_download(path, "med_config.json")
 
 
+def _imagereward_towers(vision_state, text_config):
+    """ImageReward's BLIP towers, sized from its checkpoint (the ViT) and med_config.json (the BERT) -> (vision, text,
+    image side)."""
+    from transformers import BlipTextConfig, BlipTextModel, BlipVisionConfig, BlipVisionModel
+
+    blocks = {int(k.split(".")[2]) for k in vision_state if k.startswith("encoder.layers.")}
+    width = vision_state["embeddings.class_embedding"].shape[-1]
+    patch = vision_state["embeddings.patch_embedding.weight"].shape[-1]
+    side = math.isqrt(vision_state["embeddings.position_embedding"].shape[1] - 1) * patch  # pos_embed: 1 + patches
+    vision = BlipVisionModel(BlipVisionConfig(
+        hidden_size=width, intermediate_size=vision_state["encoder.layers.0.mlp.fc1.weight"].shape[0],
+        num_hidden_layers=len(blocks), num_attention_heads=width // 64, image_size=side, patch_size=patch,
+        layer_norm_eps=1e-6))  # vit.py: partial(nn.LayerNorm, eps=1e-6), nn.GELU
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+            "max_position_embeddings", "layer_norm_eps", "hidden_act", "pad_token_id", "bos_token_id", "eos_token_id",
+            "sep_token_id")
+    text = BlipTextModel(BlipTextConfig(**{k: text_config[k] for k in keys if k in text_config},
+                                        encoder_hidden_size=width, is_decoder=True),  # is_decoder builds the
+                         add_pooling_layer=False)                                    # cross-attention layers
+    return vision, text, side
+
+
 def imagereward(*, imagereward_model_path, imagereward_tokenizer_path, imagereward_batch_size,
                 imagereward_num_frames, device, **_):
     """ImageReward (Xu et al., arXiv:2304.05977), as ImageReward.score computes it (ImageReward/ImageReward.py):
@@ -470,7 +492,7 @@ def imagereward(*, imagereward_model_path, imagereward_tokenizer_path, imagerewa
     Video: `imagereward_num_frames` evenly spaced frames (default every frame), averaged.
     """
     import torchvision.transforms as T
-    from transformers import AutoTokenizer, BlipTextConfig, BlipTextModel, BlipVisionConfig, BlipVisionModel
+    from transformers import AutoTokenizer
 
     batch_size = flags.integer(imagereward_batch_size, 1, "--imagereward-batch-size")
     if imagereward_num_frames is not None:
@@ -496,20 +518,7 @@ def imagereward(*, imagereward_model_path, imagereward_tokenizer_path, imagerewa
         log.warning("imagereward: ignoring %d entries of %s that the score does not use, e.g. %s", len(ignored),
                     weights, ignored[:3])
 
-    blocks = {int(k.split(".")[2]) for k in vision_state if k.startswith("encoder.layers.")}
-    width = vision_state["embeddings.class_embedding"].shape[-1]
-    patch = vision_state["embeddings.patch_embedding.weight"].shape[-1]
-    side = math.isqrt(vision_state["embeddings.position_embedding"].shape[1] - 1) * patch  # pos_embed: 1 + patches
-    vision = BlipVisionModel(BlipVisionConfig(
-        hidden_size=width, intermediate_size=vision_state["encoder.layers.0.mlp.fc1.weight"].shape[0],
-        num_hidden_layers=len(blocks), num_attention_heads=width // 64, image_size=side, patch_size=patch,
-        layer_norm_eps=1e-6))  # vit.py: partial(nn.LayerNorm, eps=1e-6), nn.GELU
-    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-            "max_position_embeddings", "layer_norm_eps", "hidden_act", "pad_token_id", "bos_token_id", "eos_token_id",
-            "sep_token_id")
-    text = BlipTextModel(BlipTextConfig(**{k: text_config[k] for k in keys if k in text_config},
-                                        encoder_hidden_size=width, is_decoder=True),  # is_decoder builds the
-                         add_pooling_layer=False)                                    # cross-attention layers
+    vision, text, side = _imagereward_towers(vision_state, text_config)
     head = _laion_mlp(text.config.hidden_size)
     for module, part, what in ((vision, vision_state, "its ViT"), (text, text_state, "its BERT (med_config.json)"),
                                (head, head_state, "its MLP")):
