@@ -1,9 +1,10 @@
-# Lets tests import the flat modules at the repository root (sde, losses, rewards, ...).
+# Lets tests import the flat modules at the repository root (sde, losses, rewards, ...) and the scripts (bench, league).
 import os
 import sys
 
 import pytest
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 # One OpenMP thread per process, set before torch loads (subprocesses inherit it): the test models are too small

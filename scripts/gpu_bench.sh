@@ -7,7 +7,7 @@
 #
 # Phases, each under its own time limit; a phase cut at its limit still reports the steps it logged (from its
 # run folder's metrics.jsonl), and the phases after it run:
-#   bench   bench.py @recipes/sd3_bench.args (512 px, 10 steps, CFG 4.5, LoRA r32, bf16) at 2 prompts x 8 samples
+#   bench   scripts/bench.py @recipes/sd3_bench.args (512 px, 10 steps, CFG 4.5, LoRA r32, bf16) at 2 prompts x 8 samples
 #           instead of 8 x 16: a step 8x smaller than the recipe's (about 20-30 s on an H200 where the recipe's takes
 #           150-200 s), so 1 warm-up + 2 measured steps fit BENCH_S even at 2-3x the expected time. Reports samples/s,
 #           MFU, the peak allocated and reserved memory, and |ratio - 1| on the first update (bf16 rounding).
@@ -27,7 +27,7 @@
 # version at import), are installed without their dependencies into a folder on PYTHONPATH when one of them cannot be
 # imported; the machine's own huggingface_hub serves if it is 1.31 or newer (the pinned 2.x needs httpx2).
 # The interpreter is $PYTHON, else python, else python3. The reward is jpeg_compressibility (about free), so the step
-# time is the model's; bench.py times the reward on its own.
+# time is the model's; scripts/bench.py times the reward on its own.
 #
 # Knobs (environment): BUDGET_S (540: the whole script), BENCH_S (240), RESUME_S (270: the four runs together),
 # COMPILE_MIN_S (240), GC_MIN_S (150), STEPS (2 measured) and WARMUP (1) of the bench runs, MODEL / BENCH_ARGS /
@@ -74,7 +74,7 @@ if ! "$PYTHON" -c "import diffusers, transformers, peft, importlib.util as u; as
 fi
 if [ "${ALLOW_CPU:-0}" != 1 ]; then
     "$PYTHON" -c "import torch as t; assert t.cuda.is_available(); print('torch', t.__version__, t.cuda.get_device_name())" \
-        || { echo "error: torch sees no CUDA GPU; this script measures GPU figures (CPU: python bench.py --model tiny)"
+        || { echo "error: torch sees no CUDA GPU; this script measures GPU figures (CPU: python scripts/bench.py --model tiny)"
              exit 1; }
 fi
 
@@ -84,7 +84,7 @@ bench() {  # name, seconds allowed, extra train.py flags...
     rm -rf "$OUT/$name" "$OUT/$name.json"
     echo "== $name: $WARMUP warm-up + $STEPS measured steps, at most ${seconds}s"
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
-    timeout --signal=KILL "$seconds" "$PYTHON" bench.py --model "$MODEL" --steps "$STEPS" --warmup "$WARMUP" \
+    timeout --signal=KILL "$seconds" "$PYTHON" scripts/bench.py --model "$MODEL" --steps "$STEPS" --warmup "$WARMUP" \
         --repeats 3 --out "$OUT/$name" --json "$OUT/$name.json" $BENCH_ARGS "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     tail -n 30 "$OUT/$name.log"

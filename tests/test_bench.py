@@ -1,4 +1,4 @@
-"""bench.py on the tiny model: every figure present and finite, and the counted calls match the recipe.
+"""scripts/bench.py on the tiny model: every figure present and finite, and the counted calls match the recipe.
 
 No wall-clock thresholds here: speed is what bench.py reports, never what a test asserts.
 """
@@ -22,7 +22,7 @@ SMALL = SMALL_FULL + ["--lora-rank", "4", "--lora-alpha", "8", "--kl-beta", "0.0
 
 def run_bench(tmp_path, *flags, train_flags=SMALL):
     path = tmp_path / "bench.json"
-    cmd = [sys.executable, "bench.py", "--model", "tiny", "--steps", "1", "--warmup", "1", "--repeats", "2", "--threads", "1",
+    cmd = [sys.executable, "scripts/bench.py", "--model", "tiny", "--steps", "1", "--warmup", "1", "--repeats", "2", "--threads", "1",
            "--json", str(path), *flags, "--", *train_flags]
     proc = forkserver.run(cmd, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -126,7 +126,7 @@ def test_recipe_files_go_to_train():
 @pytest.mark.slow
 def test_windows_speedups(tmp_path):
     path = tmp_path / "windows.json"
-    cmd = [sys.executable, "bench.py", "--windows", "--model", "tiny", "--steps", "1", "--warmup", "1", "--repeats", "1", "--threads", "1",
+    cmd = [sys.executable, "scripts/bench.py", "--windows", "--model", "tiny", "--steps", "1", "--warmup", "1", "--repeats", "1", "--threads", "1",
            "--json", str(path), "--", *SMALL_FULL, "--num-steps", "6"]
     proc = forkserver.run(cmd, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -157,7 +157,7 @@ def test_nft_step_counts_its_calls(tmp_path):
 @pytest.mark.slow
 def test_losses_side_by_side(tmp_path):
     path = tmp_path / "losses.json"
-    cmd = [sys.executable, "bench.py", "--losses", "--model", "tiny", "--steps", "1", "--warmup", "1", "--repeats", "1",
+    cmd = [sys.executable, "scripts/bench.py", "--losses", "--model", "tiny", "--steps", "1", "--warmup", "1", "--repeats", "1",
            "--threads", "1", "--json", str(path), "--", *SMALL, "--train-timesteps", "2"]
     proc = forkserver.run(cmd, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -178,7 +178,7 @@ def test_losses_side_by_side(tmp_path):
 
 def test_reward_throughput_times_every_offline_scorer(tmp_path):
     path = tmp_path / "rewards.json"
-    proc = forkserver.run([sys.executable, "bench.py", "--rewards", "--reward-images", "2", "--reward-size", "64",
+    proc = forkserver.run([sys.executable, "scripts/bench.py", "--rewards", "--reward-images", "2", "--reward-size", "64",
                            "--ocr-workers", "1", "--json", str(path)], cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(path.read_text())

@@ -18,7 +18,6 @@ LAYERS = [
     ("run",),  # the life of a run: resume, logs, the reward wait, checkpoints, signals
     ("config",),  # the flags, where each value comes from, the refusals of combinations
     ("train",),  # the algorithm
-    ("bench",),  # tools on top of train.main (and scripts/, which may import anything)
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -1,8 +1,8 @@
 """Every command the README and train.py's Launch section show parses and passes its script's own checks.
 
 Commands are read from README.md (its bash blocks, and backticked commands in its prose) and from the Launch
-sections of train.py's and bench.py's docstrings, then run in this process through the script's own parser and
-checks (train.py: parse_args and check_args at the launch's world size; bench.py: its parse_args, then train.py's on
+sections of train.py's and scripts/bench.py's docstrings, then run in this process through the script's own parser and
+checks (train.py: parse_args and check_args at the launch's world size; scripts/bench.py: its parse_args, then train.py's on
 the argv it would run; eval.py, shapes.py and scripts without a parse_args: their parser, stopped as it returns).
 Nothing loads a model. Stand-ins: `@recipes/...` is every recipe (but those shown launched on one GPU), HOST is
 localhost, R and N are 0, `$s` is 0, a lone `...` (the flags of the line above) is dropped, and a --model-path is a
@@ -28,7 +28,7 @@ import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "recipes", "*.args")))
-SCRIPTS = ("train.py", "eval.py", "bench.py", "shapes.py")  # and scripts/*.py
+SCRIPTS = ("train.py", "eval.py", "shapes.py")  # and scripts/*.py
 PLACEHOLDERS = {"N": "0", "R": "0", "$s": "0"}  # --seed N, --node-rank R, the seed loop's $s
 # Commands shown for something other than running as written, each with the reason; every one must still be found.
 NOT_RUN = {
@@ -92,7 +92,7 @@ def shown_commands():
     found = [("README.md", w) for block in re.findall(r"```bash\n(.*?)```", readme_text(), re.S)
              for w in shell_lines(block)]
     found += [("README.md prose", w) for w in prose_commands(readme_text())]
-    found += [(f"{name} Launch", w) for name, module in (("train.py", train), ("bench.py", bench))
+    found += [(f"{name} Launch", w) for name, module in (("train.py", train), ("scripts/bench.py", bench))
               for w in shell_lines(launch_section(module.__doc__))]
     return found
 
@@ -168,7 +168,7 @@ def check_train(argv, world):
 def check(script, argv, world, monkeypatch):
     if script == "train.py":
         check_train(argv, world)
-    elif script == "bench.py":
+    elif script == "scripts/bench.py":
         args = bench.parse_args(argv)
         if not (args.rewards or args.windows or args.losses):  # the argv bench.run gives train.main
             check_train(args.train_args + ["--model", args.model, "--reward", args.reward,
@@ -201,7 +201,7 @@ def test_commands_are_found():
         assert any(shown in label for label in labels), shown
     for shown in NOT_RUN:
         assert any(label.endswith(": " + shown) for label in labels), f"{shown!r} is no longer in the README: drop it"
-    assert {s for _, s, *_ in COMMANDS} >= {"train.py", "eval.py", "bench.py", "scripts/league.py"}
+    assert {s for _, s, *_ in COMMANDS} >= {"train.py", "eval.py", "scripts/bench.py", "scripts/league.py"}
     worlds = {label: w for label, _, argv, w in COMMANDS if argv is not None}
     assert max(worlds.values()) == 16 and min(worlds.values()) == 1  # two nodes of 8; python
     # the Launch section's two @recipes/... lines, each on every recipe but the one-GPU ones

@@ -2,12 +2,12 @@
 
 Launch
 ------
-    python bench.py                                                   # tiny model, train.py's CPU preset
-    python bench.py --model tiny --json bench.json -- --group-size 4  # train.py flags go after `--`
-    python bench.py --model sd3-random @recipes/sd3_bench.args --json sd3.json       # GPU, random SD3.5-M, no hub
-    python bench.py --windows --model tiny                            # speed-up of fast / mix / mix+flash over all
-    python bench.py --losses --model tiny                             # GRPO next to DiffusionNFT and AWM
-    python bench.py --rewards                                         # images/s of each reward scorer on stand-ins,
+    python scripts/bench.py                                                   # tiny model, train.py's CPU preset
+    python scripts/bench.py --model tiny --json bench.json -- --group-size 4  # train.py flags go after `--`
+    python scripts/bench.py --model sd3-random @recipes/sd3_bench.args --json sd3.json       # GPU, random SD3.5-M, no hub
+    python scripts/bench.py --windows --model tiny                            # speed-up of fast / mix / mix+flash over all
+    python scripts/bench.py --losses --model tiny                             # GRPO next to DiffusionNFT and AWM
+    python scripts/bench.py --rewards                                         # images/s of each reward scorer on stand-ins,
                                                                       # FLOPs per image of the real models
     scripts/gpu_bench.sh                                              # the GPU figures of the README
 
@@ -73,13 +73,15 @@ import time
 
 import torch
 
-import families
-import flags
-import models
-import reward_models
-import rewards
-import train
-from tests import reward_fixtures
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import families  # noqa: E402
+import flags  # noqa: E402
+import models  # noqa: E402
+import reward_models  # noqa: E402
+import rewards  # noqa: E402
+import train  # noqa: E402
+from tests import reward_fixtures  # noqa: E402
 
 REQUIRED_KEYS = ("rollout_samples_per_s", "train_samples_per_s", "end_to_end_samples_per_s", "overhead_ratio",
                  "peak_mem_mib", "reward_images_per_s")
@@ -106,7 +108,7 @@ def parse_args(argv=None):
     train_args = [a for a in own if a.startswith("@")] + train_args
     own = [a for a in own if not a.startswith("@")]
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False,
-                                epilog="train.py flags: after `--` (python bench.py --model tiny -- --group-size 4) or in @recipe files")
+                                epilog="train.py flags: after `--` (python scripts/bench.py --model tiny -- --group-size 4) or in @recipe files")
     p.add_argument("--model", default="tiny", help="models.MODELS name (sd3-random: SD3.5-M architecture, random weights)")
     p.add_argument("--steps", type=int, default=3, help="measured training steps (medians over these)")
     p.add_argument("--warmup", type=int, default=1, help="training steps run first and discarded")
@@ -126,7 +128,7 @@ def parse_args(argv=None):
     rewards.add_arguments(p)  # reward options: passed on to train.py, and used by --rewards
     args, unknown = p.parse_known_args(own)
     if unknown:
-        p.error(f"unknown bench flag(s) {' '.join(unknown)}: put train.py flags after `--` (python bench.py --model tiny -- {' '.join(unknown)})")
+        p.error(f"unknown bench flag(s) {' '.join(unknown)}: put train.py flags after `--` (python scripts/bench.py --model tiny -- {' '.join(unknown)})")
     if args.steps < 1 or args.warmup < 0 or args.repeats < 1 or (args.threads is not None and args.threads < 1):
         p.error("--steps, --repeats and --threads must be >= 1 and --warmup >= 0")
     if args.reward_images < 1 or args.reward_size < 1:
