@@ -137,7 +137,10 @@ def prepare(args):
     of a run that died goes with it. A folder that already holds a run is only reused with --resume (continue it) or
     --overwrite (start_run deletes its files, once everything else has been checked); a run that never completed a
     step (its set-up failed) does not count. --resume auto without a checkpoint yet starts at step 1 and drops the
-    metrics rows the interrupted run left. Rank 0 decides and tells the others which checkpoint to load.
+    metrics rows the interrupted run left. A run's history never branches: --resume of one of --out's checkpoints is
+    refused while a later one verifies; a checkpoint of another run folder forks that run into a new, empty --out (the
+    fork's files start after its step), and is refused into a folder that holds a run. <out>/checkpoints, and the
+    metrics a resume rewrites, must be writable now. Rank 0 decides and tells the others which checkpoint to load.
     -> (checkpoint to resume or None, the old run files start_run removes: rank 0's list, [] elsewhere)"""
     resume_from, stale = None, []
     if distributed.is_main:
@@ -148,12 +151,11 @@ def prepare(args):
             raise SystemExit(f"error: --out {out} is a file, not a folder; pick a folder for the run")
         try:
             os.makedirs(out, exist_ok=True)
-            with open(os.path.join(out, ".write-test"), "w") as f:
-                f.write("ok")
-            os.remove(os.path.join(out, ".write-test"))
+            _write_test(out)
         except OSError as e:
             raise SystemExit(f"error: --out {out} is not writable ({e.strerror or e}); pick a writable folder with "
                              "free space")
+        _check_checkpoint_folder(out)  # now, not at the first save: a run's work would be lost there
         lock(out)
         used = [name for name in RUN_FILES + ("samples", EVAL_BASE) if os.path.exists(os.path.join(out, name))]
         never_stepped = _count_rows(os.path.join(out, "metrics.jsonl")) == 0 and not checkpoint_dirs(out)
@@ -165,16 +167,78 @@ def prepare(args):
         resume_from = resolve_resume(args.resume, out)
         if resume_from is not None:
             with open(os.path.join(resume_from, "state.json")) as f:
-                compare_flags(resume_from, json.load(f), args)
+                state = json.load(f)
+            compare_flags(resume_from, state, args)
+            if fork_source(resume_from, out) is None:  # the run's own checkpoint: no later one may exist
+                _refuse_a_branch(args.resume, state["step"], out)
+                for name in ("metrics.jsonl", "eval.jsonl"):  # rewritten to the checkpoint's step, then appended to
+                    if os.path.exists(path := os.path.join(out, name)):
+                        try:
+                            open(path, "ab").close()
+                        except OSError as e:
+                            raise SystemExit(f"error: {path} cannot be written ({e.strerror or e}); the resumed run "
+                                             "rewrites and extends it: make it a writable file, then rerun") from None
+            elif used and not never_stepped:  # a checkpoint of another run into a folder holding a run of its own
+                source = fork_source(resume_from, out)
+                raise SystemExit(f"error: --resume {args.resume} is a checkpoint of {source} and --out {out} holds "
+                                 f"another run ({', '.join(used)}); continue it in its own folder (--out {source}), or "
+                                 "fork it into a new, empty --out")
+            elif used:  # a fork into a folder whose run never stepped: that run's files go
+                stale = _ours(out, used)
         elif args.resume == "auto" and used:
             rows = _count_rows(os.path.join(out, "metrics.jsonl"))
             distributed.print0(f"no checkpoint in {out} yet: starting at step 1 (the {rows} metrics rows of the "
                                "interrupted run are dropped)")
             stale = _ours(out, used)
+        if stale:  # the old run's TensorBoard events go with it: two runs would be drawn as one curve
+            stale = stale + [name for name in LOG_FOLDERS if os.path.exists(os.path.join(out, name))]
     return distributed.broadcast(resume_from), stale
 
 
+def _write_test(folder):
+    """Create and remove a small file in `folder` (OSError when it cannot be written)."""
+    with open(os.path.join(folder, ".write-test"), "w") as f:
+        f.write("ok")
+    os.remove(os.path.join(folder, ".write-test"))
+
+
+def _check_checkpoint_folder(out):
+    """<out>/checkpoints, where it exists, must be a folder this run can write: refused in one line at start-up (a
+    read-only folder, a file, a link to where nothing can be written), not at the first save after hours of work."""
+    folder = os.path.join(out, "checkpoints")
+    if not os.path.lexists(folder):
+        return  # made at the first save, inside --out, which was just written to
+    try:
+        if not os.path.isdir(folder):
+            raise NotADirectoryError(0, "not a folder")
+        _write_test(folder)
+    except OSError as e:
+        raise SystemExit(f"error: {folder} cannot be written ({e.strerror or e}); checkpoints are saved there: make "
+                         "it a writable folder (or move it away), or pick another --out") from None
+
+
+def fork_source(resume_from, out):
+    """None when the checkpoint `resume_from` is one of --out's own (<out>/checkpoints/<step>); else the run folder it
+    comes from (a fork: the checkpoint's run continues in another --out)."""
+    run = os.path.dirname(os.path.dirname(os.path.abspath(resume_from)))
+    return None if os.path.realpath(run) == os.path.realpath(out) else run
+
+
+def _refuse_a_branch(given, step, out):
+    """A resume from one of --out's checkpoints while a later one verifies would branch the run's history: the new
+    steps' checkpoints beside the abandoned ones, which --keep-checkpoints (by step) and --resume auto would then
+    take for them. Refused in one line; later checkpoints that do not verify (what --resume auto skipped) are written
+    over as the run reaches their steps."""
+    later = [d for d in checkpoint_dirs(out) if int(os.path.basename(d)) > step]
+    if any(verify(d) is None for d in reversed(later)):
+        steps = ", ".join(os.path.basename(d) for d in later)
+        raise SystemExit(f"error: --resume {given} is step {step} of {out}, which holds later checkpoints ({steps}): "
+                         "resuming there would branch the run; continue the newest with --resume auto, fork step "
+                         f"{step} into a new, empty --out, or delete checkpoints {steps} first to go back")
+
+
 RUN_FILES = ("args.json", "metrics.jsonl", "eval.jsonl", "checkpoints")  # what marks a folder as holding a run
+LOG_FOLDERS = ("tensorboard",)  # a run's logs beside them, removed with them (--log-to tensorboard's events)
 EVAL_BASE = "eval_base.pt"  # the held-out reward outputs at step 0, per image: each later evaluation's "rise" is paired
 
 
@@ -357,7 +421,11 @@ def save(args, step, weights, optim_state, copies, extra, export=None):
         os.replace(final, os.path.join(root, f".old-{step}"))
     os.replace(tmp, final)
     shutil.rmtree(os.path.join(root, f".old-{step}"), ignore_errors=True)
-    for old in checkpoint_dirs(args.out)[:-args.keep_checkpoints]:
+    # The newest --keep-checkpoints up to this step stay. A later one is never taken for newer: it is one that
+    # --resume auto skipped as corrupt (prepare refuses to branch past one that verifies), written over when the run
+    # reaches its step; pruning by step number alone would keep it and delete the checkpoints just written.
+    done = [d for d in checkpoint_dirs(args.out) if int(os.path.basename(d)) <= step]
+    for old in done[:-args.keep_checkpoints]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -547,11 +615,15 @@ def trim_metrics(out, step):
     for name, first in (("metrics.jsonl", 1), ("eval.jsonl", 0 if step else 1)):
         path = os.path.join(out, name)
         if distributed.is_main and os.path.isfile(path):
-            with open(path, "rb") as f:
-                kept = [line.rstrip(b"\n") + b"\n" for line in f
-                        if (n := metrics_step(line)) is not None and first <= n <= step]
-            with open(path, "wb") as f:
-                f.writelines(kept)
+            try:
+                with open(path, "rb") as f:
+                    kept = [line.rstrip(b"\n") + b"\n" for line in f
+                            if (n := metrics_step(line)) is not None and first <= n <= step]
+                with open(path, "wb") as f:
+                    f.writelines(kept)
+            except OSError as e:
+                raise SystemExit(f"error: cannot rewrite {path} to step {step} ({e.strerror or e}); make it a "
+                                 "writable file, then continue with --resume") from None
 
 
 def json_line(row):
@@ -595,11 +667,18 @@ def start_run(args, stale=()):
     variables, never in args."""
     if not distributed.is_main:
         return
+    path = os.path.join(args.out, "args.json")
+    try:  # the new args.json first, under a temporary name: a full disk or a file-size limit stops the run here,
+        _write_json(path + ".tmp", dict(args=vars(args), **run_info()))  # before the old run loses anything
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        raise SystemExit(f"error: cannot write {path} ({e.strerror or e}); nothing in {args.out} was removed: free "
+                         "space (or raise the file-size limit, ulimit -f) and rerun") from None
     for name in stale:
         target = os.path.join(args.out, name)
-        shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
+        shutil.rmtree(target) if os.path.isdir(target) and not os.path.islink(target) else os.remove(target)
     if stale and args.overwrite:
         distributed.print0(f"--overwrite: removed the previous run's {', '.join(stale)} from {args.out}")
     os.makedirs(os.path.join(args.out, "samples"), exist_ok=True)
-    with open(os.path.join(args.out, "args.json"), "w") as f:
-        json.dump(dict(args=vars(args), **run_info()), f, indent=1)
+    os.replace(path + ".tmp", path)

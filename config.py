@@ -16,6 +16,8 @@ then a few derived values (--lora-alpha from --lora-rank, --train-cfg from --gui
 """
 import argparse
 import inspect
+import math
+import re
 
 import torch
 
@@ -175,11 +177,29 @@ def add_sampling_arguments(p):
 
 def check_args(p, args, world_size):
     """Refuse flag combinations that cannot work, before any model is loaded. -> samples per process."""
+    _check_finite(p, args)
     per_rank = _check_batches(p, args, world_size)
     _check_model(p, args, world_size)
     _check_loss(p, args, per_rank)
     _check_reward(p, args)
     return per_rank
+
+
+def _check_finite(p, args):
+    """Every number a flag holds is finite, those typed a plain float too: NaN fails every comparison and takes
+    whichever branch a test leaves it (--crd-temperature nan ran the T = 0 centring, --gardo-kl-thres nan never
+    renewed the reference)."""
+    for action in p._actions:
+        value = getattr(args, action.dest, None)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, (list, tuple))
+                                                                         else (value,))):
+            p.error(f"{action.option_strings[0]} {value}: must be a finite number")
+
+
+def _given(args, dest):
+    """Whether the command line or a recipe set the flag (not a preset, a loss default, a default or a derivation)."""
+    source = getattr(args, "sources", {}).get(dest, "default")
+    return source == "command line" or re.fullmatch(r".+:\d+", source) is not None  # "<recipe>:<line>"
 
 
 def _check_batches(p, args, world_size):
@@ -220,6 +240,17 @@ def _check_model(p, args, world_size):
                 "--kl-reference start (a snapshot of the starting weights), or set --lora-rank > 0 or --kl-beta 0")
     if args.kl_target > 0 and not args.kl_beta:
         p.error("--kl-target adapts the weight of a KL term: give its starting weight with --kl-beta > 0")
+    # Flags that would be silently ignored, where the command line or a recipe set them (as --sampling-decay below).
+    if _given(args, "kl_rate") and not args.kl_target:
+        p.error("--kl-rate is the step of the KL weight's controller toward --kl-target, which is off: give "
+                "--kl-target > 0, or drop --kl-rate")
+    if (_given(args, "gardo_reset_freq") or _given(args, "gardo_kl_thres")) and not args.gardo_reference and \
+            not getattr(args, "sources", {}).get("gardo_reference", "").startswith("derived"):  # not off by --kl-beta 0
+        p.error("--gardo-reset-freq / --gardo-kl-thres say when GARDO's reference is renewed: add "
+                "--gardo-reference, or drop them")
+    if _given(args, "lr_final") and getattr(args, "lr_schedule", "constant") == "constant":
+        p.error("--lr-final is where --lr-schedule linear / cosine ends; the schedule is constant: add "
+                "--lr-schedule cosine (or linear), or drop --lr-final")
     if args.kl_reference == "start" and args.gardo_reference:
         p.error("--kl-reference start and --gardo-reference are two snapshots as the KL's anchor, one never renewed, "
                 "one renewed on GARDO's schedule: pick one")
@@ -236,6 +267,9 @@ def _check_model(p, args, world_size):
     if multiple and any(side % multiple for side in sides):
         p.error(f"--resolution {args.resolution} must be a multiple of {multiple} for --model {args.model} "
                 "(VAE down-sampling x transformer patch)")
+    if args.offload_text_encoders and args.prompt_cache_gb is not None and args.prompt_cache_gb <= 0:
+        p.error("--offload-text-encoders reads every prompt from the prompt cache: give --prompt-cache-gb > 0 (or "
+                "leave it unset)")  # models.prompt_cache refused it too, but after the model had loaded
     if args.overwrite and args.resume:
         p.error("--overwrite starts the run over and --resume continues it: give one of them")
 
@@ -261,6 +295,11 @@ def _check_loss(p, args, per_rank):
     if loss.unit != "sample" and (per_rank % args.group_size or args.train_batch_size % width):
         p.error(f"--loss {args.loss} trains whole {loss.unit}s of one group's samples: make the {per_rank} samples per "
                 f"process a multiple of --group-size {args.group_size} and --train-batch-size a multiple of {width}")
+    if _given(args, "dpo_beta") and "dpo_beta" not in inspect.signature(loss.fn).parameters:
+        p.error(f"--dpo-beta is the beta of --loss dpo / dgpo, which --loss {args.loss} does not read: drop it")
+    if _given(args, "ref_update_every") and "copy" not in (args.old_decay, args.sampling_decay):
+        p.error(f"--ref-update-every says how often --old-decay copy copies the trained weights; --loss {args.loss}"
+                f"{' --old-decay ' + args.old_decay if args.old_decay else ''} keeps no such copy: drop it")
     if args.sampling_decay is not None and not (loss.sampling_copy and loss.sampling_copy(vars(args))):
         p.error(f"--sampling-decay schedules the rollouts' own copy, which --loss {args.loss} does not keep: drop it")
     if loss.advantages is not losses.group_advantages and args.reward_combine == "advantage":
@@ -299,11 +338,18 @@ def _check_reward(p, args):
         p.error(str(e))
     if args.reward_key != "reward" and args.reward_key not in components and "custom" not in components:
         p.error(f"--reward-key {args.reward_key!r} is not a component of --reward {args.reward!r}")
+    spec = rewards.parse_spec(args.reward)
+    if args.reward_key == "reward" and args.reward_combine == "score" and not any(w for _, w in spec):
+        p.error(f"--reward {args.reward!r} weighs every component 0: the trained total is 0 for every sample and "
+                "nothing trains; give a component a weight, or train one alone with --reward-key NAME")
+    # What trains: the --reward-key component, or every weighted one (the total, or --reward-combine advantage).
+    trained = {args.reward_key} if args.reward_key != "reward" else \
+        {name for name, w in spec if w or args.reward_combine == "advantage"}
     for name in args.gardo_gate or []:  # scored beside the trained reward, never trained on
-        if name not in components or name == args.reward_key:
-            p.error(f"--gardo-gate {name}: name components of --reward {args.reward!r} other than the trained one "
-                    f"(--reward-key {args.reward_key}), e.g. --reward ocr=1,aesthetic=0,imagereward=0 --reward-key ocr "
-                    "--gardo-gate aesthetic,imagereward")
+        if name not in components or name in trained:
+            p.error(f"--gardo-gate {name}: name components of --reward {args.reward!r} other than the trained ones "
+                    f"({', '.join(sorted(trained))}), scored and weighted 0, e.g. --reward "
+                    "ocr=1,aesthetic=0,imagereward=0 --reward-key ocr --gardo-gate aesthetic,imagereward")
     if args.reward_combine == "advantage" and args.reward_key != "reward":
         p.error("--reward-combine advantage trains on every component of --reward: drop --reward-key")
     if args.reward_combine == "advantage" and not sum(w for _, w in rewards.parse_spec(args.reward)) > 0:

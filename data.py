@@ -79,6 +79,9 @@ def load_prompts(path, *, input_key="input", metadata_key="metadata", check=None
     if os.path.isdir(path):
         raise FileNotFoundError(f"{path}: is a folder, not a prompt file; "
                                 "pass the path of a .jsonl or .txt file inside it")
+    if os.path.exists(path) and not os.path.isfile(path):  # opening a FIFO would wait for a writer; a device: endless
+        raise ValueError(f"{path}: not a regular file (a pipe, a device or a socket); write the prompts to a .jsonl or "
+                         ".txt file and pass its path")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: prompt file not found; check the path "
                                 f"(the repository ships sets in prompts/, e.g. prompts/tiny.txt)")
@@ -219,6 +222,10 @@ def _read_image(path):
             if image.mode.startswith("I"):  # 16- or 32-bit grey: convert("RGB") would clip it to 255, near-white
                 grey = np.asarray(image, dtype=np.float64)
                 top = 65535.0 if image.mode.startswith("I;16") or grey.max() <= 65535 else 2.0**32 - 1
+                image = Image.fromarray(np.round(np.clip(grey, 0, top) / top * 255).astype(np.uint8))
+            elif image.mode == "F":  # 32-bit float grey (a TIFF): convert("RGB") would read [0, 1] as 0 or 1 of 255,
+                grey = np.nan_to_num(np.asarray(image, dtype=np.float64))  # black; [0, 1] is the float convention,
+                top = 1.0 if grey.max() <= 1.0 else 255.0  # a file with larger values is read as [0, 255]
                 image = Image.fromarray(np.round(np.clip(grey, 0, top) / top * 255).astype(np.uint8))
             array = np.asarray(image.convert("RGB"))
     except (OSError, Image.DecompressionBombError) as e:  # checked at load; a file changed or truncated since then

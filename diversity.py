@@ -29,11 +29,13 @@ counts as much as one recoloured); for the shapes world, whose images are 32 px,
 
 import argparse
 import math
+import os
 from collections import defaultdict
 
 import numpy as np
 
 import geneval
+import services
 import shapes
 
 FEATURES = ("off", "dinov2", "clip", "pixels")
@@ -180,15 +182,20 @@ def _build(name, path, device):
     import torch.nn.functional as F
     import transformers
 
+    # A hub id where the hub does not answer: the cached copy or a quick failure (the hub's five retries took 48 s;
+    # transformers' AutoModel looks for an adapter config apart from the weights, hence its own local_files_only).
+    offline = {} if os.path.isdir(path) or services.hub_reachable() else dict(local_files_only=True)
     try:
         if name == "dinov2":
-            model = transformers.AutoModel.from_pretrained(path)
+            model = transformers.AutoModel.from_pretrained(path, **offline, **({"adapter_kwargs": offline}
+                                                                                if offline else {}))
             mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's, as DINOv2's image processor
         else:
-            model = transformers.CLIPModel.from_pretrained(path)
+            model = transformers.CLIPModel.from_pretrained(path, **offline)
             mean, std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)  # CLIP's
     except Exception as err:
-        raise ValueError(f"--diversity {name}: cannot load {path!r} ({type(err).__name__}); point --diversity-path "
+        raise ValueError(f"--diversity {name}: cannot load {path!r} ({type(err).__name__}"
+                         f"{'; the hub does not answer' if offline else ''}); point --diversity-path "
                          f"at a local copy of the weights, or pass --diversity off") from err
     model = model.eval().to(device)
     config = model.config.vision_config if name == "clip" else model.config

@@ -702,29 +702,31 @@ def main(argv=None):
                    "held-out file, else jpeg_compressibility)")
     p.add_argument("--resolution", type=flags.POSITIVE_INT, default=None,
                    help="image side in pixels")
-    p.add_argument("--num-frames", type=int, default=None, help="video models (wan): frames per sample")
-    p.add_argument("--shift", type=float, default=None, help="static schedule shift (default: the model's own)")
-    p.add_argument("--max-sequence-length", type=int, default=None, help="text tokens (default: the family's)")
+    # the types of train.py's flags: a value it refuses (NaN, 0, a negative guidance) is refused here, before any model
+    p.add_argument("--num-frames", type=flags.POSITIVE_INT, default=None, help="video models (wan): frames per sample")
+    p.add_argument("--shift", type=flags.bounded(float, 0, 100, low_open=True), default=None,
+                   help="static schedule shift (default: the model's own)")
+    p.add_argument("--max-sequence-length", type=flags.POSITIVE_INT, default=None,
+                   help="text tokens (default: the family's)")
     p.add_argument("--eval-steps", type=flags.POSITIVE_INT, default=None, help="ODE steps")
-    p.add_argument("--guidance-scale", type=float, default=None, help="CFG scale")
-    p.add_argument("--batch-size", type=int, default=8, help="images per forward")
+    p.add_argument("--guidance-scale", type=flags.POSITIVE, default=None, help="CFG scale (1 or less: no CFG)")
+    p.add_argument("--batch-size", type=flags.POSITIVE_INT, default=8, help="images per forward")
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"],
                    help="autocast dtype of the forwards and the decode: the training run's, to score what it sampled")
-    p.add_argument("--seed", type=int, default=0, help="noise seed (per prompt)")
+    p.add_argument("--seed", type=flags.SEED, default=0, help="noise seed (per prompt)")
     p.add_argument("--out", default=None, help="folder for summary.json, grid.png (pages grid-2.png, ...) and "
                    "bars.png (default: runs/eval); with --plot, for curves.png (default: the first run's folder)")
-    p.add_argument("--grid-rows", type=int, default=24, help="prompts in the before/after grid, spread evenly over "
+    p.add_argument("--grid-rows", type=flags.POSITIVE_INT, default=24,
+                   help="prompts in the before/after grid, spread evenly over "
                    "the GenEval tags, those whose verdict changed first")
     p.add_argument("--grid-all", action="store_true", help="every prompt in the grid, in pages of at most 2000 px")
-    p.add_argument("--fps", type=int, default=16, help="video models: frames per second of the grid's GIFs")
+    p.add_argument("--fps", type=flags.POSITIVE_INT, default=16,
+                   help="video models: frames per second of the grid's GIFs")
     rewards.add_arguments(p)
     diversity.add_arguments(p)
     args = p.parse_args(argv)
     args.model = args.model or trained_model(args.checkpoints) or "tiny"
     fill_from_preset(args)
-    for flag, value in (("--grid-rows", args.grid_rows), ("--fps", args.fps)):
-        if value < 1:
-            p.error(f"{flag} {value}: must be 1 or more")
     if args.out is not None:  # a file where the results' folder goes: found now, not after the sampling
         existing = os.path.abspath(args.out)
         while not os.path.exists(existing):

@@ -518,6 +518,11 @@ def import_object(path, flag):
     except (ImportError, AttributeError, ValueError, OSError) as err:
         raise ValueError(f"{flag} {path!r}: cannot import it ({type(err).__name__}: {err}); "
                          f"give module.name importable from the working directory, or path/to/file.py:name") from err
+    except SystemExit as err:  # the module calls sys.exit when imported: the run would end there, with its code
+        if isinstance(err.code, str):  # an exit with its own message (run.py's one line for a Ctrl-C meanwhile)
+            raise
+        raise ValueError(f"{flag} {path!r}: importing it called sys.exit({err.code!r}); remove that call (or put it "
+                         "under `if __name__ == '__main__':`)") from None
 
 
 def custom(*, custom_rm_path, custom_rm_args, **_):
@@ -598,10 +603,11 @@ class UnifiedRewardJudge(OpenAIJudge):
         except (KeyError, IndexError, TypeError):
             raise BadReply(f"not a Chat Completions reply: {str(response)[:200]}") from None
         # the whole number, exponent included: "4.9e10" is out of range, not 4.9
-        found = re.findall(r"Final Score:\s*\**\s*([0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)", text)
+        # a decimal comma is a decimal point: "4,5" is 4.5, not 4 (a comma and a space end the number: "4, as")
+        found = re.findall(r"Final Score:\s*\**\s*([0-9]+(?:[.,][0-9]+)?(?:[eE][+-]?[0-9]+)?)", text)
         if not found:
             raise BadReply(f"no 'Final Score: <n>' in the reply: {text[-200:]!r}")
-        value = float(found[-1])
+        value = float(found[-1].replace(",", "."))
         if not self.score_min <= value <= self.score_max:
             raise BadReply(f"Final Score {value:g} outside [{self.score_min:g}, {self.score_max:g}]")
         return value
@@ -627,6 +633,9 @@ def unifiedreward(*, unifiedreward_url, unifiedreward_model, unifiedreward_api_k
 
 # ----------------------------------------------------------------------------- mixtures and dispatch
 
+MAX_WEIGHT = 1e6  # the largest |weight| of a --reward component
+
+
 def parse_spec(spec):
     """'ocr' -> [('ocr', 1.0)]; 'ocr=0.8,pickscore=0.2' -> [('ocr', 0.8), ('pickscore', 0.2)]."""
     parts = [p.strip() for p in str(spec).split(",") if p.strip()]
@@ -644,8 +653,9 @@ def parse_spec(spec):
             w = float(weight) if weight.strip() else 1.0
         except ValueError:
             raise ValueError(f"weight {weight!r} of {name!r} in {spec!r} is not a number") from None
-        if not math.isfinite(w):
-            raise ValueError(f"weight of {name!r} in {spec!r} must be finite")
+        if not math.isfinite(w) or abs(w) > MAX_WEIGHT:  # a larger one overflows the float32 total: inf for all
+            raise ValueError(f"weight {weight.strip()} of {name!r} in {spec!r} must be a finite number within "
+                             f"+-{MAX_WEIGHT:g}; weights are relative: scale them down")
         out.append((name, w))
     return out
 
@@ -731,7 +741,13 @@ def build_reward(spec, *, device="cpu", **options):
         for name, idx in users.items():
             component = torch.full((batch,), float("nan"))  # NaN where the component does not apply
             if idx:
-                result = scorer(name)(images[idx], [prompts[i] for i in idx], [metadata[i] for i in idx])
+                try:
+                    result = scorer(name)(images[idx], [prompts[i] for i in idx], [metadata[i] for i in idx])
+                except SystemExit as err:  # would end the run in silence, with no checkpoint (exit 0 for sys.exit(0))
+                    if isinstance(err.code, str):  # an exit with its own message: not silent
+                        raise
+                    raise ValueError(f"reward {name!r} called sys.exit({err.code!r}) while scoring; return scores, or "
+                                     "raise an exception to stop the run") from None
                 part, part_failed, extras = _as_scores(result, len(idx), f"reward {name!r}")
                 # The score must be finite; an extra entry may be NaN ("does not apply to this sample"), not inf.
                 checks = [(name, part, ~torch.isfinite(part))] + [(k, v, torch.isinf(v)) for k, v in extras.items()]
@@ -843,7 +859,8 @@ def add_arguments(parser):
     flag("--reward-retries", "attempts per request to a reward service (1: no retry)", type=int, default=3)
     flag("--reward-timeout", "deadline of one attempt in seconds: connect, send and the whole reply (a config's "
          "timeout_s wins)", type=float, default=60.0)
-    flag("--reward-backoff", "seconds before the first retry; doubles each time", type=float, default=1.0)
+    flag("--reward-backoff", f"seconds before the first retry; doubles each time, to at most "
+         f"{services.MAX_BACKOFF:g}", type=flags.bounded(float, 0, services.MAX_BACKOFF), default=1.0)
     flag("--reward-on-error", "after the retries: stop the run, or drop the affected groups from the update",
          choices=["raise", "skip"], default="raise")
     flag("--reward-max-bytes", "largest reply of a reward service in bytes (headers and body as received)", type=int,

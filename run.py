@@ -65,7 +65,8 @@ def add_arguments(parser):
                    help="start a fresh run in an --out that already holds one, deleting its run files first")
     g.add_argument("--resume", default=None,
                    help="checkpoint folder, run folder, or 'auto' (the newest checkpoint in --out that verifies, if "
-                        "any; default: a fresh run)")
+                        "any; default: a fresh run). A checkpoint of --out with a later one is refused (the run would "
+                        "branch); one of another run folder forks it into a new, empty --out")
     g.add_argument("--eval-every", type=flags.NONNEG_INT, default=None,
                    help="steps between ODE evaluations on --eval-prompts (0: off)")
     g.add_argument("--eval-steps", type=flags.POSITIVE_INT, default=None, help="ODE steps of an evaluation")
@@ -110,6 +111,9 @@ class Run:
         self.signal, self.policy, self.wandb, self.tensorboard, self.ratio_warned = None, None, None, None, False
         self.pool = ThreadPoolExecutor(max_workers=1)  # scores batch b while batch b + 1 is sampled
         self.bar, self.marks, self.last_skip = None, {}, None
+        # Ctrl-C while the models load: one line, not a KeyboardInterrupt traceback from inside a library (nothing has
+        # trained yet; start() takes SIGINT over for the steps, finish() gives back the handler from before this one)
+        self.handlers = {signal.SIGINT: signal.signal(signal.SIGINT, interrupted_in_set_up)}
 
     def lap(self, phase=None):
         """The step's clock: lap() starts it, lap(phase) books the seconds since the last mark to that phase."""
@@ -134,17 +138,22 @@ class Run:
                 print0(f"the run is already at step {self.step} of --steps {args.steps}: nothing to train; "
                        "raise --steps to continue it")
                 return False
-            checkpoints.trim_metrics(args.out, self.step)  # a killed run's rows after the checkpoint are redone
         self.first_step = self.step
         checkpoints.start_run(args, self.stale)
+        if self.resume_from and (fork := checkpoints.fork_source(self.resume_from, args.out)):  # a new --out
+            print0(f"forked {fork} at step {self.step} into {args.out}: its files start at step {self.step + 1} "
+                   f"(the steps up to {self.step} are in {fork})")
+        elif self.resume_from:
+            checkpoints.trim_metrics(args.out, self.step)  # a killed run's rows after the checkpoint are redone
         if is_main and (args.wandb or "wandb" in args.log_to):
             import wandb  # optional, heavy: only when asked for
             self.wandb = wandb.init(config=vars(args), dir=args.out, resume="allow")
         if is_main and "tensorboard" in args.log_to:
             from torch.utils.tensorboard import SummaryWriter  # optional: only when asked for
             self.tensorboard = SummaryWriter(os.path.join(args.out, "tensorboard"), purge_step=self.step + 1)
-        self.handlers = {signum: signal.signal(signum, lambda n, frame: setattr(self, "signal", signal.Signals(n).name))
-                         for signum in (signal.SIGTERM, signal.SIGINT)}  # preemption: finish the step, save, exit 0
+        handlers = {signum: signal.signal(signum, lambda n, frame: setattr(self, "signal", signal.Signals(n).name))
+                    for signum in (signal.SIGTERM, signal.SIGINT)}  # preemption: finish the step, save, exit 0
+        self.handlers = {**handlers, **self.handlers}  # to give back: those from before __init__'s
         self.early_grad_norms = []  # the first 10 logged steps' (warn_divergence)
         # A live bar on rank 0's terminal; none in log files, where the per-step lines already say everything.
         self.bar = tqdm(total=args.steps, initial=self.step, disable=not (is_main and sys.stderr.isatty()),
@@ -200,7 +209,11 @@ class Run:
         names = distributed.union(names)
         if skip is None:
             scores = stacked(results, names)  # each [per_rank]
-            if not torch.isfinite(scores[args.reward_key][~failed]).all():
+            trained = scores[args.reward_key][~failed]
+            if torch.isinf(trained).any():  # each component is finite (NonFiniteReward): their weighted sum is not
+                skip = (f"--reward-key {args.reward_key} is infinite for some samples: the weighted total of --reward "
+                        "overflows float32; use smaller weights")
+            elif torch.isnan(trained).any():
                 skip = f"--reward-key {args.reward_key} is NaN for some samples (an rm_type override without it?)"
         if distributed.any_rank(skip is not None, device):
             return Rewards(skip=skip or "non-finite reward on another rank")
@@ -386,8 +399,13 @@ class Run:
         if not (isinstance(base, dict) and torch.is_tensor(base.get("reward"))):
             print0(f"warning: {path} does not hold step-0 reward scores; eval.jsonl goes on without `rise`")
             return None
-        saved = base.pop("fingerprint", None)  # absent in run folders from before it: checked by shape alone
-        if fingerprint is not None and saved is not None and saved != fingerprint:
+        saved = base.pop("fingerprint", None)
+        if fingerprint is not None and saved is None:  # a file from before the fingerprint: any images, same number
+            print0(f"warning: {path} holds no fingerprint of the held-out prompts and evaluation flags it was "
+                   "measured on (written before it existed), so its pairing cannot be checked; eval.jsonl goes on "
+                   "without `rise` (rerun from step 0 to have it)")
+            return None
+        if fingerprint is not None and saved != fingerprint:
             print0(f"warning: {path} holds the scores of other held-out prompts or evaluation flags (--eval-prompts, "
                    "--eval-steps, ...) than this run's; eval.jsonl goes on without `rise` (resume with the run's own "
                    "flags to keep it)")
@@ -452,6 +470,12 @@ class Run:
             raise SystemExit(f"error: none of the {self.step - self.first_step} steps of this run updated the weights "
                              f"(last skip: {self.last_skip}); checkpoint {self.step} holds the weights "
                              "it started from")
+
+
+def interrupted_in_set_up(signum, frame):
+    """SIGINT (Ctrl-C) before the first step, while the prompts, rewards and models load."""
+    raise SystemExit("error: interrupted (Ctrl-C) during start-up, before the first step: nothing was trained; rerun "
+                     "the same command to start (or continue) the run")
 
 
 EVAL_FLAGS = ("model", "resolution", "eval_steps", "guidance_scale", "seed", "negative_prompt", "shift", "num_frames",
@@ -541,8 +565,9 @@ ONE_SOURCE = ("flux-kontext", "tiny-flux-kontext", "qwen-image-edit", "tiny-qwen
 
 
 def check_sources(path, model, metadata):
-    """Source images (data.py) need a model that edits, and the Qwen-Image-Edit models need one on every row: said in
-    one line before a model loads."""
+    """Source images (data.py) need a model that edits, and the Qwen-Image-Edit models need one on every row; the rows
+    of one file bring the same number (none on one row and one on another fails inside a batched step): said in one
+    line before a model loads."""
     have = sum(data.SOURCE_KEY in m for m in metadata)
     takes = models.SOURCE_IMAGES.get(model)
     if have and takes is None:
@@ -552,6 +577,10 @@ def check_sources(path, model, metadata):
     if takes == "required" and have < len(metadata):
         raise SystemExit(f"error: {path}: --model {model} edits source images and {len(metadata) - have} of "
                          f"{len(metadata)} rows have none; give every row one under 'image' (data.py)")
+    if 0 < have < len(metadata):  # a batch of rows with and without sources fails inside the model's step
+        raise SystemExit(f"error: {path}: {have} of {len(metadata)} rows name source images and the others none; "
+                         f"--model {model} batches prompts that bring the same number: give every row one under "
+                         "'image', or train the edits and the text-to-image prompts in separate runs")
     counts = {len(m[data.SOURCE_KEY]) for m in metadata if data.SOURCE_KEY in m}  # the pipelines batch these rows
     if model in ONE_SOURCE and counts - {1}:
         raise SystemExit(f"error: {path}: --model {model} edits one source image per prompt and some rows name "

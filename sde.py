@@ -271,7 +271,10 @@ def awm_timesteps(num_steps, n, *, fraction=0.9, kind="discrete_wo_init", genera
         raise ValueError(f"unknown AWM timestep sampling {kind!r}; choose one of {', '.join(AWM_TIMESTEPS)} "
                          "(--awm-timesteps)")
     lo, hi = (1 if kind == "discrete_wo_init" else 0), int(num_steps * fraction)
-    if not 1 <= n <= hi - lo or not 0 < fraction <= 1:
+    if hi - lo < 1 or not 0 < fraction <= 1:  # no index at all: no --train-timesteps could fit
+        raise ValueError(f"--timestep-fraction {fraction:g} of {num_steps} steps leaves no schedule index to train at; "
+                         f"use --timestep-fraction {(lo + 1) / num_steps:.3g} or more, or raise --num-steps")
+    if not 1 <= n <= hi - lo:
         raise ValueError(f"--train-timesteps {n} strata over schedule indices {lo} .. {hi - 1} (--timestep-fraction "
                          f"{fraction} of {num_steps} steps) leave a stratum empty: use 1 to {max(hi - lo, 0)} of them, "
                          "or raise --timestep-fraction or --num-steps")

@@ -16,8 +16,8 @@ A server that answers one byte a second, or a resolver that never answers, fails
 A reply larger than the cap (counted on the wire; compressed replies are refused, as their size
 is unknown until decoded) fails the attempt without being read further.
 
-Attempts are retried with exponential backoff (`backoff * 2**attempt` seconds) up to `retries`
-attempts; HTTP 4xx other than 408/429 is not retried. Once a unit fails for good, `on_error="raise"`
+Attempts are retried with exponential backoff (`backoff * 2**attempt` seconds, each wait at most MAX_BACKOFF) up to
+`retries` attempts; HTTP 4xx other than 408/429 is not retried. Once a unit fails for good, `on_error="raise"`
 raises `RewardServiceError` naming the service, the samples and the attempts made, and sends
 nothing more; `"skip"` marks its samples in `failed`. Every error and log line goes through the
 service's `redact`; `mask_secrets` builds one that hides a secret whole, without its scheme word
@@ -46,6 +46,7 @@ import yaml
 import flags
 
 log = logging.getLogger(__name__)
+MAX_BACKOFF = 300.0  # seconds: the longest wait before a retry (--reward-backoff 1e9 waited 31 years)
 
 
 class RewardServiceError(RuntimeError):
@@ -199,6 +200,23 @@ def _resolve(host, port, timeout):
     return list(dict.fromkeys(info[4][0] for info in found["infos"]))
 
 
+def hub_reachable(timeout=3.0):
+    """Whether the model hub (huggingface_hub's endpoint, HF_ENDPOINT) accepts a connection within `timeout` seconds:
+    offline, a hub download retries five times, about 48 s, before it fails."""
+    from huggingface_hub import constants
+
+    url = httpx.URL(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        for address in _resolve(url.host, port, timeout):
+            with contextlib.suppress(OSError):
+                socket.create_connection((address, port), timeout=timeout).close()
+                return True
+    except (OSError, TimeoutError, httpcore.ConnectError):  # no such name, or no answer
+        pass
+    return False
+
+
 class _Deadline:
     """httpcore's network backend, and each stream it opens, with the name lookup and every socket wait cut at the
     running attempt's deadline and reads stopped at its byte budget. A pooled connection keeps its stream; each
@@ -310,8 +328,14 @@ def _service_loop(timeout, timeout_name, max_concurrency, concurrency_name, retr
     return dict(timeout=flags.real(timeout, timeout_name, positive=True),
                 max_concurrency=flags.integer(max_concurrency, 1, concurrency_name),
                 retries=flags.integer(retries, 1, "--reward-retries"),
-                backoff=flags.real(backoff, "--reward-backoff", minimum=0),
+                backoff=_at_most(flags.real(backoff, "--reward-backoff", minimum=0), MAX_BACKOFF, "--reward-backoff"),
                 on_error=on_error, max_bytes=flags.integer(max_bytes, 1, "--reward-max-bytes"))
+
+
+def _at_most(value, limit, name):
+    if value > limit:
+        raise ValueError(f"{name} {value:g}: at most {limit:g} seconds (a wait before a retry); lower it")
+    return value
 
 
 def _serve(service, units, prepare, send, *, timeout, max_bytes, retries, backoff, max_concurrency, on_error,
@@ -342,7 +366,7 @@ def _serve(service, units, prepare, send, *, timeout, max_bytes, retries, backof
                 error = redact(_error_text(err, timeout))
                 if not _retryable(err) or attempt >= retries:
                     break
-                delay = backoff * 2 ** (attempt - 1)
+                delay = min(backoff * 2 ** (attempt - 1), MAX_BACKOFF)  # doubling past it would hang the run
                 log.warning("%s: sample %s attempt %d/%d failed (%s); retrying in %.2fs",
                             service, _samples(units[u]), attempt, retries, error, delay)
                 stop.wait(delay)

@@ -82,9 +82,21 @@ def read_evals(out, run):
     if 0 in evals and not os.path.exists(side):
         write_json(side, evals[0])
     elif 0 not in evals and os.path.exists(side):
-        with open(side) as f:
-            evals[0] = json.load(f)
+        evals[0] = read_json(side, "its step-0 evaluation row")
     return evals
+
+
+def read_json(path, what):
+    """A JSON object the study wrote, or one line naming the file when it is damaged (a torn or edited file)."""
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+        if not isinstance(obj, dict):
+            raise ValueError(f"a JSON {type(obj).__name__}, not an object")
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {path} should hold {what} and does not ({' '.join(str(e).split())[:100]}): restore "
+                         "it, or delete it and the run's folder to run that run again") from None
+    return obj
 
 
 def finished(out, run, steps):
@@ -97,8 +109,10 @@ def check_flags(run, args):
     two runs in one curve."""
     path, now = os.path.join(args.out, run_name(*run) + ".json"), train_flags(*run, args)
     if os.path.exists(path):
-        with open(path) as f:
-            before = json.load(f)["flags"]
+        before = read_json(path, "the flags the run was started with").get("flags")
+        if not isinstance(before, list):
+            raise SystemExit(f"error: {path} holds no list of the flags the run was started with: restore it, or "
+                             "delete it and the run's folder to run that run again")
         if before != now:
             raise SystemExit(f"error: {os.path.join(args.out, run_name(*run))} was run with `{shlex.join(before)}`, "
                              f"not `{shlex.join(now)}`: give another --out, or the flags it was run with")
@@ -140,11 +154,18 @@ def summary(evals, steps):
     """One run's figures: each measure at step 0 and at the end, the exact accuracy's peak and its step."""
     row = {}
     for short, key, _ in MEASURES:
-        row[f"{short}_0"], row[f"{short}_end"] = evals[0].get(key, np.nan), evals[steps].get(key, np.nan)
-    exact = {step: r.get("geneval_overall", np.nan) for step, r in evals.items()}
-    row["exact_peak_step"] = max(exact, key=lambda s: (exact[s], -s))
-    row["exact_peak"] = exact[row["exact_peak_step"]]
+        row[f"{short}_0"], row[f"{short}_end"] = value(evals[0], key), value(evals[steps], key)
+    exact = {step: value(r, "geneval_overall") for step, r in evals.items()}
+    finite = {step: a for step, a in exact.items() if np.isfinite(a)} or {steps: np.nan}  # NaN is no peak
+    row["exact_peak_step"] = max(finite, key=lambda s: (finite[s], -s))
+    row["exact_peak"] = finite[row["exact_peak_step"]]
     return row
+
+
+def value(row, key):
+    """A figure of an eval row as a float: NaN where it is missing or not a number (train.py writes NaN as null)."""
+    v = row.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else np.nan
 
 
 def mean_sd(values):
@@ -200,7 +221,7 @@ def plot(args, evals, path):
         for run, rows in evals.items():
             steps = sorted(s for s in rows if key in rows[s])
             colour = f"C{args.brakes.index(run[0])}"
-            ax.plot(steps, [rows[s][key] for s in steps], color=colour, marker="o", ms=3,
+            ax.plot(steps, [value(rows[s], key) for s in steps], color=colour, marker="o", ms=3,
                     ls=styles[args.seeds.index(run[1]) % len(styles)], label=run_name(*run))
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step", fontsize=8)

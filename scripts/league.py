@@ -59,6 +59,7 @@ import argparse
 import collections
 import fcntl
 import json
+import math
 import os
 import shlex
 import shutil
@@ -246,13 +247,25 @@ def read_curve(folder, eval0=None, steps=None):
 
 
 def curve(out, run):
-    """The curve of a finished run of the league (marked done), or None."""
+    """The curve of a finished run of the league (marked done), or None. A record's curve that is not a list of
+    evaluations with numbers (an edited or damaged record: a null point or accuracy) stops the report in one line."""
     record = read_record(out, run)
     if not (record and record.get("done")):
         return None
     if isinstance(record.get("curve"), list):  # kept in the record since the ledger: the folder may be gone
+        for i, point in enumerate(record["curve"]):
+            if not (isinstance(point, dict) and all(number(point.get(k)) for k in ("step", "samples", "seconds",
+                                                                                   "accuracy"))):
+                raise SystemExit(f"error: {record_path(out, run)}: evaluation {i} of its curve is "
+                                 f"{json.dumps(point)[:80]}, not numbers (an edited or damaged record); restore it, "
+                                 "or delete it to run that run again")
         return record["curve"]
     return read_curve(os.path.join(out, run_name(*run)), record.get("eval0"))
+
+
+def number(value):
+    """Whether value is a number (NaN included: a run's accuracy may be NaN; None, text and True are not)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def read_ledger(path):
@@ -298,7 +311,9 @@ def check_records(args):
 
 # ----------------------------------------------------------------------------- the learning rate
 def choose_lr(finals):
-    """{lr: final held-out accuracy} -> the best lr; ties (to 6 decimals) go to the smaller one. None when empty."""
+    """{lr: final held-out accuracy} -> the best lr; ties (to 6 decimals) go to the smaller one; a NaN (a diverged run)
+    is never the best. None when none is a finite number."""
+    finals = {lr: a for lr, a in finals.items() if number(a) and math.isfinite(a)}
     if not finals:
         return None
     return max(sorted(finals), key=lambda lr: round(finals[lr], 6))
@@ -730,11 +745,15 @@ def ran_on(args, results):
     """The machine of the reported runs (the most common in their records; this one for older records), the load
     averages as they ended, and [(machine, runs)] of the runs that ran otherwise (another job count or machine)."""
     records = [read_record(args.out, (name, r["lr"], seed)) for name, r in results.items() for seed in r["curves"]]
+    records = [record for record in records if record]  # a record may be gone (the ledger's curves stand for it)
+    mine = machine(args)  # a record's machine without the keys of one (null, edited) is not counted
     machines = collections.Counter(json.dumps(record["machine"], sort_keys=True) for record in records
-                                   if "machine" in record).most_common()
-    found = json.loads(machines[0][0]) if machines else machine(args)
+                                   if isinstance(record.get("machine"), dict)
+                                   and mine.keys() <= record["machine"].keys()).most_common()
+    found = json.loads(machines[0][0]) if machines else mine
     others = [(json.loads(m), n) for m, n in machines[1:]]  # runs that ran otherwise: [(machine, runs)]
-    return found, [record["load"] for record in records if "load" in record], others
+    loads = [record["load"] for record in records if number(record.get("load")) and math.isfinite(record["load"])]
+    return found, loads, others
 
 
 def machine_line(where, loads, others=()):
