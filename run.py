@@ -10,9 +10,9 @@
     run.checkpoint_or_stop(step)    save when due or signalled; True ends the run
     run.finish()
 
-A SIGTERM / SIGINT (preemption) stops every rank within seconds, saves the last complete step and exits 0: in the wait
-for rewards at once, in the training phase at the next micro-batch (the weights back at the step's start), in the
-sampling phase at the end of the wait. --resume auto then redoes the step exactly. One line per step on rank 0, with
+A SIGTERM / SIGINT (preemption) stops every rank within seconds, saves the last complete step and exits 0: in the
+sampling phase at the next rollout batch, in the wait for rewards at once, in the training phase at the next
+micro-batch (the weights back at the step's start). --resume auto then redoes the step exactly. One line per step on rank 0, with
 a live bar on a terminal.
 """
 import copy
@@ -256,6 +256,10 @@ class Run:
         self.policy.optimizer.zero_grad(set_to_none=True)
         self.carry = self.carry_at_start  # the step's advantages already moved GARDO's gate share
         self._stop_while_waiting(step, "in the training phase of")
+
+    def stop_in_sampling(self, step):
+        """A signal arrived between two rollout batches: save the last complete step and exit 0 at once."""
+        self._stop_while_waiting(step, "in the sampling phase of")
 
     def _stop_while_waiting(self, step, where="while waiting for rewards in"):
         """A signal arrived while waiting: keep the last complete step, redo this one on resume, exit 0 at once."""

@@ -119,6 +119,8 @@ def sample(policy, loss, args, prompts, sigmas, step, reward_fn, run):
     policy.transformer.eval()
     with rollout_weights(policy, loss, step, args):  # NFT: train_nft_sd3.py L640
         for b in range(len(my_ids) // size):
+            if run.signalled():  # preempted: the step is redone on resume, nothing of it is kept
+                run.stop_in_sampling(step)
             idx = slice(b * size, (b + 1) * size)
             gen = data.seeded(args.seed, step, RANK, b)  # resumable noise
             x = starting_noise(policy.pipe, args, step, my_groups[idx], gen).to(policy.device)

@@ -1,5 +1,5 @@
-"""Preemption in the training phase: a SIGTERM stops the run at the next micro-batch, within seconds, and keeps the
-state the step started from; --resume auto then redoes the step exactly. (A signal while waiting for rewards and one
+"""Preemption inside a step: a SIGTERM stops the run at the next rollout batch or micro-batch, within seconds, and keeps
+the state the step started from; --resume auto then redoes the step exactly. (A signal while waiting for rewards and one
 at the end of a step: tests/test_faults.py.)"""
 import json
 import os
@@ -19,7 +19,7 @@ from test_train import ROOT, metrics, run
 # have already moved and the run must go back to the step's start, or at its backward passes (`before_step`: the
 # check at the next micro-batch stops it, before the step's only optimizer step).
 SIGNAL_IN_TRAINING = textwrap.dedent('''
-    import os, signal, sys, data, policy, train
+    import os, signal, sys, data, models, policy, train
     when, now = sys.argv.pop(1), {}
     real_ids, real_step, real_backward = data.step_prompt_ids, policy.Policy.step, policy.Policy.backward
     def step_prompt_ids(num_prompts, step, **k):  # called once at the start of every step
@@ -35,6 +35,13 @@ SIGNAL_IN_TRAINING = textwrap.dedent('''
         real_backward(self, loss)
         if when == "before_step" and now["step"] == 2:
             os.kill(os.getpid(), signal.SIGTERM)
+    real_generate = models.generate
+    def generate(*a, **k):  # a rollout batch
+        out = real_generate(*a, **k)
+        if when == "sampling" and now["step"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+    models.generate = generate
     data.step_prompt_ids, policy.Policy.step, policy.Policy.backward = step_prompt_ids, step, backward
     train.main(sys.argv[1:])
 ''')
@@ -45,14 +52,15 @@ def weights(out, step, name):
 
 
 @pytest.mark.parametrize("when, flags", [("after_step", ["--minibatches", "2", "--train-batch-size", "2"]),
-                                         ("before_step", [])])
+                                         ("before_step", []), ("sampling", [])])
 def test_sigterm_in_training_keeps_the_step_start_and_resumes_exactly(tmp_path, when, flags):
     common = [*FAST, "--steps", "3", "--save-every", "0", "--ema-decay", "0.9", *flags]
     reference = str(tmp_path / "reference")
     run([sys.executable, "train.py", *common, "--out", reference], tmp_path)
     out = str(tmp_path / "run")
     stopped = run([sys.executable, "-c", SIGNAL_IN_TRAINING, when, *common, "--out", out], tmp_path)
-    assert "in the training phase of step 2; checkpoint 1 saved" in stopped.stdout, stopped.stdout[-2000:]
+    phase = "sampling" if when == "sampling" else "training"
+    assert f"in the {phase} phase of step 2; checkpoint 1 saved" in stopped.stdout, stopped.stdout[-2000:]
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["1"] and len(metrics(out)) == 1
     state = json.load(open(os.path.join(out, "checkpoints", "1", "state.json")))
     assert state["step"] == 1 and state["optimizer_steps"] == (2 if when == "after_step" else 1)  # step 1's, not more
