@@ -678,7 +678,8 @@ def fill_from_preset(args):
             setattr(args, key, value)
 
 
-def main(argv=None):
+def parse_args(argv=None):
+    """eval.py's flags (--help groups them), the reward's and the diversity's -> (parser, args)."""
     shown = {name: presets.preset(name) for name in ("shapes", "tiny", "sd3", "flux")}  # --help: each one's value
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=flags.preset_help(
         shown, ("resolution", "eval_steps", "guidance_scale")))
@@ -724,29 +725,13 @@ def main(argv=None):
                    help="video models: frames per second of the grid's GIFs")
     rewards.add_arguments(p)
     diversity.add_arguments(p)
-    args = p.parse_args(argv)
-    args.model = args.model or trained_model(args.checkpoints) or "tiny"
-    fill_from_preset(args)
-    if args.out is not None:  # a file where the results' folder goes: found now, not after the sampling
-        existing = os.path.abspath(args.out)
-        while not os.path.exists(existing):
-            existing = os.path.dirname(existing)
-        if not os.path.isdir(existing):
-            p.error(f"--out {args.out}: {existing} is a file; --out names the folder the results are written in: "
-                    "pick a folder")
-    if args.plot:
-        return plot_runs(args.plot, out=os.path.join(args.out, "curves.png") if args.out else None)
-    args.out = args.out or "runs/eval"
+    return p, p.parse_args(argv)
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        prompts, metadata = data.load_prompts(args.prompts, input_key=args.input_key, metadata_key=args.metadata_key,
-                                              check=rewards.rows_check(args.reward, args.geneval_detector))
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"error: {e}")
-    prompts, metadata = prompts[:args.max_prompts], metadata[:args.max_prompts]
+
+def lora_shape(paths):
+    """The checkpoints, each checked complete and trusted before any model loads -> their (LoRA rank, alpha)."""
     ranks = set()  # the checkpoints are checked before any model loads
-    for ckpt in args.checkpoints:
+    for ckpt in paths:
         if not os.path.isfile(os.path.join(ckpt, "state.json")):
             raise SystemExit(f"error: {ckpt} is not a complete checkpoint (no state.json); "
                              "pass <run>/checkpoints/<step>")
@@ -757,16 +742,12 @@ def main(argv=None):
         ranks.add((state["lora_rank"], state.get("lora_alpha", state["lora_rank"])))
     if len(ranks) > 1:
         raise SystemExit("error: the checkpoints use different LoRA ranks; evaluate them in separate calls")
-    rank, alpha = ranks.pop() if ranks else (0, 0)
-    try:  # an unknown reward, a bad option or config, a model missing offline: one line naming the flag
-        options = {k: getattr(args, k) for k in rewards.option_defaults()}  # the reward group's flags
-        reward_fn = rewards.build_reward(args.reward, device=device, **options)
-        diversity.featurizer(args.diversity, args.diversity_path, device)
-        pipe = models.load_pipeline(args.model, args.model_path, device=device)
-        models.latent_shape(pipe, args.resolution, num_frames=args.num_frames)  # a size the model cannot take
-    except (ValueError, OSError, RuntimeError, ImportError) as e:
-        raise SystemExit(f"error: {e}")
-    models.add_lora(pipe, rank, alpha)
+    return ranks.pop() if ranks else (0, 0)
+
+
+def evaluate(pipe, reward_fn, prompts, metadata, args, device, rank):
+    """The base model's and each checkpoint's samples on the same prompts and noise, and their scores -> (names,
+    columns uint8 [N, ...], reward outputs, {checkpoint: "ema" | "live"}, the sampling keywords)."""
     base = None  # a full fine-tune's checkpoints replace every weight: keep the base to restore between them
     if rank == 0 and args.checkpoints:
         base = {k: v.detach().clone() for k, v in pipe.transformer.state_dict().items()}
@@ -789,6 +770,11 @@ def main(argv=None):
         columns.append(sample_images(pipe, prompts, **kw))
         results.append(reward_fn(columns[-1], prompts, metadata))
 
+    return names, columns, results, weights, kw
+
+
+def write_outputs(names, columns, results, weights, kw, prompts, metadata, args, device):
+    """summary.json, the before / after grid (pages), the diversity panel and the bars in --out -> the summary."""
     os.makedirs(args.out, exist_ok=True)
     tables = [means_of(r, base=None if i == 0 else results[0]) for i, r in enumerate(results)]
     for table, images in zip(tables, columns):  # within each prompt's images: free colours, positions, features
@@ -828,3 +814,39 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+
+
+def main(argv=None):
+    p, args = parse_args(argv)
+    args.model = args.model or trained_model(args.checkpoints) or "tiny"
+    fill_from_preset(args)
+    if args.out is not None:  # a file where the results' folder goes: found now, not after the sampling
+        existing = os.path.abspath(args.out)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            p.error(f"--out {args.out}: {existing} is a file; --out names the folder the results are written in: "
+                    "pick a folder")
+    if args.plot:
+        return plot_runs(args.plot, out=os.path.join(args.out, "curves.png") if args.out else None)
+    args.out = args.out or "runs/eval"
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        prompts, metadata = data.load_prompts(args.prompts, input_key=args.input_key, metadata_key=args.metadata_key,
+                                              check=rewards.rows_check(args.reward, args.geneval_detector))
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {e}")
+    prompts, metadata = prompts[:args.max_prompts], metadata[:args.max_prompts]
+    rank, alpha = lora_shape(args.checkpoints)
+    try:  # an unknown reward, a bad option or config, a model missing offline: one line naming the flag
+        options = {k: getattr(args, k) for k in rewards.option_defaults()}  # the reward group's flags
+        reward_fn = rewards.build_reward(args.reward, device=device, **options)
+        diversity.featurizer(args.diversity, args.diversity_path, device)
+        pipe = models.load_pipeline(args.model, args.model_path, device=device)
+        models.latent_shape(pipe, args.resolution, num_frames=args.num_frames)  # a size the model cannot take
+    except (ValueError, OSError, RuntimeError, ImportError) as e:
+        raise SystemExit(f"error: {e}")
+    models.add_lora(pipe, rank, alpha)
+    return write_outputs(*evaluate(pipe, reward_fn, prompts, metadata, args, device, rank), prompts, metadata, args,
+                         device)
