@@ -812,10 +812,6 @@ def write_outputs(names, columns, results, weights, kw, prompts, metadata, args,
     return summary
 
 
-if __name__ == "__main__":
-    main()
-
-
 def main(argv=None):
     p, args = parse_args(argv)
     args.model = args.model or trained_model(args.checkpoints) or "tiny"
@@ -850,3 +846,7 @@ def main(argv=None):
     models.add_lora(pipe, rank, alpha)
     return write_outputs(*evaluate(pipe, reward_fn, prompts, metadata, args, device, rank), prompts, metadata, args,
                          device)
+
+
+if __name__ == "__main__":
+    main()
