@@ -1,11 +1,14 @@
-# Lets tests import the flat modules at the repository root (sde, losses, rewards, ...) and the scripts (bench, league).
+# Lets tests import the flat modules at the repository root (sde, losses, rewards, ...) and the scripts (bench from
+# scripts/; league, hacking from shapes/scripts/).
 import os
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(ROOT, "shapes", "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, ROOT)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 # One OpenMP thread per process, set before torch loads (subprocesses inherit it): the test models are too small
 # to gain from threads, and on a 2-core machine idle OpenMP threads spin-wait for the core that the reward thread,

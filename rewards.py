@@ -109,7 +109,6 @@ import data  # a sample's source images (edits): data.source_images(metadata)
 import distributed
 import flags
 import geneval  # light at import: its models load inside geneval.reward
-import proxy  # the learned proxy of the shapes world's judge
 import reward_models
 import services  # the HTTP plumbing of the reward services
 import shapes
@@ -118,6 +117,7 @@ from reward_models import png_base64, to_uint8
 from services import (  # noqa: F401  (rewards.post_json, http_client, BadReply, load_config: the names hooks use)
     BadReply, RewardServiceError, _HTTPStatus, _http_url, _number, _serve, _service_loop, http_client, load_config,
     post_json)
+from shapes import proxy  # the learned proxy of the shapes world's judge
 
 log = logging.getLogger(__name__)
 
@@ -870,7 +870,7 @@ def add_arguments(parser):
          "RUNS THAT CODE", default=None)
     flag("--custom-rm-args", "opaque string passed to --custom-rm-path", default=None)
     geneval.add_arguments(parser)  # the GenEval reward's own group
-    shapes.add_arguments(parser)  # the shapes world's edit reward
+    shapes.edit.add_arguments(parser)  # the shapes world's edit reward
     proxy.add_arguments(parser)  # the learned proxy of the shapes world's judge
 
 

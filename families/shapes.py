@@ -1,8 +1,8 @@
-"""The shapes world's models (shapes.py holds the world, its architectures and weight file names): `shapes`, an SD3
-pipeline in pixel space at 32 px pretrained in this repository (scripts/pretrain_shapes.py, weights shipped in
-weights/), and `shapes-edit`, its edit model, FLUX.1 Kontext's pipeline in pixel space pretrained on rendered edit
-pairs (scripts/pretrain_shapes_edit.py). They run through the SD3 and FLUX.1 Kontext adapters (families/sd3.py,
-families/flux_kontext.py); here are their builders, their pretrained weights' files and their presets.
+"""The shapes world's models (the shapes/ package holds the world, its architectures and weight file names): `shapes`,
+an SD3 pipeline in pixel space at 32 px pretrained in this repository (shapes/scripts/pretrain_shapes.py, weights
+shipped in weights/), and `shapes-edit`, its edit model, FLUX.1 Kontext's pipeline in pixel space pretrained on
+rendered edit pairs (shapes/scripts/pretrain_shapes_edit.py). They run through the SD3 and FLUX.1 Kontext adapters
+(families/sd3.py, families/flux_kontext.py); here are their builders, their pretrained weights' files and their presets.
 """
 
 import os
@@ -11,8 +11,8 @@ import types
 import torch
 
 import flags
-import shapes as world
 from families import common, flux_kontext, sd3
+from shapes import edit, world
 
 
 # ----------------------------------------------------------------------------- the shapes model
@@ -126,14 +126,14 @@ def save_ema(pipe, params, ema, path):
             q.copy_(t)
 
 
-def load_weights(pipe, path, *, script="scripts/pretrain_shapes.py"):
+def load_weights(pipe, path, *, script="shapes/scripts/pretrain_shapes.py"):
     """Copy weights written by save_weights into a pipeline from build (or build_edit, whose
     weights `script` writes; same seed)."""
     from safetensors.torch import load_file
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no shapes weights there; the repository ships {world.WEIGHTS} "
-                                f"(git checkout it) and scripts/pretrain_shapes.py writes new ones")
+                                f"(git checkout it) and shapes/scripts/pretrain_shapes.py writes new ones")
     state = load_file(path)
     expected = trained_state(pipe)
     if set(state) != set(expected):
@@ -147,9 +147,9 @@ def load_weights(pipe, path, *, script="scripts/pretrain_shapes.py"):
 
 
 def load(model_path=None, dtype=torch.float32, device="cpu"):
-    """The pretrained model of the shapes world (shapes.py): SD3 architecture in pixel space at 32 px,
+    """The pretrained model of the shapes world (shapes/world.py): SD3 architecture in pixel space at 32 px,
     built from shapes.TRANSFORMER / TEXT_ENCODER with the shipped weights/shapes.safetensors, or the
-    safetensors file given as --model-path (written by scripts/pretrain_shapes.py)."""
+    safetensors file given as --model-path (written by shapes/scripts/pretrain_shapes.py)."""
     pipe = load_weights(build(device=device), flags.shipped(model_path or world.WEIGHTS))
     return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
 
@@ -185,7 +185,7 @@ def _space_to_depth(device):
 
 
 def build_edit(*, seed=0, device="cpu"):
-    """The `shapes-edit` FluxKontextPipeline with weights drawn from `seed` (before any training): shapes.py's
+    """The `shapes-edit` FluxKontextPipeline with weights drawn from `seed` (before any training): shapes/edit.py's
     EDIT_TRANSFORMER, two CLIP text encoders of the shapes model's size (pooled and sequence, in the CLIP and T5
     slots), the space-to-depth VAE slot."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxTransformer2DModel
@@ -200,7 +200,7 @@ def build_edit(*, seed=0, device="cpu"):
 
     with common.seeded_build(seed, device):
         text_encoder, text_encoder_2 = clip(), clip()
-        transformer = FluxTransformer2DModel(**world.EDIT_TRANSFORMER).eval()
+        transformer = FluxTransformer2DModel(**edit.EDIT_TRANSFORMER).eval()
     pipe = FluxKontextPipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=_space_to_depth(device),
         text_encoder=text_encoder, tokenizer=tokenizer(), text_encoder_2=text_encoder_2,
@@ -210,14 +210,14 @@ def build_edit(*, seed=0, device="cpu"):
 
 
 def load_edit(model_path=None, dtype=torch.float32, device="cpu"):
-    """The edit model of the shapes world (shapes.py, "editing"): FLUX.1 Kontext's pipeline in pixel space at 32 px,
+    """The edit model of the shapes world (shapes/edit.py): FLUX.1 Kontext's pipeline in pixel space at 32 px,
     built by build_edit with the weights of weights/shapes_edit.safetensors, or the safetensors file given as
-    --model-path (written by scripts/pretrain_shapes_edit.py)."""
-    weights = flags.shipped(model_path or world.EDIT_WEIGHTS)
+    --model-path (written by shapes/scripts/pretrain_shapes_edit.py)."""
+    weights = flags.shipped(model_path or edit.EDIT_WEIGHTS)
     if not os.path.isfile(weights):
-        raise FileNotFoundError(f"{weights}: no shapes-edit weights there; scripts/pretrain_shapes_edit.py writes "
-                                f"them (to {world.EDIT_WEIGHTS}, or to --out, then pass --model-path)")
-    pipe = load_weights(build_edit(device=device), weights, script="scripts/pretrain_shapes_edit.py")
+        raise FileNotFoundError(f"{weights}: no shapes-edit weights there; shapes/scripts/pretrain_shapes_edit.py "
+                                f"writes them (to {edit.EDIT_WEIGHTS}, or to --out, then pass --model-path)")
+    pipe = load_weights(build_edit(device=device), weights, script="shapes/scripts/pretrain_shapes_edit.py")
     return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
 
 
@@ -231,7 +231,7 @@ PRESET = dict(common.TINY, loss="nft", resolution=32, prompts="prompts/shapes_tr
               eval_prompts="prompts/shapes_test.jsonl", input_key="prompt", reward="geneval", geneval_detector="shapes",
               sde="cps", prompts_per_step=16, sample_batch_size=32, train_batch_size=32, lr=2e-4, ema_decay=0.95,
               steps=100, eval_every=25, eval_steps=10, log_images_every=25)
-# Its editing task (shapes.py, "editing"): the same recipe on the edit prompts, judged by the exact edit judge (0/1),
+# Its editing task (shapes/edit.py): the same recipe on the edit prompts, judged by the exact edit judge (0/1),
 # with groups of 16 (8 edits a step): an "add" or "count" edit succeeds about 1 time in 10, so a group of 8 often
 # holds no success and teaches nothing (docs/shapes.md, "editing": +0.07 in 40 steps on seed 2, against +0.045
 # with 16 edits x 8), and 100 steps: the rise builds over all of them (+0.115 to +0.148 on 3 seeds, +0.055 to +0.090

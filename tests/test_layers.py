@@ -1,15 +1,16 @@
 """The modules stand in strict layers (DESIGN.md, "Layout"): each imports only modules of lower layers, every project
 import sits at the top of its module, and nothing imports in a circle. A new module must be given a layer here. A
-package (families/) is one module of its layer: each of its files imports only lower layers and its own files, and
-those in no circle."""
+package (families/, shapes/) is one module of its layer: each of its files imports only lower layers and its own files,
+and those in no circle. The scripts (scripts/, shapes/scripts/) import project modules at their top."""
 import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
     ("flags", "sde", "data", "distributed", "geneval"),  # the math and the plumbing below everything: torch only
-    ("losses", "checkpoints", "shapes", "services", "reward_models", "proxy"),  # losses and their registry; run
-    # folders; the shapes world; reward-service HTTP; the neural reward models; the learned proxy of the GenEval judge
+    ("losses", "checkpoints", "shapes", "services", "reward_models"),  # losses and their registry; run folders; the
+    # shapes world (the world, the edit world, the learned proxy of its GenEval judge); reward-service HTTP; the neural
+    # reward models
     ("families",),  # the model families, a file each, and their registry (above the shapes world, whose models two are)
     ("models", "presets", "rewards", "diversity"),  # the model interface over every family; the flag defaults per
     # model (its record's) and per model and loss; REWARDS; diversity
@@ -111,17 +112,17 @@ def circle(graph):
 
 def test_a_package_imports_its_own_files_in_no_circle():
     packages = [name for name in modules() if os.path.isdir(os.path.join(ROOT, name))]
-    assert "families" in packages
+    assert {"families", "shapes"} <= set(packages)
     for name in packages:
         graph = {os.path.basename(path)[:-3]: package_imports(path, name) for path, _ in files(name)}
         assert not circle(graph), f"{name}/ imports in a circle: {' -> '.join(circle(graph))}"
 
 
 def test_scripts_import_project_modules_at_the_top():
-    folder = os.path.join(ROOT, "scripts")
-    problems = [f"scripts/{f}:{line} imports {imported} inside a function or block"
-                for f in sorted(os.listdir(folder)) if f.endswith(".py")
-                for line, imported, at_top in project_imports(os.path.join(folder, f)) if not at_top]
+    problems = [f"{where}/{f}:{line} imports {imported} inside a function or block"
+                for where in ("scripts", "shapes/scripts") for f in sorted(os.listdir(os.path.join(ROOT, where)))
+                if f.endswith(".py")
+                for line, imported, at_top in project_imports(os.path.join(ROOT, where, f)) if not at_top]
     assert not problems, "\n".join(problems)
 
 

@@ -3,7 +3,8 @@
 Commands are read from README.md (its bash blocks, and backticked commands in its prose) and from the Launch
 sections of train.py's and scripts/bench.py's docstrings, then run in this process through the script's own parser and
 checks (train.py: parse_args and check_args at the launch's world size; scripts/bench.py: its parse_args, then train.py's on
-the argv it would run; eval.py, shapes.py and scripts without a parse_args: their parser, stopped as it returns).
+the argv it would run; eval.py, `python -m shapes` and scripts without a parse_args: their parser, stopped as it
+returns).
 Nothing loads a model. Stand-ins: `@recipes/...` is every recipe (but those shown launched on one GPU), HOST is
 localhost, R and N are 0, `$s` is 0, a lone `...` (the flags of the line above) is dropped, and a --model-path is a
 folder name that is never opened.
@@ -15,6 +16,7 @@ a command the README shows with another recipe.
 import argparse
 import contextlib
 import glob
+import importlib
 import importlib.util
 import io
 import os
@@ -28,7 +30,8 @@ import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "recipes", "*.args")))
-SCRIPTS = ("train.py", "eval.py", "shapes.py")  # and scripts/*.py
+SCRIPTS = ("train.py", "eval.py")  # and scripts/*.py, shapes/scripts/*.py
+MODULES = {"shapes": "shapes.__main__"}  # `python -m <name>`: the module whose main parses
 PLACEHOLDERS = {"N": "0", "R": "0", "$s": "0"}  # --seed N, --node-rank R, the seed loop's $s
 # Commands shown for something other than running as written, each with the reason; every one must still be found.
 NOT_RUN = {
@@ -70,8 +73,10 @@ def prose_commands(text):
 def script_of(words):
     """(index of the script's word, its path) for a python / torchrun command of this project, or None."""
     for i, w in enumerate(words):
-        if w in SCRIPTS or re.fullmatch(r"scripts/\w+\.py", w):
+        if w in SCRIPTS or re.fullmatch(r"(shapes/)?scripts/\w+\.py", w):
             return i, w
+        if w == "-m" and words[i + 1:i + 2] and words[i + 1] in MODULES:
+            return i + 1, f"-m {words[i + 1]}"
         if w not in ("python", "python3", "torchrun") and not w.startswith("-") and i == 0:
             return None  # pip, a for loop's head, ...
     return None
@@ -174,7 +179,10 @@ def check(script, argv, world, monkeypatch):
             check_train(args.train_args + ["--model", args.model, "--reward", args.reward,
                                            "--steps", str(args.warmup + args.steps), "--out", "runs/bench"], 1)
     else:
-        module = __import__(script[:-3]) if "/" not in script else load_script(script)
+        if script.startswith("-m "):
+            module = importlib.import_module(MODULES[script[3:]])
+        else:
+            module = __import__(script[:-3]) if "/" not in script else load_script(script)
         if hasattr(module, "parse_args"):
             module.parse_args(argv)
         else:
@@ -195,17 +203,25 @@ def run_checked(script, argv, world, monkeypatch):
 def test_commands_are_found():
     """The extraction finds the commands it should, so that a change of the README's layout cannot empty the test."""
     labels = [label for label, *_ in COMMANDS]
-    for shown in ["python train.py --loss grpo", "python eval.py --plot runs/default", "python scripts/league.py",
-                  "train.py @recipes/sd3_pickscore_grpo.args --lora-rank 0", "train.py --seed $s --out runs/seed$s",
+    for shown in ["python train.py --loss grpo", "python eval.py --plot runs/default",
+                  "python shapes/scripts/league.py", "train.py @recipes/sd3_pickscore_grpo.args --lora-rank 0",
+                  "train.py --seed $s --out runs/seed$s",
                   "--rdzv-endpoint HOST:29500 train.py @recipes/sd3_pickscore_grpo.args"]:
         assert any(shown in label for label in labels), shown
     for shown in NOT_RUN:
         assert any(label.endswith(": " + shown) for label in labels), f"{shown!r} is no longer in the README: drop it"
-    assert {s for _, s, *_ in COMMANDS} >= {"train.py", "eval.py", "scripts/bench.py", "scripts/league.py"}
+    assert {s for _, s, *_ in COMMANDS} >= {"train.py", "eval.py", "scripts/bench.py", "shapes/scripts/league.py"}
     worlds = {label: w for label, _, argv, w in COMMANDS if argv is not None}
     assert max(worlds.values()) == 16 and min(worlds.values()) == 1  # two nodes of 8; python
     # the Launch section's two @recipes/... lines, each on every recipe but the one-GPU ones
     assert sum("[recipes/" in label for label in labels) >= 2 * (len(RECIPES) - len(ONE_GPU))
+
+
+def test_a_module_command_is_checked_by_its_parser(monkeypatch):
+    """`python -m shapes ...` (docs/shapes.md shows it) is found and checked as a script is: its parser, stopped."""
+    assert script_of(["python", "-m", "shapes", "--write-prompts"]) == (2, "-m shapes")
+    assert run_checked("-m shapes", ["--write-prompts"], 1, monkeypatch) is None
+    assert run_checked("-m shapes", ["--write-all"], 1, monkeypatch).endswith("unrecognized arguments: --write-all")
 
 
 @pytest.mark.parametrize("label,script,argv,world", COMMANDS, ids=[c[0] for c in COMMANDS])

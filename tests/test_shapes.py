@@ -68,7 +68,7 @@ def test_prompt_files_are_the_split_and_disjoint():
     train, test = shapes.split()
     for name, rows in (("train", train), ("test", test), ("train_hard", shapes.hard_rows(train))):
         with open(os.path.join(ROOT, "prompts", f"shapes_{name}.jsonl")) as f:
-            assert [json.loads(line) for line in f] == rows, f"prompts/shapes_{name}.jsonl is stale: python shapes.py --write-prompts"
+            assert [json.loads(line) for line in f] == rows, f"prompts/shapes_{name}.jsonl is stale: python -m shapes --write-prompts"
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
     assert {r["metadata"]["tag"] for r in shapes.hard_rows(train)} == set(shapes.TAGS) - {"single_object", "colors"}
     tags = [r["metadata"]["tag"] for r in test]
@@ -111,6 +111,25 @@ def test_rendered_scenes_are_judged_correct(tag):
         image = shapes.draw(objects, 32)
         result = geneval.geneval_judge(metadata, shapes.detect(image)[0])
         assert result["correct"] == 1 and result["strict"] == 1 and result["partial"] == 1, result["reason"]
+
+
+def test_python_m_shapes_writes_the_prompt_files(tmp_path, monkeypatch):
+    """`python -m shapes --write-prompts` (shapes/__main__.py) writes the shipped files again; with no flag it refuses
+    in one line."""
+    import subprocess
+    import sys
+
+    from shapes.__main__ import main
+
+    done = subprocess.run([sys.executable, "-m", "shapes"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.splitlines()[-1] == (
+        "python -m shapes: error: nothing to do: pass --write-prompts or --write-edit-prompts")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts").mkdir()
+    main(["--write-prompts"])
+    for name in ("train", "test", "train_hard"):
+        path = os.path.join("prompts", f"shapes_{name}.jsonl")
+        assert open(path, "rb").read() == open(os.path.join(ROOT, path), "rb").read()
 
 
 def test_position_layouts_hold_by_a_margin():
@@ -239,15 +258,15 @@ def test_detections_are_kept_by_image_and_equal_a_fresh_detection(monkeypatch):
     rows = [r for tag in shapes.TAGS for r in shapes.prompt_rows(tag)][:12]
     images = degrade(np.stack([shapes.draw(shapes.layout(r["metadata"], 32, rng), 32) for r in rows]), rng)
     images = np.concatenate([images, images[:3]])  # repeats within a batch too
-    monkeypatch.setattr(shapes, "_DETECTED", type(shapes._DETECTED)())
-    monkeypatch.setattr(shapes, "DETECTIONS_KEPT", 8)
-    fresh = [shapes._detect(image[None])[0] for image in images]
+    monkeypatch.setattr(shapes.world, "_DETECTED", type(shapes.world._DETECTED)())  # the record lives in world.py
+    monkeypatch.setattr(shapes.world, "DETECTIONS_KEPT", 8)
+    fresh = [shapes.world._detect(image[None])[0] for image in images]
     calls = []
-    real = shapes._detect
-    monkeypatch.setattr(shapes, "_detect", lambda batch: calls.append(len(batch)) or real(batch))
+    real = shapes.world._detect
+    monkeypatch.setattr(shapes.world, "_detect", lambda batch: calls.append(len(batch)) or real(batch))
     shapes.detect(images[4:10])
     kept = shapes.detect(images)
-    assert calls == [6, 9] and len(shapes._DETECTED) == 8  # only the new images are detected; the record is bounded
+    assert calls == [6, 9] and len(shapes.world._DETECTED) == 8  # only the new images detected; the record bounded
     assert shapes.detect(images[-8:]) and calls == [6, 9]  # the 8 most recent: all answered from the record
     for got, want in zip(kept, fresh):
         assert [{k: v for k, v in d.items() if k != "mask"} for d in got] == [
@@ -310,7 +329,7 @@ def deformed_scene(shape, clean, deformed, rng):
         side = min(d.get("side", o["size"]), o["size"])
         w, h = (side, side * d.get("aspect", 1.0))[::1 if rng.random() < 0.5 else -1]
         cy = o["cy"] + (h / 6 if shape == "triangle" else 0)  # a triangle's template is centred on its centroid
-        alpha = shapes._blur(shapes.template(shape, o["cx"], cy, w, h, 32), d.get("blur", 0.0))[..., None]
+        alpha = shapes.world._blur(shapes.template(shape, o["cx"], cy, w, h, 32), d.get("blur", 0.0))[..., None]
         image = image * (1 - alpha) + np.array(shapes.COLORS[o["color"]], np.float64) * alpha
     return np.round(image).astype(np.uint8), kinds
 
@@ -444,7 +463,8 @@ def test_trained_state_is_what_trains():
 def test_pretraining_is_reproducible_and_loads(tmp_path):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("pretrain_shapes", os.path.join(ROOT, "scripts", "pretrain_shapes.py"))
+    spec = importlib.util.spec_from_file_location("pretrain_shapes",
+                                                  os.path.join(ROOT, "shapes", "scripts", "pretrain_shapes.py"))
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     paths = [str(tmp_path / f"w{i}.safetensors") for i in range(2)]

@@ -11,6 +11,7 @@ import torch
 
 import data
 import families
+import geneval
 import models
 import rewards
 import shapes
@@ -136,8 +137,8 @@ def test_the_unseen_split_holds_instructions_training_never_has():
     assert sorted({m["edit"] for m in metadata}) == sorted(shapes.UNSEEN_EDITS) == ["add", "recolor"]
     test = rows("test")
     assert sum(p in train for p in test[0]) == 146  # the scene split's instructions are mostly seen ones
-    numbers = shapes.geneval.NUMBERS
-    counts = {f"make {numbers[k]} {shapes.geneval._plural(s) if k > 1 else s} into {numbers[k + 1]}"
+    numbers = geneval.NUMBERS
+    counts = {f"make {numbers[k]} {geneval._plural(s) if k > 1 else s} into {numbers[k + 1]}"
               for s in shapes.SHAPES for k in (1, 2, 3)}
     removals = {f"remove the {s}" for s in shapes.SHAPES} | {f"remove the {c} {s}" for s in shapes.SHAPES
                                                               for c in shapes.COLORS}
@@ -222,7 +223,7 @@ def test_trained_state_of_the_edit_model():
 def test_pretraining_is_reproducible_and_loads(tmp_path):
     import importlib.util
 
-    path = os.path.join(ROOT, "scripts", "pretrain_shapes_edit.py")
+    path = os.path.join(ROOT, "shapes", "scripts", "pretrain_shapes_edit.py")
     spec = importlib.util.spec_from_file_location("pretrain_shapes_edit", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
@@ -240,8 +241,9 @@ def test_pretraining_is_reproducible_and_loads(tmp_path):
 
 
 def test_shipped_edit_model_edits_some_held_out_scenes_right():
-    """weights/shapes_edit.safetensors (scripts/pretrain_shapes_edit.py, 4,000 steps): its 10-step ODE edits of the 200
-    held-out scenes are right about 0.40 of the time, every kind above the floor: room for RL in both directions."""
+    """weights/shapes_edit.safetensors (shapes/scripts/pretrain_shapes_edit.py, 4,000 steps): its 10-step ODE edits of
+    the 200 held-out scenes are right about 0.40 of the time, every kind above the floor: room for RL in both
+    directions."""
     import eval as evaluation
     pipe = models.load_pipeline("shapes-edit")
     prompts, metadata = data.load_prompts(os.path.join(ROOT, "prompts", "shapes_edit_test.jsonl"), input_key="prompt")

@@ -1,10 +1,10 @@
-"""Train the learned proxy of the shapes world's GenEval judge (proxy.py): a small network that predicts, from a 32 px
-image and its prompt's metadata, whether the exact judge (`--reward geneval --geneval-detector shapes`, its official
-0/1 `geneval_correct`, the held-out accuracy of docs/shapes.md) calls the image correct.
+"""Train the learned proxy of the shapes world's GenEval judge (shapes/proxy.py): a small network that predicts, from a
+32 px image and its prompt's metadata, whether the exact judge (`--reward geneval --geneval-detector shapes`, its
+official 0/1 `geneval_correct`, the held-out accuracy of docs/shapes.md) calls the image correct.
 
-    python scripts/train_shapes_proxy.py                  # writes weights/shapes_proxy.safetensors (3 members)
-    python scripts/train_shapes_proxy.py --renders 1000 --samples 0 --held-out-samples 0 --steps 300 --ensemble 1 \\
-        --out /tmp/proxy.safetensors                      # a quick look (about 2 minutes)
+    python shapes/scripts/train_shapes_proxy.py           # writes weights/shapes_proxy.safetensors (3 members)
+    python shapes/scripts/train_shapes_proxy.py --renders 1000 --samples 0 --held-out-samples 0 --steps 300 \\
+        --ensemble 1 --out /tmp/proxy.safetensors         # a quick look (about 2 minutes)
 
 The training set comes from the training prompts (prompts/shapes_train.jsonl) only:
 
@@ -18,7 +18,7 @@ The training set comes from the training prompts (prompts/shapes_train.jsonl) on
 
 Every image is labelled by the exact judge on the prompt's metadata (whatever it was drawn from: a perturbed scene
 can still be correct, e.g. an extra object in "a circle and a square"), and the judge's detections draw the maps the
-network learns beside the verdict (class and colour per cell, a density bump per kept object: `judge`, proxy.py).
+network learns beside the verdict (class and colour per cell, a density bump per kept object: `judge`, shapes/proxy.py).
 Each member of the ensemble trains from its own seed (--seed + k: initial weights and batch order) on the same
 labelled set: the verdict's logistic loss plus the maps' losses, Adam, a cosine learning rate.
 
@@ -32,7 +32,7 @@ share the judge calls correct (the accuracy of always answering "wrong" is one m
 
 The shipped weights/shapes_proxy.safetensors (3 members of 28,045 parameters, float16: 0.17 MB) was written by
 
-    nice -n 19 env OMP_NUM_THREADS=1 python scripts/train_shapes_proxy.py
+    nice -n 19 env OMP_NUM_THREADS=1 python shapes/scripts/train_shapes_proxy.py
 
 on this repository's 2-core machine while a test suite shared it: 21.6 min wall at 51 % of a core, 11.2 min of CPU
 (4.4 min for the 7,500 labelled training images, 0.7 for the held-out sets, about 2 per member). Its held-out
@@ -53,19 +53,19 @@ import os
 import sys
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # waiting threads sleep (scripts/pretrain_shapes.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # waiting threads sleep (shapes/scripts/pretrain_shapes.py)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import eval as evaluation  # noqa: E402
 import flags  # noqa: E402
 import geneval  # noqa: E402
 import models  # noqa: E402
-import proxy  # noqa: E402
 import shapes  # noqa: E402
+from shapes import proxy  # noqa: E402
 
 PERTURBATIONS = ("class", "count", "color", "relation", "missing", "swap", "extra", "random")
 HELD_OUT_NOISE_SEED = 0  # eval.py's noise for the held-out prompts, as train.py evaluates with
@@ -306,7 +306,7 @@ def main(argv=None):
             results[f"{set_name}, member {k}"] = agreement(prob, truth, tags)
         results[f"{set_name}, mean"] = agreement(torch.stack(probs).mean(0), truth, tags)
     size = os.path.getsize(args.out) / 1e6
-    note = (f"scripts/train_shapes_proxy.py {' '.join(argv if argv is not None else sys.argv[1:])}".strip()
+    note = (f"shapes/scripts/train_shapes_proxy.py {' '.join(argv if argv is not None else sys.argv[1:])}".strip()
             + f"; {clock()}; held-out agreement: " + json.dumps({k: round(v["accuracy"], 4) for k, v in results.items()}))
     proxy.save(nets, args.out, note=note)  # again, with the measurements in its metadata (the same tensors)
     print("held-out agreement with the exact judge (P > 0.5 against its 0/1 verdict):")
