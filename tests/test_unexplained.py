@@ -58,7 +58,7 @@ def test_a_speck_breaks_an_exact_count_and_nothing_else():
     # exclude "square" count 4: 3 squares + 1 unexplained >= 4; corrected penalty (4 - 1) / 4
     assert (verdict["correct"], verdict["unexplained"], verdict["score"]) == (0.0, 1, 0.75)
     assert verdict["reason"] == "expected square<4, found 4 (1 unexplained)"
-    assert verdict["partial"] == 1.0  # the reward server's partial score never reads exclude clauses
+    assert verdict["partial"] == pytest.approx(2 / 3)  # its count term stands in for the exclude clause: 4 for 3
     assert judge("a photo of a square", speck)["correct"] == 1  # no exclude clause: an extra speck is allowed
     assert judge("a photo of a red square", speck)["correct"] == 1
 
