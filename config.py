@@ -6,9 +6,9 @@
 
 A value comes from the first of these that sets it (args.sources and args.json say which):
     1. the command line, or a recipe file (`@recipes/x.args`; flags after it win over it), with its line;
-    2. presets.LOSS_PRESETS[model, loss]: settings measured for one model and one loss;
+    2. LOSS_PRESETS[model, loss] (below): settings measured for one model and one loss;
     3. the loss's own defaults (losses.LOSSES[loss].defaults, and .hub_defaults on hub models);
-    4. presets.PRESETS[model]: the model's preset (a hub model without one: the hub preset);
+    4. the model's preset, in its record (families.MODELS; the full-size models start from the hub preset);
     5. argparse's default, declared beside the code that reads the flag (models.py, policy.py, data.py, rewards.py,
        losses.py, regularizers.py, run.py; the sampling and batching here);
 then a few derived values (--lora-alpha from --lora-rank, --train-cfg from --guidance-scale, GARDO's rules off at
@@ -23,6 +23,7 @@ import torch
 
 import data
 import diversity
+import families
 import flags
 import losses
 import models
@@ -33,33 +34,38 @@ import run
 import sde
 from distributed import print0
 from flags import FRACTION, NONNEG_INT, POSITIVE, POSITIVE_INT, SEED, bounded
-from presets import GUIDANCE_EMBEDDED, LOSS_PRESETS, PRESETS, preset
 
 DESCRIPTION = "Online RL for flow-matching text-to-image models: Flow-GRPO and its successors, in one script."
+# Settings measured for one model and one loss: they win over the loss's defaults (losses.LOSSES), which win over
+# the model's preset (its families.MODELS record). DiffusionNFT on the shapes world: 6-step rollouts, 3 of their sigmas
+# trained per sample (docs/shapes.md: as fast a rise per sample as 10 steps with 3 sigmas, at 83 % of the time per step).
+LOSS_PRESETS = {("shapes", "nft"): dict(num_steps=6, timestep_fraction=0.5),
+                ("shapes-edit", "nft"): dict(num_steps=6, timestep_fraction=0.5)}
 
 
 def parse_args(argv=None):
     """The flags (add_arguments); unset flags take --model's preset, then the loss's defaults, then the preset of the
     model and loss together. -> (parser, args); args.sources says where each value came from (`report`)."""
-    shown = {name: preset(name) for name in ("shapes", "tiny", "sd3", "flux")}  # --help: each one's value
+    shown = {name: families.preset(name) for name in ("shapes", "tiny", "sd3", "flux")}  # --help: each one's value
     p = flags.RecipeParser(description=DESCRIPTION, fromfile_prefix_chars="@",
-                           formatter_class=flags.preset_help(shown, PRESETS["hub"]))
+                           formatter_class=flags.preset_help(shown, families.common.HUB))
     add_arguments(p)
     args = p.parse_args(argv)
     sources = p.given()  # dest -> "command line" or "<recipe>:<line>"
-    model = f"model preset ({args.model if args.model in PRESETS else 'hub'})"
+    record = families.MODELS[args.model]
+    model = f"model preset ({args.model})"
     if args.loss is None:
-        args.loss, sources["loss"] = preset(args.model).get("loss", "grpo"), model
+        args.loss, sources["loss"] = record.preset.get("loss", "grpo"), model
     loss = losses.LOSSES[args.loss]
     if loss.process == "forward" and args.sde is not None:  # flags that would be silently ignored
         p.error(f"--sde chooses the stochastic step of the reverse-process losses; --loss {args.loss} samples with a "
                 "deterministic --sampler: drop --sde")
     if args.window_range is not None and args.sde_window not in ("fast", "sparse"):
         p.error("--window-range bounds the drawn steps of --sde-window fast or sparse: use one of them, or drop it")
-    loss_defaults = dict(loss.defaults, **(loss.hub_defaults if args.model not in PRESETS else {}))
-    if args.model in GUIDANCE_EMBEDDED:  # FLUX.1-dev's guidance is a distilled embedding, not CFG: the model's
+    loss_defaults = dict(loss.defaults, **(loss.hub_defaults if record.hub else {}))
+    if record.guidance_embedded:  # FLUX.1-dev's guidance is a distilled embedding, not CFG: the model's
         loss_defaults.pop("guidance_scale", None)
-    layers = [({"timestep_fraction": 1.0}, "default"), (preset(args.model), model),  # later layers win
+    layers = [({"timestep_fraction": 1.0}, "default"), (record.preset, model),  # later layers win
               (loss_defaults, f"loss default ({args.loss})"),
               (LOSS_PRESETS.get((args.model, args.loss), {}), f"model and loss preset ({args.model}, {args.loss})")]
     filled = {key: (value, source) for values, source in layers for key, value in values.items()}
@@ -70,7 +76,7 @@ def parse_args(argv=None):
     if args.lora_alpha is None:  # a rank given without alpha: scale alpha / rank = 1
         args.lora_alpha, sources["lora_alpha"] = float(args.lora_rank), "derived: --lora-rank"
     if args.train_cfg is None:
-        args.train_cfg = args.guidance_scale > 1 and args.model not in GUIDANCE_EMBEDDED
+        args.train_cfg = args.guidance_scale > 1 and not record.guidance_embedded
         sources["train_cfg"] = "derived: --guidance-scale > 1"
     if args.kl_beta == 0 and (args.gardo_gate or args.gardo_reference):  # e.g. a GARDO recipe + --kl-beta 0 (a full
         print0("warning: --kl-beta 0 leaves no KL term for --gardo-gate / --gardo-reference to shape: both are off")
@@ -223,7 +229,7 @@ def _check_model(p, args, world_size):
     """Guidance, precision and sharding, sizes, the KL's anchor, the optimizer, the run folder."""
     if args.train_cfg and args.guidance_scale <= 1:
         p.error("--train-cfg needs CFG at sampling: set --guidance-scale > 1 or drop --train-cfg")
-    if args.train_cfg and args.model in GUIDANCE_EMBEDDED:
+    if args.train_cfg and families.MODELS[args.model].guidance_embedded:
         p.error("FLUX.1-dev uses a guidance embedding, not CFG: drop --train-cfg")
     # fp16 needs a loss scale whose overflow check agrees across the shards of every rank (FSDP1's ShardedGradScaler);
     # policy.py's GradScaler sees its own shard only. bf16 needs no scale, and Flow-GRPO's FSDP configs use it
@@ -367,7 +373,8 @@ def window_kwargs(args, step, draw=()):
 def guidance_scales(args):
     """(sampling, training forward) guidance: the training forward drops CFG unless --train-cfg (FLUX.1-dev's
     embedded guidance is part of the model, always)."""
-    return args.guidance_scale, args.guidance_scale if (args.train_cfg or args.model in GUIDANCE_EMBEDDED) else 1.0
+    embedded = families.MODELS[args.model].guidance_embedded
+    return args.guidance_scale, args.guidance_scale if (args.train_cfg or embedded) else 1.0
 
 
 def unit_width(loss, args):

@@ -9,7 +9,7 @@
     python eval.py --checkpoints runs/default/checkpoints/100       # the shapes world's held-out file, before / after
 
 --model defaults to the model the checkpoints were trained from (their state.json). Unset flags take --model's
-preset (presets.py, as train.py does): its resolution, ODE steps (its --eval-steps) and CFG scale; and where the
+preset (its families.MODELS record, as train.py reads it): its resolution, ODE steps (its --eval-steps) and CFG scale; and where the
 preset names a held-out file (`eval_prompts`: the shapes worlds), that file, its input key, reward and detector.
 Every prompt of the file is sampled unless --max-prompts.
 
@@ -38,10 +38,10 @@ import torch
 import checkpoints
 import data
 import diversity
+import families
 import flags
 import geneval
 import models
-import presets
 import rewards
 
 
@@ -666,7 +666,7 @@ def trained_model(paths):
 def fill_from_preset(args):
     """Unset flags from --model's preset, as train.py fills its own: the sampling always; the prompt file, its key,
     reward and detector only where the preset names a held-out file (a hub preset's training prompts are not one)."""
-    defaults = presets.preset(args.model)
+    defaults = families.preset(args.model)
     fill = dict(resolution=defaults["resolution"], eval_steps=defaults["eval_steps"],
                 guidance_scale=defaults["guidance_scale"], prompts="prompts/tiny.txt", input_key="input",
                 reward="jpeg_compressibility")
@@ -680,7 +680,7 @@ def fill_from_preset(args):
 
 def parse_args(argv=None):
     """eval.py's flags (--help groups them), the reward's and the diversity's -> (parser, args)."""
-    shown = {name: presets.preset(name) for name in ("shapes", "tiny", "sd3", "flux")}  # --help: each one's value
+    shown = {name: families.preset(name) for name in ("shapes", "tiny", "sd3", "flux")}  # --help: each one's value
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=flags.preset_help(
         shown, ("resolution", "eval_steps", "guidance_scale")))
     p.add_argument("--plot", nargs="+", metavar="RUN_DIR",

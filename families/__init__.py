@@ -58,7 +58,7 @@ class Family:
     name: str  # the family whose adapter it uses (its pipeline's), as messages and tests name it
     load: Callable  # (model_path, dtype, device) -> the diffusers pipeline (model_path: an id or folder, or None)
     multiple: int  # image sides are multiples of this (VAE down-sampling x patch), checked before a model loads
-    preset: dict  # the flags --model fills in where the command line is silent (presets.preset)
+    preset: dict  # the flags --model fills in where the command line is silent (families.preset)
     tokens: int  # the reference text length, encode_prompts' default (capped by the tokenizer's context)
     shape: Callable  # (pipe, height, width, num_frames) -> the per-sample shape of the latent sde.rollout sees
     noise: Callable  # (pipe, batch, height, width, num_frames, generator) -> x at s = 1, float32, as the pipeline draws
@@ -113,4 +113,11 @@ MODELS = {
     "tiny-qwen-image-edit-plus": Family(**qwen_image_edit.TINY_PLUS),
     "shapes-edit": Family(**shapes.SHAPES_EDIT),
 }
+def preset(model):
+    """The defaults --model fills in where the command line is silent: a copy of its record's preset."""
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
+    return dict(MODELS[model].preset)
+
+
 EDIT_VL_MODELS = tuple(name for name, f in MODELS.items() if f.edit_vl_input)  # train.py checks --edit-vl-input by it

@@ -16,7 +16,7 @@ import sde
 
 
 # ----------------------------------------------------------------------------- presets
-# The flags a model fills in where the command line is silent (presets.preset). TINY: the CPU setting every built-in
+# The flags a model fills in where the command line is silent (families.preset). TINY: the CPU setting every built-in
 # model starts from. HUB: the setting of every hub model, Flow-GRPO's SD3.5-M setup (arXiv:2505.05470, Sec. 5.1 and
 # its config/grpo.py); anything given on the command line wins.
 TINY = dict(loss="grpo", resolution=64, num_steps=10, guidance_scale=1.0, eta=0.7, group_size=8, prompts_per_step=4,

@@ -18,7 +18,7 @@ def test_each_value_names_its_source(tmp_path):
     assert (args.group_size, s["group_size"]) == (4, f"{recipe}:4")
     assert s["model"] == f"{recipe}:2" and s["seed"] == "command line"
     assert (args.loss, s["loss"]) == ("nft", "model preset (shapes)")
-    assert (args.num_steps, s["num_steps"]) == (6, "model and loss preset (shapes, nft)")  # presets.LOSS_PRESETS
+    assert (args.num_steps, s["num_steps"]) == (6, "model and loss preset (shapes, nft)")  # config.LOSS_PRESETS
     assert (args.old_decay, s["old_decay"]) == ("nft", "loss default (nft)")  # losses.LOSSES["nft"].defaults
     assert (args.sampler, s["sampler"]) == ("dpm2", "loss default (nft)")
     assert (args.resolution, s["resolution"]) == (32, "model preset (shapes)")
@@ -35,7 +35,7 @@ def test_abbreviations_and_equals_are_attributed():
 
 def test_hub_model_without_a_preset_says_so():
     _, args = config.parse_args(["--model", "sd3", "--loss", "grpo"])
-    assert args.sources["steps"] == "model preset (hub)" and args.sources["loss"] == "command line"
+    assert args.sources["steps"] == "model preset (sd3)" and args.sources["loss"] == "command line"
 
 
 def test_print_config_reports_and_loads_nothing(monkeypatch, capsys):

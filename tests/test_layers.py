@@ -12,12 +12,11 @@ LAYERS = [
     # shapes world (the world, the edit world, the learned proxy of its GenEval judge); reward-service HTTP; the neural
     # reward models
     ("families",),  # the model families, a file each, and their registry (above the shapes world, whose models two are)
-    ("models", "presets", "rewards", "diversity"),  # the model interface over every family; the flag defaults per
-    # model (its record's) and per model and loss; REWARDS; diversity
+    ("models", "rewards", "diversity"),  # the model interface over every family; REWARDS; diversity
     ("policy", "eval", "regularizers"),  # the trained weights, their optimizer and copies; ODE evaluation, grids,
     # curves; what acts on every loss (GARDO's rules, the adaptive KL weight) and where train.py calls it
     ("run",),  # the life of a run: resume, logs, the reward wait, checkpoints, signals
-    ("config",),  # the flags, where each value comes from, the refusals of combinations
+    ("config",),  # the flags, their presets per model and loss, where each value comes from, the refusals
     ("train",),  # the algorithm
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}

@@ -26,9 +26,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import data  # noqa: E402
 import eval as evaluation  # noqa: E402
+import families  # noqa: E402
 import geneval  # noqa: E402
 import models  # noqa: E402
-import presets  # noqa: E402
 import shapes  # noqa: E402
 
 KINDS = ("extra of an asked class", "extra of another class", "unnamed component", "faint match",
@@ -60,7 +60,7 @@ def objections(metadata, detections):
 def sample(pipe, prompts, samples, seed, steps):
     """Each prompt `samples` times, sample r of prompt i on noise index r * len(prompts) + i -> uint8 [N * r, ...]."""
     every = [p for _ in range(samples) for p in prompts]
-    preset = presets.preset("shapes")
+    preset = families.preset("shapes")
     return evaluation.sample_images(pipe, every, resolution=preset["resolution"], num_steps=steps,
                                     guidance_scale=preset["guidance_scale"], seed=seed, batch_size=64)
 
