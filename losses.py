@@ -766,7 +766,28 @@ def dpo(t, *, dpo_beta, **hyper):
 def dgpo(t, *, dpo_beta, group_size, dgpo_reference, dgpo_clip, clip_range, **hyper):
     """DGPO: dgpo_loss against the base model (--dgpo-reference base, Flow-Factory's default) or the old copy (old,
     its use_ema_ref), clipped against the old copy with --dgpo-clip (its clip_dsm), + the velocity KL to the base
-    (dgpo.py L689-702, 'v-based')."""
+    (dgpo.py L689-702, 'v-based').
+
+    Departures (F = Flow-Factory src/flow_factory/trainers/dgpo.py at a0b2bc5, the recipe's source; A = the authors'
+    Luo-Yihong/DGPO scripts/train_sd3_dgpo.py at 01ceb4b), beside docs/departures.md 16 (micro-batches of whole
+    groups) and 17 (SD3's own rollout schedule, where F and A sample shift(linspace(1, 1/N, N))):
+    1. The training times are strata of the schedule's indices 0 .. int(num_steps x --timestep-fraction) (_dgpo_times).
+       F keeps the indices whose timestep is at least 1000 (1 - timestep_range) and stratifies over those
+       (noise_schedule.py L185-259): its timestep_range 0.6 is --timestep-fraction 0.7 on SD3's 10-step schedule, the
+       recipe's strata {0}, {1, 2}, {3, 4}, {5, 6} (mean sigma 0.854, lowest 0.602), where 0.6 here reads {0}, {1, 2},
+       {3}, {4, 5} (0.886, 0.707). A draws 4 distinct indices of 0 .. trunc_steps 6 uniformly, without replacement
+       (random.sample, L52-74, L1062-1064; mean sigma 0.856 on its schedule), where F and this project draw one per
+       stratum.
+    2. A micro-batch's group noise serves all its training times, as in F (_make_shared_noise L403-445, whose
+       docstring calls that the reference's way); A draws a new noise per group at every time (L1102-1105, inside
+       the loop over the times from L1089).
+    3. Euler rollouts (--sampler euler), as F's ODE dynamics; A samples with diffusers' DPMSolverMultistepScheduler
+       (DPM-Solver++, second order: L557-559), which --sampler dpm2 follows up to its last step (docs/departures.md,
+       11), and trains at its integer timesteps / 1000 (L1099-1100: 0.999 at the first), here and in F the sigmas.
+    4. The evaluation EMA (--ema-decay 0.9 --ema-every 8) is stepped once per optimizer step, as F steps its once per
+       epoch (start() L804); A steps its after every micro-batch (L1214-1215), so a due update is applied once per
+       micro-batch: 12 times at 24 groups x 24 on 4 GPUs (F's geometry; 4 at its config's 8 groups), which
+       --ema-repeat 12 reproduces (docs/departures.md, 6)."""
     v_ref = t["v_ref"] if _dgpo_reference(dict(hyper, dgpo_reference=dgpo_reference)) == "base" else t["v_old"]
     value, info = dgpo_loss(t["v"], v_ref, t["x0"], t["noise"], t["adv"], t["unit"], beta=dpo_beta,
                             group_size=group_size, v_old=t["v_old"] if dgpo_clip else None, clip_range=clip_range)
@@ -803,7 +824,10 @@ def crd(t, *, crd_beta, crd_temperature, crd_loss_type, crd_adaptive, crd_old, c
     2. Micro-batches draw their samples in a shuffled order (train.py's), where Flow-Factory takes consecutive
        samples, 8 of one group per process; neither centres within a prompt's group, as the paper's derivation does.
     3. Its training times keep the schedule indices 0 .. int(num_steps x fraction) - 1 (_crd_times), where
-       Flow-Factory keeps those whose sigma is at least 1 - fraction: the same on SD3's 10-step schedule at 0.99.
+       Flow-Factory keeps those whose sigma is at least 1 - fraction: the same indices on the schedule sampled here
+       (SD3's, 10 steps, 0.99: 0 .. 8, drawn 0 .. 7), but not the same sigmas as Flow-Factory's run, which samples
+       shift(linspace(1, 1/N, N)) (docs/departures.md, 17): its rule keeps 0 .. 9 there (0.25 >= 0.01) and draws
+       0 .. 8, down to sigma 0.4286 (mean 0.790 over the 20 strata), here down to 0.465 (mean 0.795).
     4. With --no-crd-old the implicit reward reads the base's velocity at --crd-kl-cfg, where Flow-Factory's
        (use_old_for_loss false, C L695-698) is at the training forward's guidance."""
     a = nft_optimality(t["adv"], adv_clip=adv_clip)  # [b], in [0, 1] (crd.py L785-791)
@@ -824,8 +848,12 @@ def crd(t, *, crd_beta, crd_temperature, crd_loss_type, crd_adaptive, crd_old, c
 
 def _dgpo_times(batch, generator, *, num_steps, train_timesteps, timestep_fraction, **_):
     """DGPO's training times (Flow-Factory TimeSampler.discrete, 'discrete', noise_schedule.py L185-259):
-    --train-timesteps strata over schedule indices 0 .. int(num_steps x fraction) (its timestep_range 0.6, "trunc_steps
-    6 at 10 steps"), one index drawn from each and shared by the micro-batch (dgpo.py L764). [batch, n] indices."""
+    --train-timesteps strata over schedule indices 0 .. int(num_steps x fraction) at linspace(0, hi, n + 1), one index
+    drawn in [lower, upper) of each and shared by the micro-batch (dgpo.py L764). The fraction reads the indices:
+    Flow-Factory's timestep_range reads the timesteps, keeping those >= 1000 (1 - range), so its 0.6 is 0.7 here on
+    SD3's 10-step schedule (indices 0 .. 7: 0.465 >= 0.4 > 0.278), the recipe's; its example's comment takes 0.6 for
+    the authors' trunc_steps 6 (indices 0 .. 6), which on its own schedule keeps 0 .. 8 (dgpo departure 1).
+    [batch, n] indices."""
     return sde.awm_timesteps(num_steps, train_timesteps, fraction=timestep_fraction, kind="discrete",
                              generator=generator).expand(batch, -1)
 
@@ -842,7 +870,8 @@ def _crd_times(batch, generator, *, num_steps, train_timesteps, timestep_fractio
     of the indices 0 .. int(num_steps x fraction) - 1 at linspace(0, hi, n + 1), one index drawn in [lower, upper) of
     each (the lower one where the stratum is narrower than 1: more strata than steps repeat indices), shared by the
     micro-batch (L238). Flow-Factory keeps the indices whose sigma is at least 1 - fraction: on SD3's shift-3
-    schedule at 10 steps and 0.99 the same 0 .. 8 (0.278 >= 0.01 > 0.0089). [batch, n] indices."""
+    schedule at 10 steps and 0.99 the same 0 .. 8 (0.278 >= 0.01 > 0.0089); on its own schedule, which ends at 0.25,
+    0 .. 9 (crd departure 3). [batch, n] indices."""
     hi = int(num_steps * timestep_fraction) - 1
     n = train_timesteps or max(1, hi + 1)
     if hi < 0:
@@ -864,8 +893,9 @@ def _logit_normal_times(batch, generator, *, num_steps, timestep_fraction, **_):
     draws per sample, each u = sigmoid(n), n ~ N(0, 1) (compute_density_for_timestep_sampling 'logit_normal', mean 0,
     std 1), at index int(1000 u) of the 1000-step training grid from sigma 1 down. Returned as positions
     int(1000 u) / 1000 x num_steps in [0, num_steps) of the rollout schedule, between whose sigmas train.py
-    interpolates linearly (on SD3's shifted schedule the training grid's sigma up to the curvature of the shift
-    between two schedule points). [batch, n] float."""
+    interpolates linearly. Not flow_grpo's sigmas, not even at the schedule's own points: diffusers' schedule is not
+    a subset of the 1000-step grid, so index 750 trains at sigma 0.477 here against flow_grpo's 0.500 at 40 steps,
+    every sigma here at or below flow_grpo's (docs/departures.md, 15). [batch, n] float."""
     n = max(1, int(num_steps * timestep_fraction))
     u = torch.sigmoid(torch.randn(batch, n, generator=generator))
     return torch.floor(u * 1000).clamp(max=999) / 1000 * num_steps
@@ -949,8 +979,9 @@ LOSSES = {
                 dict(kl_beta=0.0), old_copy=lambda h: True, samples_with_old=True, times=_logit_normal_times,
                 advantages=preference_pairs, unit="pair"),
     # DGPO (Flow-Factory trainers/dgpo.py; examples/dgpo/lora/sd3_5/default.yaml): deterministic Euler rollouts with
-    # CFG (the model's guidance), whole groups re-noised with one noise per group, 4 shared strata of the first 60 %
-    # of the schedule, an old copy (its ema_ref) to clip against and, after --dgpo-switch-step, to sample with.
+    # CFG (the model's guidance), whole groups re-noised with one noise per group, 4 shared strata of the schedule's
+    # indices 0 .. int(0.6 N) (the recipe's 0.7 is Flow-Factory's 0.6: _dgpo_times), an old copy (its ema_ref) to clip
+    # against and, after --dgpo-switch-step, to sample with.
     "dgpo": Loss(dgpo, "forward", dict(sampler="euler", timestep_fraction=0.6, train_timesteps=4, old_decay="dgpo",
                                        train_cfg=False, dpo_beta=100.0, clip_range=0.05),
                  dict(kl_beta=1e-3), old_copy=lambda h: True,

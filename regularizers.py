@@ -33,7 +33,11 @@ S = flow_grpo/stat_tracking.py, C = config/gardo.py. What they do, and where thi
   features (DINOv3 ViT-L/16 of the images, G L625-631, L714) L2-normalised; within a prompt's group each sample's
   distance is the MINIMUM of 1 - cos to the others (S L120-124, named avg_distances); samples at or above the group
   mean reward get (r - mean) x d_i / mean_group(d), those below it (r - mean) x 1 (S L127); NOT divided by the
-  group's std (S L135). Kept as written, without the std.
+  group's std (S L135); the training loop then clamps the weighted advantage to +-adv_clip_max, 5 (G L967-971).
+  diversity_advantages is that formula as written. What runs (shape_advantages) departs (departure 13): the weight
+  scales this project's advantages, already divided by the std (group or --global-std) and clipped, and the product
+  is clamped again to +-adv_clip, as G clamps after the weighting. The policy term is thereby 1 / sigma_r larger
+  against the KL than GARDO's (sigma_r the reward's std; docs/departures.md, 13).
 
 The flags (add_arguments; train.py composes them with every loss, departure 13): --gardo-gate AUX,... (the gated KL,
 AUX naming components of --reward that are scored and not trained), --gardo-reference with --gardo-reset-freq and
@@ -167,8 +171,9 @@ def diversity_weights(adv, features, groups):
 
 
 def diversity_advantages(rewards, features, groups):
-    """GARDO's diversity-aware advantage (S L110-135, type "gardo"): (r - group mean) x `diversity_weights`; not
-    divided by the std."""
+    """GARDO's diversity-aware advantage as its tracker writes it (S L110-135, type "gardo"): (r - group mean) x
+    `diversity_weights`, not divided by the std. The reference of the tests: training scales the std-normalised
+    advantages instead (shape_advantages, departure 13)."""
     r = torch.as_tensor(rewards, dtype=torch.float64)
     centred = r.clone()
     for g in torch.unique(groups):
@@ -184,7 +189,8 @@ def diversity_advantages(rewards, features, groups):
 def shape_advantages(adv, keep, groups, rewards, scores, batch, args, carry, mine):
     """ADVANTAGES, after the loss's rule, over every rank's samples (adv, keep, groups, rewards [samples]; scores: this
     rank's reward components; mine: this rank's slice): --gardo-diversity scales the positive advantages in place by
-    their images' novelty in the group (the features of batch["images"], kept as batch["features"]); --gardo-gate sets
+    their images' novelty in the group (the features of batch["images"], kept as batch["features"]) and clamps the
+    product to +-args.adv_clip (a near-collapsed group's one novel image would otherwise pass 10); --gardo-gate sets
     batch["kl_gate"] [per rank], the samples whose KL counts. -> statistics."""
     info = {}
     if args.gardo_diversity:  # a positive advantage grows with how unlike its group's others the image is
@@ -192,7 +198,7 @@ def shape_advantages(adv, keep, groups, rewards, scores, batch, args, carry, min
         batch["features"] = featurize(batch["images"])  # [n, D]: run.log's feature diversity reads them too
         features = distributed.all_gather_cat(batch["features"].to(adv.device))  # [samples, D]
         weight = diversity_weights(adv[keep], features[keep], groups[keep]).to(adv)
-        adv[keep] = adv[keep] * weight
+        adv[keep] = (adv[keep] * weight).clamp(-args.adv_clip, args.adv_clip)  # clipped again after it (G L967-971)
         info["gardo_weight_max"] = weight.max().item()
     if args.gardo_gate:  # the KL only where the auxiliary rewards rank a sample well above the trained one
         aux = [distributed.all_gather_cat(scores[name].to(rewards.device))[keep].cpu() for name in args.gardo_gate]

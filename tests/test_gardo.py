@@ -255,3 +255,30 @@ def test_a_full_fine_tune_anchors_its_kl_at_the_starting_weights_with_kl_referen
         parser, args = train.parse_args([*SMALL, *flags, "--kl-reference", "start", "--gardo-reference"])
         train.check_args(parser, args, 1)
     assert "pick one" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the diversity-aware advantage
+def test_the_diversity_weighted_advantage_is_clipped_again_as_gardo_clips_after_weighting():
+    """G L967-971 clamps the advantage to +-adv_clip_max (5) after the tracker's weighting (S L127-135). In a
+    near-collapsed group (7 identical images and one novel) the novel image's weight is the group's size, 8: its
+    std-normalised advantage 2.65 x 8 = 21 would pass 5 without the clamp. The negative ones keep weight 1, another
+    group's advantages are unchanged where no weight pushes them past the clip."""
+    _, args = train.parse_args(["--model", "tiny", "--gardo-diversity", "--diversity", "pixels"])
+    rewards = torch.tensor([1.0] + [0.0] * 7 + [0.2, 0.4, 0.6, 0.8, 0.1, 0.3, 0.5, 0.7])  # two groups of 8
+    groups = torch.arange(2).repeat_interleave(8)
+    keep = torch.ones(16, dtype=torch.bool)
+    adv = losses.group_advantages(rewards, groups, clip=args.adv_clip)
+    gen = torch.Generator().manual_seed(0)
+    images = torch.full((16, 8, 8, 3), 100, dtype=torch.uint8)
+    images[0] = torch.randint(0, 256, (8, 8, 3), generator=gen, dtype=torch.uint8)  # the one novel image
+    images[8:] = torch.randint(0, 256, (8, 8, 8, 3), generator=gen, dtype=torch.uint8)  # all different
+    weight = regularizers.diversity_weights(adv, regularizers.diversity.pixel_features(images), groups).to(adv)
+    assert weight[0].item() == pytest.approx(8.0) and (adv[0] * weight[0]).item() > 20  # what the clamp catches
+    shaped = adv.clone()
+    info = regularizers.shape_advantages(shaped, keep, groups, rewards, {}, {"images": images}, args, {},
+                                         slice(0, 16))
+    assert info["gardo_weight_max"] == pytest.approx(8.0)
+    assert shaped[0].item() == pytest.approx(args.adv_clip) and shaped.abs().max().item() <= args.adv_clip
+    assert torch.equal(shaped[1:8], adv[1:8])  # negative advantages: weight 1
+    unclipped = (adv[8:] * weight[8:]).abs() < args.adv_clip
+    assert unclipped.sum() >= 4 and torch.allclose(shaped[8:][unclipped], (adv[8:] * weight[8:])[unclipped])

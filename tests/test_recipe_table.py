@@ -225,13 +225,15 @@ TABLE["sd3_dpo_geneval.args"] = ("flow_grpo config/dpo.py geneval_sd3 (scripts/t
 # Flow-Factory examples/dgpo/lora/sd3_5/default.yaml (a0b2bc5; src/flow_factory/trainers/dgpo.py, hparams/
 # training_args.py DGPOTrainingArguments): 4 GPUs (num_processes), per_device_batch_size 12, group_size 24,
 # unique_sample_num_per_epoch 24, gradient_step_per_epoch 1; dpo_beta 10, use_ema_ref false (the base), clip_dsm with
-# clip_range 5e-2 (symmetric), switch_ema_ref 200, ema_ref decay min(0.3, 0.001 k); 'discrete' times, 4 of
-# timestep_range 0.6; kl_beta 1e-3 v-based; adv_clip_range 5; global_std; time_shift 3; ODE dynamics; training forward
+# clip_range 5e-2 (symmetric), switch_ema_ref 200, ema_ref decay min(0.3, 0.001 k); 'discrete' times, 4 strata of
+# timestep_range 0.6, the timesteps >= 400 (noise_schedule.py L185-259): SD3's 10-step indices 0 .. 7, which
+# --timestep-fraction reads as 0.7 (a fraction of the indices; tests/test_fidelity5.py draws both alike); kl_beta 1e-3
+# v-based; adv_clip_range 5; global_std; time_shift 3; ODE dynamics; training forward
 # at guidance 1 (dgpo.py L609); LoRA r64 / alpha 128 (so the reference is the base model by default:
 # tests/test_new_losses.py); bf16; sampling EMA 0.9 every 8 epochs; eval 14 steps every 60.
 DGPO_PICKSCORE = dict(
     model="sd3", resolution=512, shift=3.0, num_steps=10, eval_steps=14, guidance_scale=4.5, train_cfg=False,
-    sampler="euler", timestep_fraction=0.6, train_timesteps=4, same_noise_per_group=False, group_size=24,
+    sampler="euler", timestep_fraction=0.7, train_timesteps=4, same_noise_per_group=False, group_size=24,
     prompts_per_step=24, sample_batch_size=12, train_batch_size=24, minibatches=1, updates_per_batch=1, loss="dgpo",
     dpo_beta=10.0, dgpo_clip=True, clip_range=0.05, old_decay="dgpo", dgpo_switch_step=200,
     kl_beta=1e-3, adv_clip=5.0, global_std=True, lora_rank=64, lora_alpha=128.0, lr=3e-4, weight_decay=1e-4,
