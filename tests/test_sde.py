@@ -466,4 +466,6 @@ def test_awm_timesteps_draw_one_index_per_stratum(kind, strata):
     with pytest.raises(ValueError, match="--awm-timesteps"):
         sde.awm_timesteps(14, 6, kind="logit_normal")
     with pytest.raises(ValueError, match="--train-timesteps"):
-        sde.awm_timesteps(2, 3, fraction=0.5)
+        sde.awm_timesteps(14, 12, fraction=0.9)  # 11 indices (1 .. 11) for 12 strata
+    with pytest.raises(ValueError, match="--timestep-fraction 1 or more"):
+        sde.awm_timesteps(2, 3, fraction=0.5)  # no index at all: the fraction that leaves one is named
