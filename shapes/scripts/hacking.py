@@ -42,7 +42,7 @@ import flags  # noqa: E402
 
 TRAIN = [sys.executable, os.path.join(ROOT, "train.py")]
 COMMON = ["--reward", "shapes_proxy=1,shapes_proxy_1=0,shapes_proxy_2=0,geneval=0", "--reward-key", "shapes_proxy",
-          "--log-images-every", "0"]
+          "--log-images-every", "0", "--lr", "2e-4"]  # the rate its runs were measured at (the default's was then)
 BRAKES = {
     "none": ("the proxy alone", lambda beta: []),
     "kl": ("KL to the starting weights", lambda beta: ["--kl-beta", beta, "--kl-reference", "start"]),
