@@ -230,7 +230,7 @@ def test_default_is_the_shapes_world_and_tiny_keeps_its_preset():
     assert (args.num_steps, args.timestep_fraction, args.sampler, args.prompts_per_step * args.group_size) == \
         (6, 0.5, "dpm2", 128)
     _, args = train_module.parse_args(["--loss", "grpo"])
-    assert (args.loss, args.sde, args.num_steps, args.timestep_fraction, args.lr) == ("grpo", "cps", 10, 1.0, 2e-4)
+    assert (args.loss, args.sde, args.num_steps, args.timestep_fraction, args.lr) == ("grpo", "cps", 10, 1.0, 1e-4)
     _, args = train_module.parse_args(["--loss", "nft", "--num-steps", "10"])  # the command line wins
     assert (args.num_steps, args.timestep_fraction) == (10, 0.5)
     assert (args.prompts, args.eval_prompts, args.input_key) == \
