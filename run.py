@@ -11,9 +11,9 @@
     run.finish()
 
 A SIGTERM / SIGINT (preemption) stops every rank within seconds, saves the last complete step and exits 0: in the
-sampling phase at the next rollout batch, in the wait for rewards at once, in the training phase at the next
-micro-batch (the weights back at the step's start). --resume auto then redoes the step exactly. One line per step on rank 0, with
-a live bar on a terminal.
+sampling phase at the next rollout batch, in the wait for rewards at once, in the training phase before the next
+forward (the weights back at the step's start). --resume auto then redoes the step exactly. One line per step on
+rank 0, with a live bar on a terminal.
 """
 import copy
 import hashlib

@@ -55,7 +55,7 @@ from run import Run, check_rm_types, check_sources, mean_stats, setup_or_exit
 
 def main(argv=None, *, on_step=None):
     """Train: SAMPLING -> REWARDS -> ADVANTAGES -> TRAINING -> LOG/EVAL/SAVE per step. on_step(info) is called after
-    each step is logged (bench.py times the model's calls there)."""
+    each step is logged (scripts/bench.py times the model's calls there)."""
     p, args = parse_args(argv)
     loss = losses.LOSSES[args.loss]
     per_rank = check_args(p, args, WORLD)
@@ -297,15 +297,15 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
         for m in range(args.minibatches):
             micro = micro_batches(update, m)
             n_terms, done = len(micro) * n_trained(loss, batch, args), 0
+            stepped = update or m  # an optimizer step of this step came before
             for i, (ids, rows) in enumerate(micro):
-                stepped = update or m  # an optimizer step of this step came before
-                if (not stepped or snapshot is not None) and run.signalled():  # preempted: within seconds, not a step
-                    run.stop_in_training(step, snapshot if stepped else None)
                 sub = embed_rows(batch["embeds"], ids, rows)
                 terms = reverse_terms(policy, batch, ids, sub, adv["adv"][ids], sigmas, args) \
                     if loss.process == "reverse" else forward_terms(policy, loss, batch, ids, sub, adv["adv"][ids],
                                                                     sigmas, args, (step, update, m, i), old_stats)
                 for x, sigma, complete in terms:  # one trained step (or sigma) of every sample of the micro-batch
+                    if (not stepped or snapshot is not None) and run.signalled():  # preempted: within a forward
+                        run.stop_in_training(step, snapshot if stepped else None)
                     policy.sync_gradients(last=done == n_terms - 1)
                     t = complete(policy.velocity(x, sigma, sub, train_guidance, train=True))
                     value, info = loss.fn(t, **hyper)

@@ -1,4 +1,4 @@
-"""Preemption inside a step: a SIGTERM stops the run at the next rollout batch or micro-batch, within seconds, and keeps
+"""Preemption inside a step: a SIGTERM stops the run at the next rollout batch or training forward, within seconds, and keeps
 the state the step started from; --resume auto then redoes the step exactly. (A signal while waiting for rewards and one
 at the end of a step: tests/test_faults.py.)"""
 import json
@@ -17,7 +17,7 @@ from test_train import ROOT, metrics, run
 
 # SIGTERM to itself inside step 2's training phase: after its first optimizer step (`after_step`), where the weights
 # have already moved and the run must go back to the step's start, or at its backward passes (`before_step`: the
-# check at the next micro-batch stops it, before the step's only optimizer step).
+# check before the next forward stops it, before the step's only optimizer step).
 SIGNAL_IN_TRAINING = textwrap.dedent('''
     import os, signal, sys, data, models, policy, train
     when, now = sys.argv.pop(1), {}
@@ -82,7 +82,7 @@ LONG_STEP = ["--model", "tiny", "--prompts-per-step", "2", "--group-size", "4", 
 def test_sigterm_to_torchrun_in_a_long_training_phase_saves_inside_its_window(tmp_path):
     """As a cluster preempts: SIGTERM to the torchrun launcher while its two workers are in the training phase of a
     step whose training alone lasts well past the launcher's 30 s before SIGKILL (this step, uninterrupted, on 2 CPU
-    cores, other runs beside it: sampling 28 s, training 71 s). The workers stop at their next micro-batch, save the last
+    cores, other runs beside it: sampling 28 s, training 71 s). The workers stop before their next forward, save the last
     complete step and exit 0 well inside the window (the test takes 40-75 s)."""
     out = str(tmp_path / "ddp")
     marker = tmp_path / "scored"
