@@ -36,7 +36,9 @@ class Policy:
         load_dtype = amp_dtype if (amp_dtype and args.lora_rank > 0) else torch.float32  # LoRA: frozen base in half
         self.pipe = pipe = models.load_pipeline(args.model, args.model_path, dtype=load_dtype, device=device)
         pipe.edit_vl_input = getattr(args, "edit_vl_input", "diffusers")  # families._qwen_edit_encode reads it
-        if load_dtype == torch.float16:  # decode in float32, as Flow-GRPO keeps its VAE: fp16 VAE activations overflow
+        # VAE weights in float32, as Flow-GRPO keeps them; the decode still runs under the rollout's fp16 autocast
+        # (models.generate), so its convolutions compute in fp16: float32 activations there are not yet guaranteed.
+        if load_dtype == torch.float16:
             pipe.vae.to(torch.float32)
         transformer = self.transformer = pipe.transformer
         models.add_lora(pipe, args.lora_rank, args.lora_alpha)  # the adapter (float32) trains, or all weights (rank 0)
