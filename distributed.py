@@ -99,7 +99,7 @@ def any_rank(flag, device):
 
 def any_rank_host(flag):
     """any_rank of a flag the host holds (a signal), reduced over gloo on the CPU: no wait for the GPU's queued work,
-    so the training loop can ask at every micro-batch."""
+    so the training loop can ask before every forward."""
     if WORLD == 1:
         return bool(flag)
     t = torch.tensor([float(flag)])

@@ -204,7 +204,7 @@ class Policy:
                     scaler=self.scaler.state_dict(), optimizer_steps=self.optimizer_steps)
 
     def restore(self, snapshot):
-        """Back to a `snapshot`, exactly; the gradients accumulated since are dropped."""
+        """Back to a `snapshot`, exactly (the gradients accumulated since are the caller's to drop)."""
         with torch.no_grad():
             for (_, q), saved in zip(self.trainable, snapshot["weights"]):
                 q.copy_(saved)
@@ -214,7 +214,6 @@ class Policy:
         if self.scaler.is_enabled():
             self.scaler.load_state_dict(snapshot["scaler"])
         self.optimizer_steps = snapshot["optimizer_steps"]
-        self.optimizer.zero_grad(set_to_none=True)
 
     def trained_bytes(self):
         return sum(q.numel() * q.element_size() for _, q in self.trainable)

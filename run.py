@@ -152,7 +152,7 @@ class Run:
             from torch.utils.tensorboard import SummaryWriter  # optional: only when asked for
             self.tensorboard = SummaryWriter(os.path.join(args.out, "tensorboard"), purge_step=self.step + 1)
         handlers = {signum: signal.signal(signum, lambda n, frame: setattr(self, "signal", signal.Signals(n).name))
-                    for signum in (signal.SIGTERM, signal.SIGINT)}  # preemption: finish the step, save, exit 0
+                    for signum in (signal.SIGTERM, signal.SIGINT)}  # preemption: stop within seconds, save, exit 0
         self.handlers = {**handlers, **self.handlers}  # to give back: those from before __init__'s
         self.early_grad_norms = []  # the first 10 logged steps' (warn_divergence)
         # A live bar on rank 0's terminal; none in log files, where the per-step lines already say everything.
