@@ -241,6 +241,9 @@ def _check_model(p, args, world_size):
     if args.fsdp and (args.lora_rank > 0 or world_size == 1):
         p.error("--fsdp shards a full fine-tune over processes: use it with --lora-rank 0 under torchrun "
                 "--nproc_per_node N > 1 (LoRA runs use DDP)")
+    if args.fsdp and len(families.MODELS[args.model].trained) > 1:
+        p.error(f"--fsdp shards one trained module, and {args.model} trains "
+                f"{' and '.join(families.MODELS[args.model].trained)}: use LoRA (--lora-rank > 0) under DDP")
     if args.kl_beta > 0 and args.lora_rank == 0 and not args.gardo_reference and args.kl_reference == "base":
         p.error("--kl-beta > 0 with --lora-rank 0 has no base model to anchor the KL (it is the LoRA adapter off): add "
                 "--kl-reference start (a snapshot of the starting weights), or set --lora-rank > 0 or --kl-beta 0")

@@ -13,6 +13,7 @@
     barrier(), finish()
     shard_transformer(transformer, device, param_dtype=None)      FSDP2, one unit per transformer block
     gradient_sync(transformer, last)                              FSDP2: reduce-scatter after each micro-step
+    average_gradients(params)                                     the mean gradient over ranks, None counted as 0
     check_replicas(trainable, fsdp, device) -> [checksum per rank]
     fsdp_full_state(model, optimizer, trainable, copies)          shards -> rank 0's full tensors
     fsdp_load(model, optimizer, trainable, weights, optim_state)  rank 0's full tensors -> shards
@@ -183,6 +184,20 @@ def gradient_sync(transformer, last):
     """Before a training forward under FSDP: every micro-step reduce-scatters its gradients into the float32 shards,
     the last one of an optimizer step included (shard_transformer: full unsharded gradients would be kept else)."""
     transformer.set_requires_gradient_sync(True)
+
+
+def average_gradients(params):
+    """Each parameter's gradient <- its mean over the ranks, as DDP's all-reduce makes it, in one flat all-reduce. A
+    parameter without a gradient counts as zeros on that rank: several trained modules (a family's experts) are
+    reduced here rather than by DDP, which refuses a module that one rank's micro-batches never reached."""
+    if WORLD == 1:
+        return
+    grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= WORLD
+    for q, piece in zip(params, flat.split([g.numel() for g in grads])):
+        q.grad = piece.view_as(q)
 
 
 def check_replicas(trainable, fsdp, device):

@@ -131,7 +131,7 @@ def standard_error(values):
 def load_weights(pipe, path, *, use_ema=False):
     """Copy a train.py checkpoint's trained weights (use_ema: their EMA, where it has one) into a pipeline prepared
     with the same LoRA rank (models.add_lora; a full fine-tune's checkpoint holds every weight). -> the file read."""
-    return checkpoints.load_weights(path, dict(pipe.transformer.named_parameters()), use_ema=use_ema, complete=False)
+    return checkpoints.load_weights(path, dict(models.named_parameters(models.trained_modules(pipe))), use_ema=use_ema, complete=False)
 
 
 def captioned_row(images, captions, *, min_side=128):
@@ -750,7 +750,7 @@ def evaluate(pipe, reward_fn, prompts, metadata, args, device, rank):
     columns uint8 [N, ...], reward outputs, {checkpoint: "ema" | "live"}, the sampling keywords)."""
     base = None  # a full fine-tune's checkpoints replace every weight: keep the base to restore between them
     if rank == 0 and args.checkpoints:
-        base = {k: v.detach().clone() for k, v in pipe.transformer.state_dict().items()}
+        base = {k: v.detach().clone() for k, v in models.named_parameters(models.trained_modules(pipe))}
 
     kw = dict(resolution=args.resolution, num_steps=args.eval_steps, guidance_scale=args.guidance_scale,
               seed=args.seed, batch_size=args.batch_size, device=device, shift=args.shift,
@@ -763,7 +763,9 @@ def evaluate(pipe, reward_fn, prompts, metadata, args, device, rank):
     results.append(reward_fn(columns[0], prompts, metadata))
     for ckpt in args.checkpoints:
         if base is not None:
-            pipe.transformer.load_state_dict(base)
+            with torch.no_grad():
+                for name, param in models.named_parameters(models.trained_modules(pipe)):
+                    param.copy_(base[name])
         file = load_weights(pipe, ckpt, use_ema=args.ema)
         names.append(ckpt.rstrip("/"))
         weights[names[-1]] = "ema" if file == "ema.safetensors" else "live"

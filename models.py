@@ -9,6 +9,7 @@ so that `sde.py`, `losses.py`, `train.py` and `eval.py` never branch on the mode
     decode(pipe, latents)                  -> uint8 images [B, H, W, 3] (videos [B, F, H, W, 3])
     generate(pipe, x, sigmas, embeds, ...)                       -> a rollout (SDE or ODE) and its images
     sigmas(pipe, num_steps, resolution, *, shift=None)           -> the family's native schedule, 1 -> 0
+    trained_modules(pipe)                  -> {name: module} of what trains (one transformer, or a family's experts)
     add_lora / reference / save_lora                             -> the policy, its frozen base, the checkpoint
 
 Each calls the adapter of the pipeline's record, families.MODELS[name] (a file per family in families/, with the table
@@ -81,6 +82,21 @@ def load_pipeline(name, model_path=None, *, dtype=torch.float32, device="cpu"):
 
 def _modules(pipe):
     return [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
+
+
+def trained_modules(pipe):
+    """{attribute: module} of the pipeline's denoisers, the modules that train (the record's `trained`): one
+    transformer, or several a family's velocity routes between (Wan 2.2's two experts). Absent ones are skipped."""
+    found = {name: getattr(pipe, name, None) for name in family(pipe).trained}
+    return {name: module for name, module in found.items() if module is not None}
+
+
+def named_parameters(modules):
+    """(name, parameter) of every module's parameters; with several modules each name starts with its module's
+    ("transformer_2.blocks.0..."), with one the names are the module's own (as a checkpoint of one transformer)."""
+    for prefix, module in modules.items():
+        for name, param in module.named_parameters():
+            yield (f"{prefix}.{name}" if len(modules) > 1 else name), param
 
 
 # ----------------------------------------------------------------------------- the adapter
@@ -376,22 +392,18 @@ def offload_text_encoders(pipe):
             m.to("cpu")
 
 
-def velocity(pipe, x, sigma, embeds, *, guidance_scale=1.0, transformer=None):
+def velocity(pipe, x, sigma, embeds, *, guidance_scale=1.0, modules=None):
     """The guided velocity v(x, sigma) ~ eps - x0, same shape as x, in the transformer's dtype
     (float32 for z-image, whose guidance the pipeline combines in float32).
 
-    sigma: float or [B] tensor. transformer: defaults to pipe.transformer; pass the DDP / FSDP /
-    compiled wrapper to train through it. Gradients flow unless the caller disables them.
+    sigma: float or [B] tensor. modules: {name: callable} in place of trained_modules(pipe), e.g. the DDP / FSDP /
+    compiled wrappers to train through. Gradients flow unless the caller disables them.
     """
-    with _lora_input(pipe.transformer, x.device.type):  # no float32 round trip of the LoRA inputs under autocast
-        return _velocity(pipe, x, sigma, embeds, guidance_scale=guidance_scale, transformer=transformer)
-
-
-def _velocity(pipe, x, sigma, embeds, *, guidance_scale=1.0, transformer=None):
-    model = transformer if transformer is not None else pipe.transformer
-    assert embeds["prompt_embeds"].shape[0] == x.shape[0], "embeds and x must have the same batch size"
-    sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0])  # [B]
-    return family(pipe).velocity(pipe, model, x, sigma, embeds, guidance_scale)
+    trained = trained_modules(pipe)
+    with _lora_input(trained.values(), x.device.type):  # no float32 round trip of the LoRA inputs under autocast
+        assert embeds["prompt_embeds"].shape[0] == x.shape[0], "embeds and x must have the same batch size"
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0])  # [B]
+        return family(pipe).velocity(pipe, modules or trained, x, sigma, embeds, guidance_scale)
 
 
 def generate(pipe, x, sigmas, embeds, *, guidance_scale=1.0, solver=None, autocast=contextlib.nullcontext,
@@ -437,44 +449,49 @@ def sigmas(pipe, num_steps, resolution, *, shift=None):
 # ----------------------------------------------------------------------------- LoRA
 
 def add_lora(pipe, rank, alpha, *, target_modules=None):
-    """Make the transformer trainable: a LoRA adapter (Hu et al. 2021) of `rank` and scale
-    alpha / rank on `target_modules` (default: the record's lora_targets), or, for rank 0, all of its
-    weights (full fine-tune). Everything else stays frozen. Returns the trainable parameters."""
-    transformer = pipe.transformer
+    """Make the trained modules (trained_modules) trainable: on each a LoRA adapter (Hu et al. 2021) of `rank` and
+    scale alpha / rank on `target_modules` (default: the record's lora_targets), or, for rank 0, all of its weights
+    (full fine-tune). Everything else stays frozen. Returns the trainable parameters."""
     for module in _modules(pipe):
         module.requires_grad_(False)
     spec = family(pipe)
-    # Layers whose output the model discards (Qwen-Image's last text stream) get no gradient at all,
-    # which DDP refuses: they are left out of training.
-    unused = spec.unused(transformer)
-    if rank == 0:
-        transformer.requires_grad_(True)
-        for name in unused:
-            transformer.get_submodule(name).requires_grad_(False)
-        return [p for p in transformer.parameters() if p.requires_grad]
-    from peft import LoraConfig
+    params = []
+    for transformer in trained_modules(pipe).values():
+        # Layers whose output the model discards (Qwen-Image's last text stream) get no gradient at all,
+        # which DDP refuses: they are left out of training.
+        unused = spec.unused(transformer)
+        if rank == 0:
+            transformer.requires_grad_(True)
+            for name in unused:
+                transformer.get_submodule(name).requires_grad_(False)
+        else:
+            _add_adapter(transformer, rank, alpha, list(target_modules or spec.lora_targets), unused)
+        params += [p for p in transformer.parameters() if p.requires_grad]
+    return params
 
-    targets = list(target_modules or spec.lora_targets)
+
+def _add_adapter(transformer, rank, alpha, targets, unused):
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
     transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets,
                                        exclude_modules=unused or None))
     params = [p for p in transformer.parameters() if p.requires_grad]
     assert params, f"no LoRA layer matched target modules {targets}"
     for p in params:
         p.data = p.data.float()  # departure 2 (module docstring)
-    from peft.tuners.tuners_utils import BaseTunerLayer
     transformer._lora_layers = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]  # _lora_input
-    return params
 
 
 @contextlib.contextmanager
-def _lora_input(transformer, device_type):
+def _lora_input(transformers, device_type):
     """Inside, under autocast, peft's LoRA layers take their input as it comes. peft (0.21, lora/layer.py
     Linear.forward) casts it to the adapter's dtype, float32 here (departure 2), and autocast casts it straight
     back for the matmuls of lora_A and lora_B, which run in the autocast dtype with a half copy of the float32
     weights (the master weights stay float32, the compute is in half): two copies of a full activation per adapted
     layer, for the same bits. Without autocast (a half-precision base called as is) peft's cast stays, as the
     dtypes must match there."""
-    layers = getattr(transformer, "_lora_layers", ())
+    layers = [layer for t in transformers for layer in getattr(t, "_lora_layers", ())]
     if not layers or not torch.is_autocast_enabled(device_type):
         yield
         return
@@ -493,34 +510,37 @@ def _has_lora(transformer):
 
 @contextlib.contextmanager
 def reference(pipe):
-    """Inside, pipe.transformer runs without its LoRA adapter: the frozen base model, the
+    """Inside, the trained modules run without their LoRA adapters: the frozen base model, the
     reference of the KL penalty. Trainability flags are restored on exit."""
-    transformer = pipe.transformer
-    if not _has_lora(transformer):
+    transformers = list(trained_modules(pipe).values())
+    if not all(_has_lora(t) for t in transformers):
         raise RuntimeError("reference() needs a LoRA adapter, and full fine-tuning (LoRA rank 0) keeps no frozen "
                            "copy; train with a LoRA rank > 0 or without the KL penalty (beta 0)")
-    flags = [(p, p.requires_grad) for p in transformer.parameters()]
-    transformer.disable_adapters()
+    flags = [(p, p.requires_grad) for t in transformers for p in t.parameters()]
+    for t in transformers:
+        t.disable_adapters()
     try:
         yield
     finally:
-        transformer.enable_adapters()
+        for t in transformers:
+            t.enable_adapters()
         for p, flag in flags:
             p.requires_grad_(flag)
 
 
 def has_adapter(pipe):
-    """Whether pipe.transformer carries a LoRA adapter (then reference() runs the frozen base)."""
-    return _has_lora(pipe.transformer)
+    """Whether the trained modules carry LoRA adapters (then reference() runs the frozen base)."""
+    return all(_has_lora(t) for t in trained_modules(pipe).values())
 
 
 def save_lora(pipe, folder):
-    """Write the adapter as its record exports it (common.save_lora: `folder/pytorch_lora_weights.safetensors` in the
-    diffusers format, with its LoraConfig as metadata, so that `pipe.load_lora_weights(folder)` loads it)."""
-    if not _has_lora(pipe.transformer):
+    """Write the adapters as the record exports them (common.save_lora: `folder/pytorch_lora_weights.safetensors` in
+    the diffusers format, with its LoraConfig as metadata, so that `pipe.load_lora_weights(folder)` loads it; a second
+    expert's in `folder/<its name>/`)."""
+    if not has_adapter(pipe):
         raise RuntimeError("save_lora() needs a LoRA adapter; a full fine-tune (LoRA rank 0) is saved with "
                            "pipe.transformer.save_pretrained(folder)")
-    family(pipe).save_lora(pipe, folder)
+    family(pipe).save_lora(pipe, trained_modules(pipe), folder)
 
 
 def add_arguments(parser):

@@ -3,6 +3,7 @@
     policy = Policy(args, device)      load the model; LoRA adapter or every weight; FSDP2 shards or DDP; compile;
                                        AdamW; fp16 loss scaling; the evaluation EMA, the old copy and GARDO's
                                        reference snapshot (float32)
+    policy.modules, policy.models      {name: module} that train (models.trained_modules), and their training wrappers
     policy.velocity(x, sigma, embeds, guidance_scale, train=False)   a forward (train: through DDP / compile)
     policy.frozen("old" | "sampling" | "reference") context: a copy's weights, or the KL reference: the base
                                        model (LoRA off), or with --gardo-reference the snapshot
@@ -40,31 +41,38 @@ class Policy:
         # (models.generate), so its convolutions compute in fp16: float32 activations there are not yet guaranteed.
         if load_dtype == torch.float16:
             pipe.vae.to(torch.float32)
-        transformer = self.transformer = pipe.transformer
+        self.modules = modules = models.trained_modules(pipe)  # {"transformer": ...}, or a family's experts
         models.add_lora(pipe, args.lora_rank, args.lora_alpha)  # the adapter (float32) trains, or all weights (rank 0)
-        trainable = [(n, q) for n, q in transformer.named_parameters() if q.requires_grad]
-        print0(f"model {args.model}: {sum(q.numel() for q in transformer.parameters()) / 1e6:.2f} M params, "
-               f"{sum(q.numel() for _, q in trainable) / 1e6:.3f} M trained "
-               f"({'LoRA r%d' % args.lora_rank if args.lora_rank else 'full'})")
-        if args.gradient_checkpointing:
-            transformer.enable_gradient_checkpointing()
-        if args.fsdp:  # pipe.transformer itself becomes sharded, so rollouts and evaluations run through FSDP too
-            distributed.shard_transformer(transformer, device, param_dtype=amp_dtype)  # bf16 gathers, fp32 grads
-            trainable = [(n, q) for n, q in transformer.named_parameters() if q.requires_grad]  # same names, shards
+        trainable = [(n, q) for n, q in models.named_parameters(modules) if q.requires_grad]
+        which = "LoRA r%d" % args.lora_rank if args.lora_rank else "full"
+        if len(modules) > 1:
+            which += " of " + " and ".join(modules)
+        print0(f"model {args.model}: {sum(q.numel() for _, q in models.named_parameters(modules)) / 1e6:.2f} M "
+               f"params, {sum(q.numel() for _, q in trainable) / 1e6:.3f} M trained ({which})")
+        for module in modules.values():
+            if args.gradient_checkpointing:
+                module.enable_gradient_checkpointing()
+            if args.fsdp:  # the module itself becomes sharded, so rollouts and evaluations run through FSDP too
+                distributed.shard_transformer(module, device, param_dtype=amp_dtype)  # bf16 gathers, fp32 grads
+        if args.fsdp:
+            trainable = [(n, q) for n, q in models.named_parameters(modules) if q.requires_grad]  # same names, shards
         self.trainable = trainable  # [(name, parameter)]
         self.optimizer = torch.optim.AdamW([q for _, q in trainable], lr=args.lr, weight_decay=args.weight_decay)
-        model = transformer  # what the training forward calls
-        if WORLD > 1 and not args.fsdp:
+        # Several modules (experts a micro-batch may not reach) are averaged over ranks at the optimizer step
+        # (distributed.average_gradients): DDP refuses a module that takes no part in a backward.
+        self.ddp = None
+        if WORLD > 1 and not args.fsdp and len(modules) == 1:
             # broadcast_buffers=False: the transformers' buffers are fixed tables (positions, RoPE frequencies), built
             # alike on every rank and never updated, so rank 0's copy need not be broadcast before every forward.
             # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets instead of beside them, one
             # gradient-sized copy less (10 GB for SD3.5-M's full fine-tune in float32); safe as nothing here
             # replaces or detaches a .grad (zero_grad(set_to_none), clipping and unscaling work in place or anew).
-            model = torch.nn.parallel.DistributedDataParallel(
-                transformer, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
+            (name, module), = modules.items()
+            self.ddp = torch.nn.parallel.DistributedDataParallel(
+                module, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
                 gradient_as_bucket_view=True)
-        self.ddp = model if model is not transformer else None
-        self.model = torch.compile(model) if args.compile else model
+        wrapped = {name: self.ddp or module for name, module in modules.items()}  # what the training forward calls
+        self.models = {name: torch.compile(m) if args.compile else m for name, m in wrapped.items()}
         # fp16 (as Flow-GRPO's configs, through accelerate) needs loss scaling: the tiny gradients of mean-reduced
         # log-probs underflow its range (26 % of the gradient norm lost on the tiny model). Off: each call a no-op.
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
@@ -90,6 +98,11 @@ class Policy:
                 "sampling": self._copy() if sampling_copy else None, "reference": self._copy() if snapshot else None}
 
     # ------------------------------------------------------------------------- forwards
+    def train(self, mode=True):
+        """The trained modules in training (or, False, evaluation) mode, through their wrappers."""
+        for model in self.models.values():
+            model.train(mode)
+
     def autocast(self):
         """The forwards' autocast (--mixed-precision); the SDE step and log-probs stay float32."""
         if self.amp_dtype is None:
@@ -100,7 +113,7 @@ class Policy:
         """The velocity at (x, sigma) under autocast; train=True runs the training wrapper (DDP, compile)."""
         with self.autocast():
             return models.velocity(self.pipe, x, sigma, embeds, guidance_scale=guidance_scale,
-                                   transformer=self.model if train else None)
+                                   modules=self.models if train else None)
 
     @contextlib.contextmanager
     def frozen(self, name):
@@ -118,7 +131,8 @@ class Policy:
         micro-step of an optimizer step only; before it they are summed locally (DDP's no_sync, which must hold the
         forward too). FSDP reduce-scatters after every micro-step (distributed.gradient_sync: memory)."""
         if self.args.fsdp:
-            distributed.gradient_sync(self.transformer, last)
+            for module in self.modules.values():
+                distributed.gradient_sync(module, last)
         elif self.ddp is not None:
             self.ddp.require_backward_grad_sync = last
 
@@ -132,6 +146,8 @@ class Policy:
         overflowed (the scaler lowers it; not a bad step, and counted in the run's optimizer steps as the references
         count it: train_nft_sd3.py L992-1035, train_sd3_awm.py L1373-1413), else "skipped". Returns (status, gradient
         norm)."""
+        if WORLD > 1 and self.ddp is None and not self.args.fsdp:  # several modules: reduced here, not by DDP
+            distributed.average_gradients([q for _, q in self.trainable])
         self.scaler.unscale_(self.optimizer)  # fp16: the loss-scaled gradients back to their size (else a no-op)
         grad_norm = torch.nn.utils.clip_grad_norm_([q for _, q in self.trainable], self.args.max_grad_norm)
         if self.args.fsdp:  # the norm over all shards, as a DTensor: a plain tensor, the same on every rank
@@ -222,14 +238,14 @@ class Policy:
     def checkpoint(self, args, step, extra):
         """Write checkpoint `step` (every rank calls; rank 0 writes). LoRA runs also export the adapter in diffusers'
         format (lora/), the EMA where there is one."""
-        checkpoints.write(args, step, self.pipe.transformer, self.trainable, self.optimizer, self.copies, self.device,
+        checkpoints.write(args, step, self._fsdp_module(), self.trainable, self.optimizer, self.copies, self.device,
                           dict(extra, optimizer_steps=self.optimizer_steps, grad_scaler=self.scaler.state_dict()),
                           export=(lambda folder: models.save_lora(self.pipe, folder)) if args.lora_rank > 0 else None)
 
     def resume(self, path, args):
         """Restore weights, Adam, the copies this run keeps and the RNG from a checkpoint -> its state.json."""
         state, saved = checkpoints.load(path, args, self.trainable, self.optimizer,
-                                        fsdp_model=self.transformer if args.fsdp else None)
+                                        fsdp_model=self._fsdp_module() if args.fsdp else None)
         self.optimizer_steps = state.get("optimizer_steps", 0)
         if state.get("grad_scaler") and self.scaler.is_enabled():  # fp16: the loss scale continues where it was
             self.scaler.load_state_dict(state["grad_scaler"])
@@ -239,6 +255,11 @@ class Policy:
         if self.copies["reference"] is not None and "reference" not in saved:  # from a run without one: a snapshot
             self.reset_reference()  # of the weights it resumes from
         return state
+
+
+    def _fsdp_module(self):
+        """The one sharded module (config refuses --fsdp for a family of several)."""
+        return next(iter(self.modules.values()))
 
 
 SNAPSHOT_BYTES = 4 << 30  # trained weights up to this are copied to the CPU at the start of a multi-update step

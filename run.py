@@ -344,7 +344,7 @@ class Run:
         image order: image i takes noise i on whichever rank draws it, so the figures are a single process's. With
         --ema-decay the EMA weights are evaluated, as Flow-GRPO does."""
         args, policy, device = self.args, self.policy, self.device
-        policy.transformer.eval()
+        policy.train(False)
         texts, metadata = (part * args.eval_samples_per_prompt for part in self.held_out)
         mine = distributed.share(len(texts))  # copy c of prompt j is image c N + j, its noise index
         my_texts, my_metadata = [texts[i] for i in mine], [metadata[i] for i in mine]

@@ -116,7 +116,7 @@ def sample(policy, loss, args, prompts, sigmas, step, reward_fn, run):
     embeds = {k: v[row.to(v.device)] for k, v in embeds.items()}  # [n, ...]
     batch = dict(embeds=embeds, prompts=[texts[i] for i in my_ids], trajectories=[])
     pending, size = [], args.sample_batch_size
-    policy.transformer.eval()
+    policy.train(False)
     with rollout_weights(policy, loss, step, args):  # NFT: train_nft_sd3.py L640
         for b in range(len(my_ids) // size):
             if run.signalled():  # preempted: the step is redone on resume, nothing of it is kept
@@ -271,7 +271,7 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
     one loss term per micro-batch and trained step (or training sigma), built by reverse_terms / forward_terms and
     scored by loss.fn. Then the on-policy check (departure 2) and the old copy's decay; the regularizers act before
     the first forward, before each optimizer step and at the end. -> the step's statistics."""
-    policy.model.train()
+    policy.train()
     train_guidance = guidance_scales(args)[1]
     hyper, state = regularizers.before_training(policy, vars(args), args, run.carry, step)  # before any forward
     n_micro = len(batch["prompts"]) // args.train_batch_size  # micro-batches per pass, the same on every rank

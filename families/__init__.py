@@ -63,7 +63,8 @@ class Family:
     shape: Callable  # (pipe, height, width, num_frames) -> the per-sample shape of the latent sde.rollout sees
     noise: Callable  # (pipe, batch, height, width, num_frames, generator) -> x at s = 1, float32, as the pipeline draws
     encode: Callable  # (pipe, prompts, negative_prompt, guidance_scale, tokens[, images, size]) -> embeds, batch first
-    velocity: Callable  # (pipe, transformer, x, sigma [B] float32, embeds, guidance_scale) -> v ~ eps - x0
+    velocity: Callable  # (pipe, modules, x, sigma [B] float32, embeds, guidance_scale) -> v ~ eps - x0; modules:
+    # {name: callable} of the trained modules (or their training wrappers), the ones of `trained`
     decode: Callable  # (pipe, latents) -> uint8 images [B, H, W, 3] on the CPU (videos [B, F, H, W, 3])
     sigmas: Callable  # (pipe, num_steps, height, width, shift) -> the pipeline's schedule, float32 [N + 1], 1 -> 0
     lora_targets: tuple  # module-name suffixes models.add_lora adapts by default
@@ -71,7 +72,8 @@ class Family:
     hub: bool = False  # a full-size model (from a hub, or sd3-random): the losses' hub defaults apply (train.py)
     tokenizer: str = "tokenizer"  # the pipeline attribute whose context caps tokens (None there: no such text, 0)
     unused: Callable = common.no_unused  # transformer -> layers whose output is discarded: left out of training
-    save_lora: Callable = common.save_lora  # (pipe, folder) -> the adapter written as the pipeline's loader reads it
+    save_lora: Callable = common.save_lora  # (pipe, modules, folder) -> the adapters written as the loader reads them
+    trained: tuple = ("transformer",)  # the pipeline attributes that train (models.trained_modules), in this order
     video: bool = False  # samples are videos [B, F, H, W, 3]; --num-frames applies
     source_images: Optional[str] = None  # edits: "optional" or "required" (encode takes images, size); None: text
     guidance_embedded: bool = False  # the guidance scale enters through an embedding, not CFG (FLUX.1-dev, Kontext)

@@ -397,17 +397,19 @@ def no_unused(transformer):
     return []
 
 
-def save_lora(pipe, folder):
-    """The adapter of pipe.transformer as `folder/pytorch_lora_weights.safetensors`, in the diffusers format with its
-    LoraConfig (rank, alpha, targets) as metadata, so that `pipe.load_lora_weights(folder)` loads it."""
+def save_lora(pipe, modules, folder):
+    """The adapter of each trained module ({name: module}) as `pytorch_lora_weights.safetensors`, in the diffusers format with its
+    LoraConfig (rank, alpha, targets) as metadata: pipe.transformer's in `folder`, so that `pipe.load_lora_weights
+    (folder)` loads it, and a second expert's in `folder/<its name>` (Wan 2.2: `pipe.load_lora_weights(folder /
+    "transformer_2", load_into_transformer_2=True)`, diffusers' WanLoraLoaderMixin)."""
     from peft.utils import get_peft_model_state_dict
 
-    transformer = pipe.transformer
-    type(pipe).save_lora_weights(
-        folder,
-        transformer_lora_layers=get_peft_model_state_dict(transformer),
-        transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict(),
-    )
+    for name, transformer in modules.items():
+        type(pipe).save_lora_weights(
+            folder if name == "transformer" else os.path.join(folder, name),
+            transformer_lora_layers=get_peft_model_state_dict(transformer),
+            transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict(),
+        )
 
 
 # ----------------------------------------------------------------------------- published configs

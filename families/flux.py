@@ -81,7 +81,8 @@ def encode(pipe, prompts, negative_prompt, guidance_scale, tokens):
     return {"prompt_embeds": embeds, "pooled": pooled}  # guidance-distilled: no negative prompt
 
 
-def velocity(pipe, model, x, sigma, embeds, guidance_scale):
+def velocity(pipe, modules, x, sigma, embeds, guidance_scale):
+    model = modules["transformer"]
     dtype = pipe.transformer.dtype
     batch = x.shape[0]
     x = x.to(dtype)

@@ -122,7 +122,8 @@ def encode_references(pipe, refs):
     return common.pack_references(parts)
 
 
-def velocity(pipe, model, x, sigma, embeds, guidance_scale):
+def velocity(pipe, modules, x, sigma, embeds, guidance_scale):
+    model = modules["transformer"]
     dtype = pipe.transformer.dtype
     side = math.isqrt(x.shape[1])
     cfg = uses_cfg(pipe, guidance_scale)

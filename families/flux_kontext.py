@@ -72,7 +72,8 @@ def encode(pipe, prompts, negative_prompt, guidance_scale, tokens, images=None, 
     return dict(out, **common.pack_references([(packed, (rows, cols))]))
 
 
-def velocity(pipe, model, x, sigma, embeds, guidance_scale):
+def velocity(pipe, modules, x, sigma, embeds, guidance_scale):
+    model = modules["transformer"]
     dtype = pipe.transformer.dtype
     batch, length = x.shape[:2]
     side = math.isqrt(length)

@@ -104,7 +104,8 @@ def encode(pipe, prompts, negative_prompt, guidance_scale, tokens):
     return common.with_negative(out, encode_texts, negative_prompt, len(prompts), masked=True)
 
 
-def velocity(pipe, model, x, sigma, embeds, guidance_scale):
+def velocity(pipe, modules, x, sigma, embeds, guidance_scale):
+    model = modules["transformer"]
     dtype = pipe.transformer.dtype
     length = x.shape[1]
     side = math.isqrt(length)

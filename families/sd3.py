@@ -128,7 +128,8 @@ def encode(pipe, prompts, negative_prompt, guidance_scale, tokens):
     return out
 
 
-def velocity(pipe, model, x, sigma, embeds, guidance_scale):
+def velocity(pipe, modules, x, sigma, embeds, guidance_scale):
+    model = modules["transformer"]
     dtype = pipe.transformer.dtype
     x = x.to(dtype)
     timestep = sigma * pipe.scheduler.config.num_train_timesteps  # SD3 is conditioned on t = 1000 s

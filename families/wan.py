@@ -95,7 +95,8 @@ def encode(pipe, prompts, negative_prompt, guidance_scale, tokens):
     return common.with_negative(out, encode_texts, negative_prompt, len(prompts), masked=False)
 
 
-def velocity(pipe, model, x, sigma, embeds, guidance_scale):
+def velocity(pipe, modules, x, sigma, embeds, guidance_scale):
+    model = modules["transformer"]
     dtype = pipe.transformer.dtype
     timestep = torch.floor(sigma.double() * pipe.scheduler.config.num_train_timesteps).long()  # int64, as UniPC's
     (text,) = common.cfg_halves(embeds, ["prompt_embeds"]) if guidance_scale > 1 else (embeds["prompt_embeds"],)

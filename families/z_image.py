@@ -90,7 +90,8 @@ def encode(pipe, prompts, negative_prompt, guidance_scale, tokens):
     return common.with_negative(out, encode_texts, negative_prompt, len(prompts), masked=True)
 
 
-def velocity(pipe, model, x, sigma, embeds, guidance_scale):
+def velocity(pipe, modules, x, sigma, embeds, guidance_scale):
+    model = modules["transformer"]
     dtype = pipe.transformer.dtype
     keys = ["prompt_embeds", "prompt_mask"]
     text, mask = common.cfg_halves(embeds, keys) if guidance_scale > 1 else [embeds[k] for k in keys]

@@ -79,11 +79,11 @@ def batch_gradient(policy, loss, args, prompts, metadata, reward_fn, sigmas, gen
     reward = torch.as_tensor(reward_fn(images, texts, meta)[args.reward_key]).float()
     adv = losses.group_advantages(reward, groups, global_std=args.global_std, clip=args.adv_clip)
     batch = dict(traj, steps=traj["steps"].expand(len(texts), -1))  # [n, K]
-    policy.transformer.zero_grad(set_to_none=True)
+    policy.optimizer.zero_grad(set_to_none=True)
     for x_k, sigma, complete in train.reverse_terms(policy, batch, torch.arange(len(texts)), embeds, adv, sigmas, args):
         value, _ = loss.fn(complete(policy.velocity(x_k, sigma, embeds, train_guidance)), **vars(args))
         (value / len(steps)).backward()
-    grad = torch.cat([q.grad.flatten() for q in policy.transformer.parameters() if q.grad is not None])
+    grad = torch.cat([q.grad.flatten() for _, q in policy.trainable if q.grad is not None])
     return grad, reward.mean().item()
 
 

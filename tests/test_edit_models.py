@@ -166,7 +166,7 @@ def test_log_prob_does_not_change_with_the_reference_shape(name, pipes, twin_are
                 pipe.reference_area = side * side
             embeds = models.encode_prompts(pipe, PROMPTS, images=sources(name, side=side), resolution=side)
             assert embeds["ref_shapes"][0, 0].tolist() == [side // 8, side // 8]
-            v = models.velocity(pipe, x, sigmas[1].item(), embeds, transformer=TokenWise())
+            v = models.velocity(pipe, x, sigmas[1].item(), embeds, modules={"transformer": TokenWise()})
             assert v.shape == x.shape  # the target's tokens only
             outs.append(sde.sde_step(v, x, sigmas[1].item(), sigmas[2].item(), prev_sample=x_next,
                                      sigma_max=sigmas[1].item()))

@@ -106,7 +106,8 @@ class StubPolicy(policy_mod.Policy):
 
     def __init__(self, args, device, *, old_copy, sampling_copy=False, channels=4):
         self.args, self.device, self.amp_dtype, self.ddp, self.pipe = args, device, None, None, None
-        self.transformer = self.model = Net(channels, device)
+        self.transformer = Net(channels, device)
+        self.modules = self.models = {"transformer": self.transformer}
         self.trainable = list(self.transformer.named_parameters())
         self.optimizer = torch.optim.AdamW([q for _, q in self.trainable], lr=1e-2)
         self.scaler = torch.amp.GradScaler("cpu", enabled=False)

@@ -270,7 +270,7 @@ def _fsdp_worker(out):
         fsdp = ["--fsdp", "--mixed-precision", precision] if precision != "ddp" else []
         _, args = train.parse_args(["--model", "tiny", "--lora-rank", "0", "--resolution", "32", *fsdp])
         policy = Policy(args, device, old_copy=False)
-        pipe, block = policy.pipe, policy.transformer.transformer_blocks[0]  # SD3's joint blocks
+        pipe, block = policy.pipe, policy.modules["transformer"].transformer_blocks[0]  # SD3's joint blocks
         gathered = []
         block.register_forward_pre_hook(lambda m, a: gathered.append(next(m.parameters()).dtype))
         embeds = models.encode_prompts(pipe, ["a cat", "a dog"])

@@ -127,7 +127,8 @@ def test_cfg_is_one_batched_forward_of_two(sd3):
                 return self.inner(**kwargs)
 
         wrapper = Wrapper(sd3.transformer)
-        torch.testing.assert_close(models.velocity(sd3, x, 0.6, embeds, guidance_scale=4.5, transformer=wrapper), v)
+        wrapped = models.velocity(sd3, x, 0.6, embeds, guidance_scale=4.5, modules={"transformer": wrapper})
+        torch.testing.assert_close(wrapped, v)
         assert wrapper.batches == [4]  # one forward over uncond + cond
         # the negative prompt was encoded once and is the encoding of "blurry" as a prompt
         torch.testing.assert_close(embeds["neg_prompt_embeds"][1], models.encode_prompts(sd3, ["blurry"])["prompt_embeds"][0])

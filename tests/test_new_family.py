@@ -53,7 +53,8 @@ def chroma_encode(pipe, prompts, negative_prompt, guidance_scale, tokens):
     return common.with_negative(out, encode_texts, negative_prompt, len(prompts), masked=False)
 
 
-def chroma_velocity(pipe, model, x, sigma, embeds, guidance_scale):
+def chroma_velocity(pipe, modules, x, sigma, embeds, guidance_scale):
+    model = modules["transformer"]
     dtype = pipe.transformer.dtype
     batch, length = x.shape[:2]
     side = math.isqrt(length)

@@ -234,7 +234,7 @@ r = run.Run.__new__(run.Run)
 r.args = types.SimpleNamespace(eval_samples_per_prompt=1, resolution=8, eval_steps=2, guidance_scale=1.0, seed=0,
                                sample_batch_size=2, negative_prompt="", shift=None, num_frames=None,
                                max_sequence_length=None, out=out)
-r.policy = types.SimpleNamespace(transformer=torch.nn.Linear(1, 1), ema_weights=contextlib.nullcontext, pipe=None,
+r.policy = types.SimpleNamespace(train=torch.nn.Linear(1, 1).train, ema_weights=contextlib.nullcontext, pipe=None,
                                  autocast=contextlib.nullcontext)
 r.device, r.held_out, r.reward_fn = device, (["a", "b", "c"], [{}, {}, {}]), reward_fn
 try:
