@@ -14,6 +14,7 @@
     shard_transformer(transformer, device, param_dtype=None)      FSDP2, one unit per transformer block
     gradient_sync(transformer, last)                              FSDP2: reduce-scatter after each micro-step
     average_gradients(params)                                     the mean gradient over ranks, None counted as 0
+    broadcast_parameters(params)                                  rank 0's values everywhere, as DDP starts
     check_replicas(trainable, fsdp, device) -> [checksum per rank]
     fsdp_full_state(model, optimizer, trainable, copies)          shards -> rank 0's full tensors
     fsdp_load(model, optimizer, trainable, weights, optim_state)  rank 0's full tensors -> shards
@@ -188,16 +189,28 @@ def gradient_sync(transformer, last):
 
 def average_gradients(params):
     """Each parameter's gradient <- its mean over the ranks, as DDP's all-reduce makes it, in one flat all-reduce. A
-    parameter without a gradient counts as zeros on that rank: several trained modules (a family's experts) are
-    reduced here rather than by DDP, which refuses a module that one rank's micro-batches never reached."""
+    parameter without a gradient counts as zeros on that rank, and keeps none where no rank has one (an expert no
+    micro-batch reached: the optimizer skips it, as in one process). Several trained modules (a family's experts) are
+    reduced here rather than by DDP, which refuses a module that takes no part in a backward."""
     if WORLD == 1:
         return
     grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    present = torch.tensor([float(q.grad is not None) for q in params], device=grads[0].device)
+    flat = torch.cat([g.reshape(-1).float() for g in grads] + [present])
     dist.all_reduce(flat)
-    flat /= WORLD
-    for q, piece in zip(params, flat.split([g.numel() for g in grads])):
-        q.grad = piece.view_as(q)
+    *pieces, present = flat.split([g.numel() for g in grads] + [len(params)])
+    for q, piece, seen in zip(params, pieces, present.tolist()):
+        q.grad = (piece / WORLD).view_as(q).to(q.dtype) if seen else None
+
+
+def broadcast_parameters(params):
+    """Rank 0's values of `params` on every rank, as DDP's construction makes them (a LoRA adapter is drawn from each
+    rank's own seed)."""
+    if WORLD == 1:
+        return
+    with torch.no_grad():
+        for q in params:
+            dist.broadcast(q.data, src=0)
 
 
 def check_replicas(trainable, fsdp, device):

@@ -67,10 +67,12 @@ class Policy:
             # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets instead of beside them, one
             # gradient-sized copy less (10 GB for SD3.5-M's full fine-tune in float32); safe as nothing here
             # replaces or detaches a .grad (zero_grad(set_to_none), clipping and unscaling work in place or anew).
-            (name, module), = modules.items()
+            (module,) = modules.values()
             self.ddp = torch.nn.parallel.DistributedDataParallel(
                 module, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
                 gradient_as_bucket_view=True)
+        elif WORLD > 1 and not args.fsdp:  # several modules: the replicas start alike, as DDP would make them
+            distributed.broadcast_parameters([q for _, q in trainable])
         wrapped = {name: self.ddp or module for name, module in modules.items()}  # what the training forward calls
         self.models = {name: torch.compile(m) if args.compile else m for name, m in wrapped.items()}
         # fp16 (as Flow-GRPO's configs, through accelerate) needs loss scaling: the tiny gradients of mean-reduced

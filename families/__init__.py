@@ -26,6 +26,7 @@ takes g through its embedding (FLUX.1-dev, Kontext) or ignores it (a step-distil
 | `sd3-random`       | SD3.5-Medium's transformer and VAE at full size, random weights (bench.py) | sd3.py             |
 | `flux`             | `black-forest-labs/FLUX.1-dev`                                             | flux.py            |
 | `wan`              | `Wan-AI/Wan2.1-T2V-1.3B-Diffusers`, text to video (14B by --model-path)    | wan.py             |
+| `wan2.2`           | `Wan-AI/Wan2.2-T2V-A14B-Diffusers`: two 14B experts split at a boundary    | wan.py             |
 | `qwen-image`       | `Qwen/Qwen-Image`                                                          | qwen_image.py      |
 | `flux2-klein`      | `black-forest-labs/FLUX.2-klein-base-4B`, also edits (9B, distilled: path) | flux2_klein.py     |
 | `z-image`          | `Tongyi-MAI/Z-Image` (`Z-Image-Turbo` by --model-path)                     | z_image.py         |
@@ -101,6 +102,8 @@ MODELS = {
     "flux": Family(**flux.FLUX),
     "wan": Family(**wan.WAN),
     "tiny-wan": Family(**wan.TINY),
+    "wan2.2": Family(**wan.WAN22),
+    "tiny-wan2.2": Family(**wan.TINY22),
     "qwen-image": Family(**qwen_image.QWEN_IMAGE),
     "tiny-qwen-image": Family(**qwen_image.TINY),
     "flux2-klein": Family(**flux2_klein.KLEIN),

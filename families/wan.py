@@ -1,4 +1,7 @@
-"""Wan 2.1 text-to-video: `wan` (`Wan-AI/Wan2.1-T2V-1.3B-Diffusers`; the 14B by --model-path) and `tiny-wan`.
+"""Wan text-to-video: Wan 2.1, `wan` (`Wan-AI/Wan2.1-T2V-1.3B-Diffusers`; the 14B by --model-path) and `tiny-wan`,
+and Wan 2.2 A14B, `wan2.2` (`Wan-AI/Wan2.2-T2V-A14B-Diffusers`) and `tiny-wan2.2`: two experts of Wan 2.1-14B's
+architecture, `transformer` for the high-noise steps and `transformer_2` for the rest, both trained (the record's
+trained), each step's samples routed by the pipeline's boundary (velocity).
 
 Checked against diffusers/pipelines/wan/pipeline_wan.py (WanPipeline.__call__) and
 schedulers/scheduling_unipc_multistep.py (UniPCMultistepScheduler.set_timesteps) by tests/test_families.py; the
@@ -12,6 +15,7 @@ import sde
 from families import common
 
 WAN_ID = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+WAN22_ID = "Wan-AI/Wan2.2-T2V-A14B-Diffusers"
 # Flow-GRPO's train_wan2_1.py list, which on the T2V blocks matches these (attn1 self-, attn2 cross-attention)
 LORA_TARGETS = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
                 "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0")
@@ -39,10 +43,41 @@ def load(model_path=None, dtype=torch.float32, device="cpu"):
     return pipe
 
 
+def load_a14b(model_path=None, dtype=torch.float32, device="cpu"):
+    """Wan 2.2 A14B text-to-video (`Wan-AI/Wan2.2-T2V-A14B-Diffusers`): Wan 2.1's conventions (load), two experts of
+    14 B and the boundary_ratio (0.875) in the pipeline's config."""
+    from diffusers import WanPipeline
+
+    pipe = common.from_pretrained(WanPipeline, "wan2.2", model_path or WAN22_ID, WAN22_ID, dtype)
+    pipe.vae.to(torch.float32)
+    return pipe
+
+
+def tiny_a14b(model_path=None, dtype=torch.float32, device="cpu"):
+    """Wan 2.2 A14B at toy size: tiny-wan with a second expert (the same architecture, seed 1) below a boundary
+    ratio of 0.875, the published model's."""
+    common.check_no_path("tiny-wan2.2", model_path)
+    pipe = tiny(dtype=dtype, device=device)
+    with common.seeded_build(1, device):
+        expert = _tiny_transformer()
+    pipe.register_modules(transformer_2=expert if dtype == torch.float32 else expert.to(dtype))
+    pipe.register_to_config(boundary_ratio=0.875)
+    return pipe
+
+
+def _tiny_transformer():
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+        text_dim=32, freq_dim=32, ffn_dim=48, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32).eval()
+
+
 def tiny(model_path=None, dtype=torch.float32, device="cpu"):
     """Wan 2.1 at toy size: 2 blocks of width 24 (2 heads), UMT5 encoder of width 32, a causal 3D VAE
     with 8x spatial / 4x temporal compression and base width 8; UniPC with flow_shift 3; seed 0."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
     from transformers import UMT5Config, UMT5EncoderModel
 
     common.check_no_path("tiny-wan", model_path)
@@ -52,10 +87,7 @@ def tiny(model_path=None, dtype=torch.float32, device="cpu"):
             vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
             relative_attention_num_buckets=8, relative_attention_max_distance=32, feed_forward_proj="gated-gelu",
             pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)).eval()
-        transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
-            text_dim=32, freq_dim=32, ffn_dim=48, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-            rope_max_seq_len=32).eval()
+        transformer = _tiny_transformer()
         vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                temperal_downsample=[False, True, True]).eval()
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
@@ -96,9 +128,33 @@ def encode(pipe, prompts, negative_prompt, guidance_scale, tokens):
 
 
 def velocity(pipe, modules, x, sigma, embeds, guidance_scale):
-    model = modules["transformer"]
+    """Wan 2.1: the transformer. Wan 2.2: each sample's expert by its timestep t = floor(1000 s), as WanPipeline.__call__
+    chooses it: `transformer` where t >= boundary_ratio x 1000, `transformer_2` below (both in one batch only when a
+    micro-batch holds samples of both sides: a training forward of steps drawn per sample). Reading the routes is one
+    host sync a forward."""
+    ratio = pipe.config.get("boundary_ratio")
+    if "transformer_2" not in modules or ratio is None:
+        return _velocity(pipe, modules["transformer"], x, sigma, embeds, guidance_scale)
+    high = _timestep(pipe, sigma) >= ratio * pipe.scheduler.config.num_train_timesteps  # [B] bool
+    if bool(high.all()) or not bool(high.any()):  # the whole batch on one side: no copies
+        expert = modules["transformer" if bool(high[0]) else "transformer_2"]
+        return _velocity(pipe, expert, x, sigma, embeds, guidance_scale)
+    v = None
+    for name, rows in (("transformer", high), ("transformer_2", ~high)):
+        part = _velocity(pipe, modules[name], x[rows], sigma[rows], {k: t[rows] for k, t in embeds.items()},
+                         guidance_scale)
+        v = part.new_empty((len(x), *part.shape[1:])) if v is None else v
+        v[rows] = part
+    return v
+
+
+def _timestep(pipe, sigma):
+    return torch.floor(sigma.double() * pipe.scheduler.config.num_train_timesteps).long()  # int64, as UniPC's
+
+
+def _velocity(pipe, model, x, sigma, embeds, guidance_scale):
     dtype = pipe.transformer.dtype
-    timestep = torch.floor(sigma.double() * pipe.scheduler.config.num_train_timesteps).long()  # int64, as UniPC's
+    timestep = _timestep(pipe, sigma)
     (text,) = common.cfg_halves(embeds, ["prompt_embeds"]) if guidance_scale > 1 else (embeds["prompt_embeds"],)
     if guidance_scale > 1:
         x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
@@ -158,3 +214,5 @@ WAN = dict(name="wan", load=load, hub_id=WAN_ID, hub=True, multiple=16, preset=c
            tokens=512, shape=shape, noise=noise, encode=encode, velocity=velocity, decode=decode, sigmas=sigmas,
            lora_targets=LORA_TARGETS, video=True)
 TINY = dict(WAN, load=tiny, hub_id=None, hub=False, preset=dict(common.TINY, num_frames=5))  # 5 frames: 2 latent
+WAN22 = dict(WAN, load=load_a14b, hub_id=WAN22_ID, trained=("transformer", "transformer_2"))
+TINY22 = dict(WAN22, load=tiny_a14b, hub_id=None, hub=False, preset=TINY["preset"])

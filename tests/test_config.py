@@ -57,3 +57,13 @@ def test_args_json_records_the_sources(tmp_path):
     with open(out / "args.json") as f:
         saved = json.load(f)["args"]
     assert saved["sources"]["steps"] == "command line" and saved["sources"]["lr"] == "model preset (tiny)"
+
+
+def test_fsdp_refuses_a_family_of_several_trained_modules(capsys):
+    import pytest
+
+    p, args = config.parse_args(["--model", "tiny-wan2.2", "--lora-rank", "0", "--fsdp", "--group-size", "2",
+                                 "--prompts-per-step", "2", "--sample-batch-size", "2", "--train-batch-size", "2"])
+    with pytest.raises(SystemExit):
+        config.check_args(p, args, 2)
+    assert "trains transformer and transformer_2" in capsys.readouterr().err

@@ -83,6 +83,40 @@ def test_wan_first_step_and_decode_match_the_pipeline(pipes):
     torch.testing.assert_close(ours_first, first, atol=1e-4, rtol=1e-4)
 
 
+def test_wan22_routes_each_sample_to_the_pipelines_expert(pipes):
+    """WanPipeline.__call__ runs `transformer` where t = floor(1000 s) >= boundary_ratio x 1000, `transformer_2` below.
+    Its first step (t = 999, an Euler step) against ours with the boundary at 999 and at 1000: one timestep apart, the
+    two experts; and a batch of samples on both sides of the boundary, each given its expert's velocity."""
+    pipe = pipes["tiny-wan2.2"]
+    x = noise(pipe, "tiny-wan2.2")
+    embeds = models.encode_prompts(pipe, PROMPTS, guidance_scale=4.5)
+    call = dict(prompt=list(PROMPTS), negative_prompt="", num_inference_steps=1, guidance_scale=4.5, height=64,
+                width=64, num_frames=5, latents=x.clone(), max_sequence_length=models.default_tokens(pipe))
+    first = {}
+    try:
+        for ratio in (0.999, 1.0):
+            pipe.register_to_config(boundary_ratio=ratio)
+            expected = pipe(**call, output_type="latent").frames
+            with torch.no_grad():
+                first[ratio] = euler(pipe, x, models.sigmas(pipe, 1, 64), embeds, 4.5)
+            torch.testing.assert_close(first[ratio], expected, atol=1e-4, rtol=1e-4)
+    finally:
+        pipe.register_to_config(boundary_ratio=0.875)
+    assert (first[0.999] - first[1.0]).abs().mean() > 0.05  # the two experts differ
+    one = {name: {"transformer": getattr(pipe, name)} for name in ("transformer", "transformer_2")}  # no routing
+    # t = 876 and 875 (the boundary itself) take the high-noise expert, 874 the low-noise one
+    for s, expert in [(0.876, "transformer"), (0.875, "transformer"), (0.8749, "transformer_2")]:
+        with torch.no_grad():
+            v = models.velocity(pipe, x, s, embeds, guidance_scale=4.5)
+            torch.testing.assert_close(v, models.velocity(pipe, x, s, embeds, guidance_scale=4.5, modules=one[expert]))
+    sigma = torch.tensor([0.9, 0.5])
+    with torch.no_grad():
+        mixed = models.velocity(pipe, x, sigma, embeds, guidance_scale=4.5)
+        high = models.velocity(pipe, x, sigma, embeds, guidance_scale=4.5, modules=one["transformer"])
+        low = models.velocity(pipe, x, sigma, embeds, guidance_scale=4.5, modules=one["transformer_2"])
+    torch.testing.assert_close(mixed, torch.stack([high[0], low[1]]), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["tiny-qwen-image", "tiny-z-image"])
 def test_euler_matches_pipeline(name, pipes):
     pipe = pipes[name]
@@ -323,28 +357,33 @@ def test_lora_roundtrips_through_the_pipelines_loader(name, tmp_path):
     embeds = models.encode_prompts(pipe, PROMPTS)
     x = noise(pipe, name, seed=2)
 
+    sigma = torch.tensor([0.95, 0.5])  # Wan 2.2: one sample for each expert
+
     def v(p):
         with torch.no_grad():
-            return models.velocity(p, x, 0.5, embeds)
+            return models.velocity(p, x, sigma, embeds)
 
     base = v(pipe)
     params = models.add_lora(pipe, rank=4, alpha=8)  # alpha != rank: the saved scale must survive loading
-    trainable = {n.rsplit(".lora_", 1)[0] for n, p in pipe.transformer.named_parameters() if p.requires_grad}
-    targets = models.family(pipe).lora_targets
-    assert all(any(t.endswith("." + target) for t in trainable) for target in targets)  # every target exists
+    for module in models.trained_modules(pipe).values():
+        trainable = {n.rsplit(".lora_", 1)[0] for n, p in module.named_parameters() if p.requires_grad}
+        targets = models.family(pipe).lora_targets
+        assert all(any(t.endswith("." + target) for t in trainable) for target in targets)  # every target exists
     torch.testing.assert_close(v(pipe), base)  # LoRA B starts at zero
     with torch.no_grad():
         for i, p in enumerate(params):
             p.normal_(0, 0.2, generator=torch.Generator().manual_seed(i))
     tuned = v(pipe)
     assert (tuned - base).abs().max() > 1e-2
-    models.velocity(pipe, x, 0.5, embeds).square().mean().backward()
+    models.velocity(pipe, x, sigma, embeds).square().mean().backward()
     assert all(p.grad is not None for p in params)  # what DDP needs: no trained layer without a gradient
     with models.reference(pipe):
         torch.testing.assert_close(v(pipe), base, atol=0, rtol=0)
     models.save_lora(pipe, tmp_path)
     fresh = models.load_pipeline(name)
     fresh.load_lora_weights(tmp_path)
+    for extra in list(models.trained_modules(pipe))[1:]:  # Wan 2.2's second expert, as diffusers loads it
+        fresh.load_lora_weights(tmp_path / extra, **{f"load_into_{extra}": True})
     torch.testing.assert_close(v(fresh), tuned, atol=1e-5, rtol=1e-5)
 
 

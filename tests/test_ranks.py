@@ -283,3 +283,24 @@ def test_shares_cover_every_item_once_and_gather_back_in_order(n, monkeypatch):
     rows = torch.tensor([i * 10.0 for s in shares for i in s])  # what all_gather_cat returns: rank 0's rows first
     monkeypatch.setattr(distributed, "all_gather_cat", lambda t: rows)
     assert distributed.gather_share(None, n).tolist() == [i * 10.0 for i in range(n)]
+
+
+def test_two_experts_train_under_ddp_where_the_micro_batches_reach_one(tmp_path):
+    """Wan 2.2's experts under torchrun, training only the first (high-noise) step: every micro-batch on both ranks
+    reaches the first expert alone. Their gradients are averaged at the optimizer step (distributed.average_gradients,
+    not DDP, which refuses a module without gradients); the replicas agree at the checkpoint, the first expert's
+    adapter moved and the second's, which no rank reached, is untouched (its LoRA B still zero), as in one process."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    torchrun(tmp_path, ["--model", "tiny-wan2.2", "--lora-rank", "4", "--num-steps", "2", "--timestep-fraction", "0.5",
+                        "--group-size", "2", "--prompts-per-step", "2", "--sample-batch-size", "1",
+                        "--train-batch-size", "1", "--steps", "2", "--log-images-every", "0", "--out", str(out)])
+    state = json.load(open(out / "checkpoints" / "2" / "state.json"))
+    assert len(state["rank_checksums"]) == 2 and len(set(state["rank_checksums"])) == 1
+    weights = load_file(out / "checkpoints" / "2" / "trainable.safetensors")
+    lora_b = {name: [t for n, t in weights.items() if n.startswith(name + ".") and "lora_B" in n]
+              for name in ("transformer", "transformer_2")}
+    assert lora_b["transformer"] and lora_b["transformer_2"]
+    assert max(t.abs().max() for t in lora_b["transformer"]) > 0
+    assert all(torch.equal(t, torch.zeros_like(t)) for t in lora_b["transformer_2"])
