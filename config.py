@@ -271,7 +271,7 @@ def _check_model(p, args, world_size):
                 "train LoRA at 1e-4 to 3e-4)")
     if args.lora_rank > 0 and args.lora_alpha <= 0:
         p.error("--lora-alpha must be > 0 with a LoRA adapter (its scale is alpha / rank)")
-    multiple = models.RESOLUTION_MULTIPLE.get(args.model)
+    multiple = models.MODELS[args.model].multiple
     sides = args.resolution if isinstance(args.resolution, tuple) else (args.resolution,)
     if multiple and any(side % multiple for side in sides):
         p.error(f"--resolution {args.resolution} must be a multiple of {multiple} for --model {args.model} "
@@ -289,7 +289,7 @@ def _check_loss(p, args, per_rank):
     if loss.process == "reverse" and args.sde not in loss.sde_kinds:
         p.error(f"--loss {args.loss} needs a Gaussian transition log-prob, which --sde {args.sde} does not have "
                 f"(cps scores -mean(delta^2)): use --sde {' or '.join(loss.sde_kinds)}")
-    if args.edit_vl_input != "diffusers" and args.model not in models.families.EDIT_VL_MODELS:
+    if args.edit_vl_input != "diffusers" and not models.MODELS[args.model].edit_vl_input:
         p.error(f"--edit-vl-input {args.edit_vl_input} changes what Qwen-Image-Edit's VL encoder sees; --model "
                 f"{args.model} has no such input: drop the flag or use --model qwen-image-edit")
     if args.eval_every and not args.eval_prompts:

@@ -44,9 +44,6 @@ import flags
 import sde
 
 MODELS = families.MODELS  # the registry: name -> families.Family
-# By name, for the checks made before a model loads (train.py, run.py): the records' multiple and source_images.
-RESOLUTION_MULTIPLE = {name: f.multiple for name, f in MODELS.items()}
-SOURCE_IMAGES = {name: f.source_images for name, f in MODELS.items() if f.source_images}
 
 
 _TRUNCATION_SEEN = set()

@@ -36,7 +36,7 @@ class Policy:
         amp_dtype = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.mixed_precision]
         load_dtype = amp_dtype if (amp_dtype and args.lora_rank > 0) else torch.float32  # LoRA: frozen base in half
         self.pipe = pipe = models.load_pipeline(args.model, args.model_path, dtype=load_dtype, device=device)
-        pipe.edit_vl_input = getattr(args, "edit_vl_input", "diffusers")  # families._qwen_edit_encode reads it
+        pipe.edit_vl_input = getattr(args, "edit_vl_input", "diffusers")  # qwen_image_edit.encode reads it
         # VAE weights in float32, as Flow-GRPO keeps them; the decode still runs under the rollout's fp16 autocast
         # (models.generate), so its convolutions compute in fp16: float32 activations there are not yet guaranteed.
         if load_dtype == torch.float16:

@@ -565,18 +565,17 @@ def check_rm_types(path, prompts, metadata):
                 raise SystemExit(f"error: {path}, prompt {i + 1} ({prompts[i][:40]!r}): metadata rm_type: {e}")
 
 
-ONE_SOURCE = ("flux-kontext", "tiny-flux-kontext", "qwen-image-edit", "tiny-qwen-image-edit", "shapes-edit")
-
-
 def check_sources(path, model, metadata):
     """Source images (data.py) need a model that edits, and the Qwen-Image-Edit models need one on every row; the rows
     of one file bring the same number (none on one row and one on another fails inside a batched step): said in one
     line before a model loads."""
     have = sum(data.SOURCE_KEY in m for m in metadata)
-    takes = models.SOURCE_IMAGES.get(model)
+    record = models.MODELS[model]
+    takes = record.source_images
     if have and takes is None:
+        editors = [name for name, f in models.MODELS.items() if f.source_images]
         raise SystemExit(f"error: {path}: {have} of {len(metadata)} rows name source images, but --model {model} "
-                         f"generates from text alone; edit with {', '.join(models.SOURCE_IMAGES)}, or drop the "
+                         f"generates from text alone; edit with {', '.join(editors)}, or drop the "
                          "rows' 'image' field")
     if takes == "required" and have < len(metadata):
         raise SystemExit(f"error: {path}: --model {model} edits source images and {len(metadata) - have} of "
@@ -586,7 +585,7 @@ def check_sources(path, model, metadata):
                          f"--model {model} batches prompts that bring the same number: give every row one under "
                          "'image', or train the edits and the text-to-image prompts in separate runs")
     counts = {len(m[data.SOURCE_KEY]) for m in metadata if data.SOURCE_KEY in m}  # the pipelines batch these rows
-    if model in ONE_SOURCE and counts - {1}:
+    if record.max_sources == 1 and counts - {1}:
         raise SystemExit(f"error: {path}: --model {model} edits one source image per prompt and some rows name "
                          f"{max(counts)}; give each row one under 'image', or edit several with "
                          "qwen-image-edit-plus or flux2-klein")

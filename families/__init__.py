@@ -77,6 +77,7 @@ class Family:
     trained: tuple = ("transformer",)  # the pipeline attributes that train (models.trained_modules), in this order
     video: bool = False  # samples are videos [B, F, H, W, 3]; --num-frames applies
     source_images: Optional[str] = None  # edits: "optional" or "required" (encode takes images, size); None: text
+    max_sources: Optional[int] = None  # edits: the most source images one prompt may bring (None: any number)
     guidance_embedded: bool = False  # the guidance scale enters through an embedding, not CFG (FLUX.1-dev, Kontext)
     edit_vl_input: bool = False  # --edit-vl-input applies (Qwen-Image-Edit's VL encoder)
 
@@ -124,5 +125,3 @@ def preset(model):
         raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
     return dict(MODELS[model].preset)
 
-
-EDIT_VL_MODELS = tuple(name for name, f in MODELS.items() if f.edit_vl_input)  # train.py checks --edit-vl-input by it

@@ -110,5 +110,5 @@ PUBLISHED = {"flux1-kontext": dict(transformer=("FluxTransformer2DModel", dict(g
 KONTEXT = dict(name="flux-kontext", load=load, hub_id=KONTEXT_ID, hub=True, multiple=16, preset=common.HUB,
                tokens=512, shape=common.packed_shape, noise=noise, encode=encode, velocity=velocity,
                decode=flux.decode, sigmas=common.linspace_sigmas, lora_targets=LORA_TARGETS,
-               source_images="optional", guidance_embedded=True)
+               source_images="optional", max_sources=1, guidance_embedded=True)
 TINY = dict(KONTEXT, load=tiny, hub_id=None, hub=False, multiple=8, preset=dict(common.TINY, guidance_scale=3.5))

@@ -183,8 +183,8 @@ def _encode(pipe, prompts, negative_prompt, guidance_scale, tokens, images, size
 EDIT = dict(name="qwen-image-edit", load=load, hub_id=QWEN_EDIT_ID, hub=True, multiple=16, preset=common.HUB,
             tokens=512, shape=common.packed_shape, noise=qwen_image.noise, encode=encode, velocity=qwen_image.velocity,
             decode=qwen_image.decode, sigmas=common.linspace_sigmas, lora_targets=qwen_image.LORA_TARGETS,
-            unused=qwen_image.unused, source_images="required", edit_vl_input=True)
+            unused=qwen_image.unused, source_images="required", max_sources=1, edit_vl_input=True)
 TINY = dict(EDIT, load=tiny, hub_id=None, hub=False, multiple=8, preset=common.TINY)
 PLUS = dict(EDIT, name="qwen-image-edit-plus", load=load_plus, hub_id=QWEN_EDIT_PLUS_ID, encode=encode_plus,
-            edit_vl_input=False)
+            max_sources=None, edit_vl_input=False)
 TINY_PLUS = dict(PLUS, load=tiny_plus, hub_id=None, hub=False, multiple=8, preset=common.TINY)
