@@ -143,6 +143,9 @@ def add_sampling_arguments(p):
                    help="text tokens per prompt (default: the model family's, see models.py)")
     p.add_argument("--guidance-scale", type=POSITIVE, default=None,
                    help="CFG scale (FLUX: distilled guidance value); --loss nft / awm: 1 on CFG models")
+    p.add_argument("--guidance-scale-2", type=POSITIVE, default=None,
+                   help="Wan 2.2: the CFG scale of the low-noise expert wherever a forward uses CFG (default: "
+                        "--guidance-scale, as WanPipeline's guidance_scale_2)")
     p.add_argument("--negative-prompt", default="", help="negative prompt for CFG")
     p.add_argument("--train-cfg", action=argparse.BooleanOptionalAction, default=None,
                    help="use CFG in the training forward too (default: when sampling uses CFG)")
@@ -241,6 +244,8 @@ def _check_model(p, args, world_size):
     if args.fsdp and (args.lora_rank > 0 or world_size == 1):
         p.error("--fsdp shards a full fine-tune over processes: use it with --lora-rank 0 under torchrun "
                 "--nproc_per_node N > 1 (LoRA runs use DDP)")
+    if args.guidance_scale_2 is not None and "transformer_2" not in families.MODELS[args.model].trained:
+        p.error(f"--guidance-scale-2 is the CFG scale of a second expert, and {args.model} has none: drop it")
     if args.fsdp and len(families.MODELS[args.model].trained) > 1:
         p.error(f"--fsdp shards one trained module, and {args.model} trains "
                 f"{' and '.join(families.MODELS[args.model].trained)}: use LoRA (--lora-rank > 0) under DDP")

@@ -131,18 +131,22 @@ def velocity(pipe, modules, x, sigma, embeds, guidance_scale):
     """Wan 2.1: the transformer. Wan 2.2: each sample's expert by its timestep t = floor(1000 s), as WanPipeline.__call__
     chooses it: `transformer` where t >= boundary_ratio x 1000, `transformer_2` below (both in one batch only when a
     micro-batch holds samples of both sides: a training forward of steps drawn per sample). Reading the routes is one
-    host sync a forward."""
+    host sync a forward. A forward with CFG guides the low-noise expert by pipe.guidance_scale_2 where it is set
+    (--guidance-scale-2; the model card's 4.0 and 3.0), as WanPipeline's guidance_scale_2."""
     ratio = pipe.config.get("boundary_ratio")
     if "transformer_2" not in modules or ratio is None:
         return _velocity(pipe, modules["transformer"], x, sigma, embeds, guidance_scale)
+    second = getattr(pipe, "guidance_scale_2", None)
+    scales = {"transformer": guidance_scale,
+              "transformer_2": second if second is not None and guidance_scale > 1 else guidance_scale}
     high = _timestep(pipe, sigma) >= ratio * pipe.scheduler.config.num_train_timesteps  # [B] bool
     if bool(high.all()) or not bool(high.any()):  # the whole batch on one side: no copies
-        expert = modules["transformer" if bool(high[0]) else "transformer_2"]
-        return _velocity(pipe, expert, x, sigma, embeds, guidance_scale)
+        name = "transformer" if bool(high[0]) else "transformer_2"
+        return _velocity(pipe, modules[name], x, sigma, embeds, scales[name])
     v = None
     for name, rows in (("transformer", high), ("transformer_2", ~high)):
         part = _velocity(pipe, modules[name], x[rows], sigma[rows], {k: t[rows] for k, t in embeds.items()},
-                         guidance_scale)
+                         scales[name])
         v = part.new_empty((len(x), *part.shape[1:])) if v is None else v
         v[rows] = part
     return v

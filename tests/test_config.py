@@ -67,3 +67,14 @@ def test_fsdp_refuses_a_family_of_several_trained_modules(capsys):
     with pytest.raises(SystemExit):
         config.check_args(p, args, 2)
     assert "trains transformer and transformer_2" in capsys.readouterr().err
+
+
+def test_a_second_guidance_scale_needs_a_second_expert(capsys):
+    import pytest
+
+    p, args = config.parse_args(["--model", "tiny-wan", "--guidance-scale-2", "3"])
+    with pytest.raises(SystemExit):
+        config.check_args(p, args, 1)
+    assert "--guidance-scale-2 is the CFG scale of a second expert" in capsys.readouterr().err
+    p, args = config.parse_args(["--model", "tiny-wan2.2", "--guidance-scale", "4", "--guidance-scale-2", "3"])
+    config.check_args(p, args, 1)

@@ -117,6 +117,36 @@ def test_wan22_routes_each_sample_to_the_pipelines_expert(pipes):
     torch.testing.assert_close(mixed, torch.stack([high[0], low[1]]), atol=1e-5, rtol=1e-5)
 
 
+def test_wan22_guides_the_low_noise_expert_by_its_own_scale(pipes):
+    """--guidance-scale-2 (pipe.guidance_scale_2) is WanPipeline's guidance_scale_2: the low-noise expert's CFG scale
+    (the model card's 4.0 and 3.0), against __call__ with the boundary above the first step; the high-noise expert
+    keeps --guidance-scale, and a forward without CFG stays without it."""
+    pipe = pipes["tiny-wan2.2"]
+    x = noise(pipe, "tiny-wan2.2", seed=5)
+    embeds = models.encode_prompts(pipe, PROMPTS, guidance_scale=4.0)
+    call = dict(prompt=list(PROMPTS), negative_prompt="", num_inference_steps=1, guidance_scale=4.0,
+                guidance_scale_2=3.0, height=64, width=64, num_frames=5, latents=x.clone(),
+                max_sequence_length=models.default_tokens(pipe))
+    one = {name: {"transformer": getattr(pipe, name)} for name in ("transformer", "transformer_2")}
+    try:
+        pipe.guidance_scale_2 = 3.0
+        pipe.register_to_config(boundary_ratio=1.0)  # t = 999 < 1000: the first step is the low-noise expert's
+        expected = pipe(**call, output_type="latent").frames
+        with torch.no_grad():
+            ours = euler(pipe, x, models.sigmas(pipe, 1, 64), embeds, 4.0)
+        torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+        pipe.register_to_config(boundary_ratio=0.875)
+        with torch.no_grad():
+            for s, name, g in [(0.9, "transformer", 4.0), (0.5, "transformer_2", 3.0)]:
+                torch.testing.assert_close(models.velocity(pipe, x, s, embeds, guidance_scale=4.0),
+                                           models.velocity(pipe, x, s, embeds, guidance_scale=g, modules=one[name]))
+            torch.testing.assert_close(models.velocity(pipe, x, 0.5, embeds),  # no CFG: none for either expert
+                                       models.velocity(pipe, x, 0.5, embeds, modules=one["transformer_2"]))
+    finally:
+        pipe.guidance_scale_2 = None
+        pipe.register_to_config(boundary_ratio=0.875)
+
+
 @pytest.mark.parametrize("name", ["tiny-qwen-image", "tiny-z-image"])
 def test_euler_matches_pipeline(name, pipes):
     pipe = pipes[name]
