@@ -205,3 +205,22 @@ def test_reward_throughput_times_every_offline_scorer(tmp_path):
     per_layer = 2 * 3584**2 + 2 * 3584 * 512 + 3 * 3584 * 18944  # q, o; k, v (4 of 28 heads); gate, up, down
     language = 28 * (2 * tokens * per_layer + 4 * tokens**2 * 3584)
     assert 700 < tokens < 900 and 1.1e12 < flops["hpsv3"] - language < 1.5e12  # the rest: the vision tower
+
+
+def test_sd35_medium_forward_flops_at_the_recipes_text_length():
+    """The FLOPs behind the GPU figures' MFU (docs/throughput.md): SD3.5-M's transformer on one 512 px sample, counted by
+    FlopCounterMode on the meta device, 2.22 TFLOP at sd3_bench.args' 205 text tokens (77 CLIP + 128 T5), 2.44 at
+    diffusers' default 256 T5 tokens."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import families
+
+    transformer = families.build_published("sd3.5-medium", "transformer", device="meta")
+    for tokens, tflop in [(77 + 128, 2.2237), (77 + 256, 2.4426)]:
+        with torch.device("meta"):
+            inputs = dict(hidden_states=torch.randn(1, 16, 64, 64), encoder_hidden_states=torch.randn(1, tokens, 4096),
+                          pooled_projections=torch.randn(1, 2048), timestep=torch.tensor([500.0]))
+        with FlopCounterMode(display=False) as counter:
+            transformer(**inputs, return_dict=False)
+        assert counter.get_total_flops() / 1e12 == pytest.approx(tflop, abs=1e-3)
