@@ -54,15 +54,18 @@ def seeded_noise(pipe, n, resolution, seed, num_frames=None, ids=None):
 
 def sample_images(pipe, prompts, *, resolution, num_steps, guidance_scale, seed=0, batch_size=8,
                   negative_prompt="", shift=None, num_frames=None, max_sequence_length=None, device="cpu",
-                  source_images=None, noise_ids=None, autocast=contextlib.nullcontext):
+                  source_images=None, noise_ids=None, autocast=contextlib.nullcontext, stop=None):
     """ODE samples of `prompts` on the model's own schedule (models.sigmas) -> uint8 [N, H, W, 3]
     (videos [N, F, H, W, 3]). source_images: per prompt, the images an edit model starts from (data.source_images).
     noise_ids: each prompt's noise index (default 0..N-1; a process sampling a share of a set passes the share's);
-    autocast: the forwards' (and decode's) context, as models.generate (train.py: the run's --mixed-precision)."""
+    autocast: the forwards' (and decode's) context, as models.generate (train.py: the run's --mixed-precision);
+    stop: asked before each batch, True gives up and returns None (train.py: a preemption)."""
     sigmas = models.sigmas(pipe, num_steps, resolution, shift=shift)
     noise = seeded_noise(pipe, len(prompts), resolution, seed, num_frames, ids=noise_ids)
     out = []
     for i in range(0, len(prompts), batch_size):
+        if stop is not None and stop():
+            return None
         embeds = models.encode_prompts(pipe, prompts[i:i + batch_size], negative_prompt=negative_prompt,
                                        guidance_scale=guidance_scale, max_sequence_length=max_sequence_length,
                                        images=source_images[i:i + batch_size] if source_images else None,

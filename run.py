@@ -140,7 +140,8 @@ class Run:
                 return False
         self.first_step = self.step
         checkpoints.start_run(args, self.stale)
-        if self.resume_from and (fork := checkpoints.fork_source(self.resume_from, args.out)):  # a new --out
+        fork = self.resume_from and checkpoints.fork_source(self.resume_from, args.out)
+        if fork:  # a new --out
             print0(f"forked {fork} at step {self.step} into {args.out}: its files start at step {self.step + 1} "
                    f"(the steps up to {self.step} are in {fork})")
         elif self.resume_from:
@@ -158,9 +159,15 @@ class Run:
         # A live bar on rank 0's terminal; none in log files, where the per-step lines already say everything.
         self.bar = tqdm(total=args.steps, initial=self.step, disable=not (is_main and sys.stderr.isatty()),
                         dynamic_ncols=True)
-        if args.eval_every and self.step == 0:
-            self.evaluate(0)
+        if args.eval_every and self.step % args.eval_every == 0 and not fork and self.step not in self.evaluated():
+            self.evaluate(self.step)  # before training; or a resumed step whose evaluation a stop cut short
         return True
+
+    def evaluated(self):
+        """The steps eval.jsonl holds (rank 0's view, shared: every rank must take part in an evaluation or none)."""
+        path = os.path.join(self.args.out, "eval.jsonl")
+        steps = {row["step"] for row in checkpoints.read_jsonl(path)[0]} if is_main else None
+        return distributed.broadcast(steps)
 
     def submit(self, reward_fn, images, prompts, metadata):
         """Score a rollout batch in the background (departure 5): the next batch is sampled meanwhile."""
@@ -261,12 +268,14 @@ class Run:
         """A signal arrived between two rollout batches: save the last complete step and exit 0 at once."""
         self._stop_while_waiting(step, "in the sampling phase of")
 
-    def _stop_while_waiting(self, step, where="while waiting for rewards in"):
-        """A signal arrived while waiting: keep the last complete step, redo this one on resume, exit 0 at once."""
+    def _stop_while_waiting(self, step, where="while waiting for rewards in", during=None):
+        """A signal arrived while waiting: keep the last complete step, redo this one on resume, exit 0 at once.
+        during: the step the message names (default step + 1, the one being made)."""
         saved = os.path.isfile(os.path.join(self.args.out, "checkpoints", str(step), "state.json"))
         if not distributed.broadcast(saved):  # rank 0 wrote it: its view decides the collective save for every rank
             self.policy.checkpoint(self.args, step, self._state())  # (another node may see the file late, or never)
-        print0(f"stopped by {self.signal or 'a signal on another rank'} {where} step {step + 1}; checkpoint {step} "
+        during = step + 1 if during is None else during
+        print0(f"stopped by {self.signal or 'a signal on another rank'} {where} step {during}; checkpoint {step} "
                f"saved, continue with --resume auto --out {self.args.out}")
         self._exit_now()  # a reward request may still be blocked on the network: do not wait for its thread
 
@@ -355,7 +364,9 @@ class Run:
                                               negative_prompt=args.negative_prompt, shift=args.shift,
                                               num_frames=args.num_frames, max_sequence_length=args.max_sequence_length,
                                               source_images=[data.source_images(m) for m in my_metadata],
-                                              noise_ids=mine, autocast=policy.autocast)
+                                              noise_ids=mine, autocast=policy.autocast, stop=self.signalled)
+        if images is None:  # preempted: the step is complete, its evaluation is redone on resume (start)
+            self._stop_while_waiting(step, "in the held-out evaluation of", during=step)
         result, error = {}, None
         try:
             result = self.reward_fn(images, my_texts, my_metadata)

@@ -11,7 +11,7 @@ Launch
         --rdzv-endpoint HOST:29500 train.py @recipes/sd3_pickscore_grpo.args      # two nodes (R = 0, 1)
     torchrun --standalone --nproc_per_node=8 --max-restarts 3 train.py @recipes/... --resume auto   # preemptible
     torchrun --standalone --nproc_per_node=8 train.py @recipes/... --lora-rank 0 --kl-beta 0 --mixed-precision bf16 \
-        --fsdp                                                     # full fine-tune, FSDP2 (no KL reference, no fp16)
+        --fsdp                                    # full fine-tune, FSDP2 (no KL reference, no fp16, one trained module)
     python train.py @recipes/wan_ocr_grpo.args                     # the recipes sized for one GPU (their authors'):
     python train.py @recipes/sd3_sft_geneval.args                  # Wan, flow_grpo's online SFT and its online DPO
     python train.py @recipes/sd3_dpo_geneval.args

@@ -42,6 +42,17 @@ SIGNAL_IN_TRAINING = textwrap.dedent('''
             os.kill(os.getpid(), signal.SIGTERM)
         return out
     models.generate = generate
+    import eval as evaluation
+    real_sample = evaluation.sample_images
+    def sample_images(*a, stop=None, **k):  # the held-out evaluation: a signal after its first batch
+        def signal_then_ask():
+            if when == "evaluation" and now.get("step") == 2:
+                now["asked"] = now.get("asked", 0) + 1
+                if now["asked"] == 2:  # before the second batch
+                    os.kill(os.getpid(), signal.SIGTERM)
+            return stop()
+        return real_sample(*a, stop=signal_then_ask if stop else None, **k)
+    evaluation.sample_images = sample_images
     data.step_prompt_ids, policy.Policy.step, policy.Policy.backward = step_prompt_ids, step, backward
     train.main(sys.argv[1:])
 ''')
@@ -72,6 +83,26 @@ def test_sigterm_in_training_keeps_the_step_start_and_resumes_exactly(tmp_path, 
     for name in ("trainable", "ema"):  # bit for bit
         mine, theirs = weights(out, 3, name), weights(reference, 3, name)
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), name
+
+
+def test_sigterm_in_the_held_out_evaluation_keeps_the_step_and_evaluates_it_on_resume(tmp_path):
+    """A signal while step 2's held-out evaluation samples (a real model's takes minutes) stops before its next batch:
+    step 2 is complete and saved, its evaluation left out; --resume auto evaluates step 2 before training on, and every
+    evaluation and weight equals an uninterrupted run's."""
+    common = [*FAST, "--steps", "3", "--save-every", "0", "--eval-every", "2", "--eval-prompts", "prompts/tiny.txt",
+              "--eval-steps", "2"]
+    reference = str(tmp_path / "reference")
+    run([sys.executable, "train.py", *common, "--out", reference], tmp_path)
+    out = str(tmp_path / "run")
+    stopped = run([sys.executable, "-c", SIGNAL_IN_TRAINING, "evaluation", *common, "--out", out], tmp_path)
+    assert "in the held-out evaluation of step 2; checkpoint 2 saved" in stopped.stdout, stopped.stdout[-2000:]
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["2"] and len(metrics(out)) == 2
+    assert [r["step"] for r in map(json.loads, open(os.path.join(out, "eval.jsonl")))] == [0]
+    run([sys.executable, "train.py", *common, "--out", out, "--resume", "auto"], tmp_path)
+    rows = [list(map(json.loads, open(os.path.join(folder, "eval.jsonl")))) for folder in (out, reference)]
+    assert [r["step"] for r in rows[0]] == [0, 2] and rows[0] == rows[1]
+    mine, theirs = weights(out, 3, "trainable"), weights(reference, 3, "trainable")
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
 
 
 LONG_STEP = ["--model", "tiny", "--prompts-per-step", "2", "--group-size", "4", "--sample-batch-size", "4",
