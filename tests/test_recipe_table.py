@@ -303,6 +303,39 @@ TABLE["sd3_gardo_grpo_ocr.args"] = ("GARDO config/gardo.py general_ocr_sd3 (scri
 OPTIMIZER["sd3_gardo_grpo_ocr.args"] = (2, 576)
 GPUS["sd3_gardo_grpo_ocr.args"] = (8, 16)  # C L118; scripts/multi_node/sd3_grpo_gardo.sh L14 runs 16
 
+# Flow-Factory examples/grpo/lora/wan22/t2v.yaml (Y, 5f6cda1; the same knobs as at a0b2bc5), run by the code read at
+# a0b2bc5: hparams/training_args.py (T), hparams/args.py (A), trainers/grpo.py (G), scheduler/unipc_multistep.py (U),
+# models/wan/wan2_t2v.py (W), advantage/advantage_processor.py (P), ema/ema.py (E). Y num_processes 8,
+# per_device_batch_size 1, group_size 16, unique_sample_num_per_epoch 48: 768 videos a step, T L295-299 96 rollout
+# micro-batches per GPU (A L157-175: 48 % 8 == 0, so group_contiguous, 6 whole groups per GPU, nothing realigned),
+# T L336 gradient accumulation 96 // gradient_step_per_epoch 2 = 48 (x num_sde_steps 1, A L402-404, T L451-452): two
+# optimizer steps of 384. Flow-SDE noise_level 0.9: U L326-343 is sde.py's flow step (3)-(5). num_sde_steps 1 of
+# sde_steps [1, 2, 3]: U L115-124 takes torch.randperm(3)[:1] under the seed G L63 sets to epoch + train.seed each
+# epoch (scheduler.seed 42 is overwritten), one step per step on every rank and batch: --sde-window sparse
+# --window-size 1 --window-range 1 4 (seeded by seed and step). clip_range 1e-4, adv_clip_range 5 (G L266-276);
+# kl_beta 0. advantage_aggregation gdpo (P L451-470) ignores global_std: one reward's per-group z-score over its
+# population std, renormalised by the batch std (1 unless a group is constant) -> --no-global-std. guidance_scale 4,
+# guidance_scale_2 3 (W L474-485: transformer for t >= 875, transformer_2 below), and G L242-250 hands both and the
+# stored negative embeddings to the training forward (W L487-496, L518-528) -> --train-cfg. ema_decay 0.9 stepped by
+# G L89 at epochs e with (e + 1) % ema_update_interval 4 == 0 (E L103-113), i.e. after optimizer steps n with
+# (n + 1) % 8 == 0 -> --ema-every 8 --ema-repeat 1. W L148 encodes 512 tokens, W L189 the negative prompt "". LoRA
+# r64 / alpha 128 on target_components transformer and transformer_2; optimizers lr 1e-4, weight decay 1e-4,
+# max_grad_norm 1; bf16; resolution 480 (T L267-268: 480x480), num_frames 5, 10 steps; eval 28 steps every 20
+# epochs, save_freq 20; PickScore (rewards/pick_score.py L86-138: the frame mean / 26) in batches of 16. No flow_shift
+# in Y: the hub scheduler's (3, diffusers' convert_wan_to_diffusers.py for the T2V A14B).
+WAN22_PICKSCORE = dict(
+    model="wan2.2", resolution=480, num_frames=5, num_steps=10, eval_steps=28, guidance_scale=4.0,
+    guidance_scale_2=3.0, train_cfg=True, max_sequence_length=512, sde="flow", eta=0.9, sde_window="sparse",
+    window_size=1, window_range=[1, 4], same_noise_per_group=False, group_size=16, prompts_per_step=48,
+    sample_batch_size=1, train_batch_size=1, minibatches=2, updates_per_batch=1, loss="grpo", clip_range=1e-4,
+    adv_clip=5.0, kl_beta=0.0, global_std=False, lora_rank=64, lora_alpha=128.0, lr=1e-4, weight_decay=1e-4,
+    max_grad_norm=1.0, mixed_precision="bf16", ema_decay=0.9, ema_every=8, ema_repeat=1, eval_every=20,
+    save_every=20, reward="pickscore", pickscore_batch_size=16)
+TABLE["wan22_pickscore_grpo.args"] = (
+    "Flow-Factory examples/grpo/lora/wan22/t2v.yaml (5f6cda1; trainers/grpo.py)", WAN22_PICKSCORE)
+OPTIMIZER["wan22_pickscore_grpo.args"] = (2, 384)  # 8 GPUs x 48 micro-batches of 1 per optimizer step
+GPUS["wan22_pickscore_grpo.args"] = (8,)  # Y num_processes
+
 
 def stated_flags(recipe):
     """The flag names a recipe file sets itself (not inherited from a preset), as argparse dests."""

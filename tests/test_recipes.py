@@ -21,6 +21,7 @@ TWIN = {"sd3": ["--model", "tiny"], "flux": ["--model", "tiny"], "wan": ["--mode
         "z-image": ["--model", "tiny-z-image"], "flux-kontext": ["--model", "tiny-flux-kontext"],
         "qwen-image-edit": ["--model", "tiny-qwen-image-edit"],
         "shapes": []}  # the CPU model that stands in for each hub model (the shapes world's is its own)
+TWIN["wan2.2"] = ["--model", "tiny-wan2.2"]  # Wan 2.2 A14B: two tiny experts (its recipe samples 5 frames)
 
 
 @pytest.fixture(scope="module")
