@@ -4,6 +4,7 @@
     clipscore   cos(text, image) of CLIP ViT-L/14                         aesthetic  LAION's predictor on CLIP ViT-L/14
     image_similarity  cos(sample, source) of CLIP ViT-L/14 image embeddings (edits)
     imagereward ImageReward (BLIP + MLP)                                  hpsv3      HPSv3 (Qwen2-VL-7B + reward head)
+    Soft-TIFA   GenEval 2's judge: its questions, rules and in-process VLM (the reward itself is rewards.soft_tifa)
 
 Each factory takes its flags (declared in rewards.add_arguments) as keywords, loads its model once by hub id or local
 path (offline: one sentence naming the flag), and returns score(images uint8 [B, H, W, 3], prompts, metadata) -> [B];
@@ -18,6 +19,7 @@ import json
 import logging
 import math
 import os
+import re
 
 import numpy as np
 import torch
@@ -25,6 +27,7 @@ from PIL import Image
 
 import data  # an edit's source images (image_similarity): data.source_images(metadata)
 import flags
+import geneval  # Soft-TIFA's questions for GenEval rows (geneval_vqa)
 
 log = logging.getLogger(__name__)
 
@@ -710,3 +713,209 @@ def hpsv3(*, hpsv3_checkpoint_path, hpsv3_base_path, hpsv3_batch_size, hpsv3_num
         return torch.cat(scores).cpu().view(len(prompts), n).mean(1)  # [B], mean over frames
 
     return score
+
+
+# ----------------------------------------------------------------------------- Soft-TIFA (GenEval 2's judge)
+# GenEval 2 (Kamath et al., arXiv:2512.16853) scores a prompt by asking a VQA model one question per atom of the prompt
+# (an object, its count, an attribute, a relation) and reading, from the first generated token's distribution, the
+# probability of the right answer. Facts from the authors' code and data (facebookresearch/GenEval2 a6e82d2:
+# evaluation.py = "ge2 L..", README.md section "Evaluation", geneval2_data.jsonl); rewards.soft_tifa is the reward.
+
+SOFT_TIFA_MODEL = "Qwen/Qwen3-VL-8B-Instruct"  # the judge (ge2 L16-27)
+SOFT_TIFA_SUFFIX = " Answer in one word."  # appended to every question (ge2 L142)
+SOFT_TIFA_YES = ("Yes", "yes", " yes", " Yes")  # the answers whose probabilities make P(yes) (ge2 L140-141)
+SOFT_TIFA_NUMBERS = geneval.NUMBERS[1:]  # "one" .. "ten": the count answers, each also read as a digit (ge2 L30-52)
+SOFT_TIFA_SKILLS = ("object", "count", "attribute", "position", "verb")  # geneval2_data.jsonl's skills
+SOFT_TIFA_FORMAT = ('"vqa_list": [["How many cats are in the image?", "one"], ["Are there any cats in the image?", '
+                    '"Yes"]] (GenEval 2\'s geneval2_data.jsonl rows, read with --input-key prompt --metadata-key \'\'; '
+                    'a GenEval row gets them from reward_models.geneval_vqa(metadata))')
+# GenEval's relations in GenEval 2's words: left and right as GenEval 2 asks them; GenEval 2 has no flat "above" and
+# "below" (its vertical relations, "on top of" and "under", imply contact), so these keep GenEval's words.
+SOFT_TIFA_RELATIONS = {"left of": "to the left of", "right of": "to the right of", "above": "above", "below": "below"}
+
+
+def soft_tifa_answers(question, answer):
+    """The answer texts whose probabilities, as the first token of the reply, add up to the question's score (ge2
+    L135-141): a question that starts with "How many" takes its number word (one to ten), capitalised or not, with
+    or without a leading space, and its digits ("four", "Four", " four", " Four", "4", " 4"); every other question
+    takes P(yes): "Yes", "yes", " yes", " Yes", whatever its expected answer (GenEval 2 expects "Yes" throughout, and
+    an answer other than "Yes" is refused here rather than scored as if it were). Raises a one-line ValueError."""
+    if not isinstance(question, str) or not question.strip() or not isinstance(answer, str):
+        raise ValueError(f"a question and its answer must be two strings, got {flags.show([question, answer])}")
+    if not question.startswith("How many"):
+        if answer != "Yes":
+            raise ValueError(f"the answer to {question!r} must be 'Yes' (Soft-TIFA scores P(yes) for every question "
+                             f"but a 'How many' one), got {answer!r}; ask the question whose answer is yes")
+        return SOFT_TIFA_YES
+    if answer.lower() not in SOFT_TIFA_NUMBERS:
+        raise ValueError(f"the answer to {question!r} must be a number word from one to ten, as GenEval 2's, got "
+                         f"{answer!r}")
+    word, digits = answer.lower(), str(SOFT_TIFA_NUMBERS.index(answer.lower()) + 1)
+    return (word, word.capitalize(), " " + word, " " + word.capitalize(), digits, " " + digits)
+
+
+def check_vqa(metadata):
+    """A row's GenEval 2 questions -> [(question, answer), ...]; a one-line ValueError naming the fix unless
+    `metadata["vqa_list"]` is a non-empty list of [question, answer] pairs that `soft_tifa_answers` accepts, and
+    `skills`, where present, one of SOFT_TIFA_SKILLS per question (GenEval 2's per-skill analysis reads it)."""
+    vqa = metadata.get("vqa_list") if isinstance(metadata, dict) else None
+    if not isinstance(vqa, list) or not vqa:
+        has = "none" if vqa is None else flags.show(vqa)
+        raise ValueError(f"Soft-TIFA needs the row's questions, one per atom, under 'vqa_list'; this row has {has}: "
+                         f"give it {SOFT_TIFA_FORMAT}")
+    pairs = []
+    for k, pair in enumerate(vqa):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
+            raise ValueError(f"vqa_list item {k} must be a [question, answer] pair, got {flags.show(pair)}")
+        try:
+            soft_tifa_answers(*pair)
+        except ValueError as err:
+            raise ValueError(f"vqa_list item {k}: {err}") from None
+        pairs.append((pair[0], pair[1]))
+    skills = metadata.get("skills")
+    if skills is not None and (not isinstance(skills, list) or len(skills) != len(vqa)
+                               or any(s not in SOFT_TIFA_SKILLS for s in skills)):
+        raise ValueError(f"'skills' must list one of {', '.join(SOFT_TIFA_SKILLS)} per question of vqa_list "
+                         f"({len(vqa)}), got {flags.show(skills)}; or leave it out")
+    return pairs
+
+
+def soft_tifa_scores(probs):
+    """Soft-TIFA of one prompt from its questions' probabilities p [n] (README "Evaluation"; ge2 L143-146, L186-190):
+
+        atom   = mean(p)                    Soft-TIFA AM, the atom-level estimate
+        prompt = exp(mean(log p))           Soft-TIFA GM (scipy.stats.gmean), the prompt-level estimate; 0 if a p is 0
+
+    The prompt score is the geometric mean, not the product prod(p) = prompt ** n, the probability that every atom
+    holds were they independent: the authors' code reports the geometric mean, which does not shrink with the number
+    of questions. Both are in [0, 1]; a p outside [0, 1] (beyond float rounding) raises.
+    """
+    p = torch.as_tensor(probs, dtype=torch.float64).flatten()
+    if not len(p) or not ((p >= -1e-6) & (p <= 1 + 1e-6)).all():
+        raise ValueError(f"Soft-TIFA needs one probability in [0, 1] per question, got {p.tolist()}")
+    p = p.clamp(0, 1)
+    return p.mean().item(), torch.exp(torch.log(p).mean()).item()  # log 0 = -inf: a zero makes the GM 0
+
+
+def geneval_vqa(metadata):
+    """GenEval 2's questions for a GenEval row (its include clauses; exclude clauses add nothing: the count question
+    asks for the exact number) -> {"vqa_list", "skills", "atom_count"}, in GenEval 2's templates and order
+    (geneval2_data.jsonl): per object, in the prompt's order (a relation's subject before its target),
+
+        count      "How many {plural} are in the image?"            -> its number word (also for one)
+        attribute  "Is the {noun} {colour}?" / "Are the {plural} {colour}?"           -> "Yes"
+        object     "Are there any {plural} in the image?"          -> "Yes"
+        position   "Is the {noun} {relation} the {target}?" / "Are the {plural} ..."   -> "Yes" (target plural when
+                   its count is above one; relation in GenEval 2's words, SOFT_TIFA_RELATIONS)
+
+    atom_count does not count the count questions of single objects (GenEval 2's README: "a" is asked, not counted).
+    """
+    geneval.check_metadata(metadata)
+    include = metadata["include"]
+    if any(clause["count"] > len(SOFT_TIFA_NUMBERS) for clause in include):
+        raise ValueError(f"GenEval 2's count answers go up to {SOFT_TIFA_NUMBERS[-1]}; this row asks for more: "
+                         f"{include}")
+    order = sorted(range(len(include)), key=lambda i: "position" not in include[i])  # subjects first, else as listed
+
+    def noun(clause):
+        return clause["class"] if clause["count"] == 1 else geneval._plural(clause["class"])
+
+    vqa, skills = [], []
+    for i in order:
+        clause = include[i]
+        plural, be = geneval._plural(clause["class"]), "Is" if clause["count"] == 1 else "Are"
+        vqa.append([f"How many {plural} are in the image?", SOFT_TIFA_NUMBERS[clause["count"] - 1]])
+        skills.append("count")
+        if "color" in clause:
+            vqa.append([f"{be} the {noun(clause)} {clause['color']}?", "Yes"])
+            skills.append("attribute")
+        vqa.append([f"Are there any {plural} in the image?", "Yes"])
+        skills.append("object")
+        if "position" in clause:
+            relation, target = clause["position"]
+            vqa.append([f"{be} the {noun(clause)} {SOFT_TIFA_RELATIONS[relation]} the {noun(include[target])}?",
+                        "Yes"])
+            skills.append("position")
+    singles = sum(s == "count" and a == "one" for s, (_, a) in zip(skills, vqa))
+    return {"vqa_list": vqa, "skills": skills, "atom_count": len(vqa) - singles}
+
+
+_RELATION_WORDS = "|".join(sorted({*SOFT_TIFA_RELATIONS, *SOFT_TIFA_RELATIONS.values(), "in front of", "behind",
+                                   "under", "on top of"}, key=len, reverse=True))
+_QUESTIONS = (  # GenEval 2's templates (geneval_vqa), most specific first
+    ("count", r"How many (?P<noun>.+) are in the image\?"),
+    ("object", r"Are there any (?P<noun>.+) in the image\?"),
+    ("position", rf"(?:Is|Are) the (?P<noun>.+?) (?P<relation>{_RELATION_WORDS}) the (?P<target>.+)\?"),
+    ("verb", r"(?:Is|Are) the (?P<noun>.+?) (?P<relation>playing with|chasing|jumping over) the (?P<target>.+)\?"),
+    ("attribute", r"(?:Is|Are) the (?P<noun>.+) (?P<attribute>\S+)\?"),
+)
+
+
+def parse_question(question):
+    """A question in one of GenEval 2's templates -> {"skill", "noun", and "attribute" or "relation" and "target"}
+    (nouns as written, singular or plural); None for any other question."""
+    for skill, pattern in _QUESTIONS:
+        found = re.fullmatch(pattern, question)
+        if found:
+            return {"skill": skill, **found.groupdict()}
+    return None
+
+
+def soft_tifa_vlm(path, device, batch_size):
+    """The in-process Soft-TIFA judge: a transformers vision-language model (AutoModelForImageTextToText, e.g.
+    Qwen3-VL-8B-Instruct as the authors) -> ask(images uint8 [B, H, W, 3], B lists of (question, answer)) -> (B
+    tensors of the questions' probabilities, failed [B] bool, all False).
+
+    As ge2 L55-100: one user turn holding the image, then the question and SOFT_TIFA_SUFFIX, through the model's chat
+    template with the generation prompt; the next token's distribution is the softmax of the model's logits over the
+    whole vocabulary, in float32 (what generate(max_new_tokens=1, do_sample=False, output_scores=True) gives there),
+    and a question's probability is the sum over the token ids of its `soft_tifa_answers`. No renormalisation against
+    "No": a judge that answers something else entirely scores low. Departure: only answers that are one token count.
+    The authors take the first token of each (ge2 L92), so with Qwen3's tokenizer " 4" (a space, then the digit) adds
+    the probability of a bare space and "10" that of "1"; here both are left out, which is also what a server's
+    top_logprobs can give (rewards.soft_tifa's openai backend). Questions are batched `batch_size` at a time, padded
+    on the left; bfloat16 on a GPU (the authors' dtype "auto"), float32 on the CPU.
+    """
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    try:
+        processor = AutoProcessor.from_pretrained(path)
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).eval().to(device)
+    except Exception as err:
+        raise hub_error("soft_tifa", path, "--soft-tifa-model", err) from err
+    tokenizer = processor.tokenizer
+    tokenizer.padding_side = "left"  # the next token follows the last position of every row
+
+    @functools.lru_cache(maxsize=None)
+    def token_ids(answers):
+        ids = {tuple(tokenizer.encode(a, add_special_tokens=False)) for a in answers}
+        single = sorted({i[0] for i in ids if len(i) == 1})
+        if not single:
+            raise ValueError(f"soft_tifa: the tokenizer of --soft-tifa-model {path} has no single token for any of "
+                             f"{list(answers)}, so the answer cannot be read from the first token; use a model "
+                             f"whose vocabulary holds them (Qwen3-VL's does)")
+        return single
+
+    token_ids(SOFT_TIFA_YES)  # a tokenizer without "Yes" fails now, not at the first batch
+
+    @torch.no_grad()
+    def ask(images, vqa):
+        jobs = [(i, q, a) for i, pairs in enumerate(vqa) for q, a in pairs]
+        probs = []
+        for start in range(0, len(jobs), batch_size):
+            chunk = jobs[start:start + batch_size]
+            messages = [[{"role": "user", "content": [{"type": "image"},
+                                                      {"type": "text", "text": q + SOFT_TIFA_SUFFIX}]}]
+                        for _, q, _ in chunk]
+            text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            batch = processor(text=text, images=[Image.fromarray(images[i]) for i, _, _ in chunk], padding=True,
+                              return_tensors="pt").to(device)
+            batch["pixel_values"] = batch["pixel_values"].to(dtype)
+            logits = model(**batch, logits_to_keep=1).logits[:, -1].float()  # [b, vocab], the first reply token
+            p = logits.softmax(-1)
+            probs += [row[token_ids(soft_tifa_answers(q, a))].sum().item() for row, (_, q, a) in zip(p, chunk)]
+        counts = [len(pairs) for pairs in vqa]
+        return list(torch.tensor(probs, dtype=torch.float64).split(counts)), torch.zeros(len(vqa), dtype=torch.bool)
+
+    return ask

@@ -24,6 +24,7 @@
 | `remote`                 | a reward server you run, one POST per batch              | yours                    |
 | `custom`                 | your function (`--custom-rm-path module.function`)       | yours                    |
 | `geneval`                | GenEval verdict from detections (geneval.py)             | [0, 1]; partial <= 1     |
+| `soft_tifa`              | GenEval 2's Soft-TIFA: mean / GM of a VLM's P(answer)    | [0, 1]                   |
 | `shapes_edit`            | the shapes world's exact edit judge (shapes.judge_edit)  | 0/1, or partial in [0, 1]|
 | `shapes_proxy`, `_1`-`_3`| a learned proxy's P(GenEval judge: correct), member k    | [0, 1]                   |
 
@@ -60,7 +61,8 @@ Conventions shared by every scorer:
   before the edited image, `remote` sends them beside the images, `custom` and `custom_api` hooks read them from
   the metadata.
 
-Reward services (`openai_api`, `custom_api`, `remote`) run on services.py: a thread pool of at
+Reward services (`openai_api`, `custom_api`, `remote`, `unifiedreward`, and `soft_tifa` on a server) run on
+services.py: a thread pool of at
 most `max_concurrency` requests in flight (per process), one deadline per attempt for everything
 (name lookup, connect, send, the whole reply: `timeout_s` of the config, else `--reward-timeout`),
 a cap on the reply (`--reward-max-bytes`), retries with exponential backoff, and
@@ -84,7 +86,8 @@ NAME` the header `Authorization: <value of $NAME>`):
 code you trust.
 
 Sections, each read on its own: OCR and JPEG, the reward services (the judge and the three service factories; their
-HTTP plumbing is services.py), user code, mixtures and the option table; GenEval's detectors at the end. The neural
+HTTP plumbing is services.py), user code, UnifiedReward, Soft-TIFA (its three backends; GenEval 2's rules and the
+in-process judge are in reward_models.py), mixtures and the option table; GenEval's detectors at the end. The neural
 reward models (PickScore, HPSv2 / v3, ImageReward, CLIPScore, aesthetic) are in reward_models.py.
 
 Run `python bench.py --rewards` for the images/s of the offline scorers on this machine.
@@ -631,6 +634,192 @@ def unifiedreward(*, unifiedreward_url, unifiedreward_model, unifiedreward_api_k
     return _api_scorer("unifiedreward", judge, loop)
 
 
+# ----------------------------------------------------------------------------- Soft-TIFA (GenEval 2's judge)
+
+def soft_tifa_logprob(reply, answers):
+    """A question's probability from a Chat Completions reply asked with max_tokens 1, logprobs and top_logprobs: the
+    sum of exp(logprob) over the first token's top_logprobs entries whose token text is one of `answers`
+    (reward_models.soft_tifa_answers). An answer the server did not list (below its top k) counts 0: the sum falls
+    short by at most (answers not listed) x (the smallest probability listed). A reply without top_logprobs, or whose
+    entries are not log-probabilities (NaN, above 0, or adding up to more than 1), is a BadReply, never a number."""
+    try:
+        entries = reply["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    except (KeyError, IndexError, TypeError):
+        raise BadReply(f"no choices[0].logprobs.content[0].top_logprobs in the reply ({str(reply)[:200]}); the "
+                       f"server must return log-probabilities (vLLM does for logprobs/top_logprobs)") from None
+    if not isinstance(entries, list) or not entries:
+        raise BadReply(f"top_logprobs holds no entries ({flags.show(entries)}); the server must list top_logprobs")
+    total = found = 0.0
+    for entry in entries:
+        if not isinstance(entry, dict) or not isinstance(entry.get("token"), str):
+            raise BadReply(f"a top_logprobs entry is not {{'token': str, 'logprob': number}}: {flags.show(entry)}")
+        logprob = _number(entry.get("logprob"), f"the logprob of token {entry['token']!r}")
+        if math.isnan(logprob) or logprob > 1e-6:
+            raise BadReply(f"the logprob of token {entry['token']!r} is {logprob}, not a log-probability (<= 0)")
+        total += math.exp(logprob)
+        found += math.exp(logprob) if entry["token"] in answers else 0.0
+    if total > 1 + 1e-3:
+        raise BadReply(f"the top_logprobs entries' probabilities add up to {total:.4f} > 1: not one distribution")
+    return min(found, 1.0)
+
+
+def _soft_tifa_server(*, url, model, api_key_env, top_logprobs, loop):
+    """Soft-TIFA's questions to an OpenAI-compatible server (vLLM: `vllm serve Qwen/Qwen3-VL-8B-Instruct`), one
+    Chat Completions request per question: the user turn of reward_models.soft_tifa_vlm (the image as a PNG data URL,
+    then the question and SOFT_TIFA_SUFFIX), temperature 0, max_tokens 1, logprobs with `top_logprobs` entries; the
+    probability is `soft_tifa_logprob`'s. Requests run in services' loop (deadline, retries, at most max_concurrency
+    in flight); a question that fails for good fails its sample (--reward-on-error)."""
+    _http_url(url, "--soft-tifa-url")
+    headers, redact = {}, (lambda s: s)
+    if api_key_env:
+        key = os.environ.get(api_key_env)
+        if not key:
+            raise ValueError(f"--soft-tifa-api-key-env {api_key_env}: that environment variable is unset or empty; "
+                             f"export the server's API key in it")
+        headers, redact = {"Authorization": f"Bearer {key}"}, services.mask_secrets([key])
+    client, endpoint = http_client(headers), url.rstrip("/") + "/chat/completions"
+
+    def ask(images, vqa):
+        pngs = [png_base64(image) for image in images]  # once per sample, for all its questions
+        jobs = [(i, k) for i, pairs in enumerate(vqa) for k in range(len(pairs))]
+
+        def prepare(u):
+            i, k = jobs[u]
+            return {"model": model, "temperature": 0.0, "max_tokens": 1, "logprobs": True,
+                    "top_logprobs": top_logprobs, "messages": [{"role": "user", "content": [
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + pngs[i]}},
+                        {"type": "text", "text": vqa[i][k][0] + reward_models.SOFT_TIFA_SUFFIX}]}]}
+
+        def send(u, request):
+            i, k = jobs[u]
+            reply = post_json(endpoint, request, timeout=loop["timeout"], client=client)
+            return [soft_tifa_logprob(reply, reward_models.soft_tifa_answers(*vqa[i][k]))]
+
+        def label(unit):
+            i, k = jobs[unit[0]]
+            return f"sample {i}, question {k} ({vqa[i][k][0]!r})"
+
+        probs, failed = _serve("soft_tifa", [[u] for u in range(len(jobs))], prepare, send, redact=redact,
+                               label=label, **loop)
+        counts = [len(pairs) for pairs in vqa]
+        return (list(probs.double().split(counts)),
+                torch.tensor([bool(f.any()) for f in failed.split(counts)], dtype=torch.bool))
+
+    return ask
+
+
+def shapes_answer(question, objects):
+    """The true answer to a GenEval 2 question (reward_models.parse_question) about a shapes-world scene, `objects`
+    [{"class", "color", "box"}]: a number word for "How many", else "Yes" or "No". "Are there any": one or more;
+    "Is the / Are the <shape> <colour>": at least one, and every one of that colour; "<shape> <relation> the <shape>":
+    at least one of each, and every pair in the relation by GenEval's rule (geneval.relative_position), as the
+    GenEval judge checks a position clause. Raises a one-line ValueError for a question this world cannot answer."""
+    parsed = reward_models.parse_question(question)
+    relations = {words: name for name, words in reward_models.SOFT_TIFA_RELATIONS.items()}
+    relations.update({name: name for name in geneval.RELATIONS})
+
+    def shape(noun):
+        for name in shapes.SHAPES:
+            if noun in (name, geneval._plural(name)):
+                return [o for o in objects if o["class"] == name]
+        raise ValueError(f"{noun!r} in {question!r} is no shape of this world ({', '.join(shapes.SHAPES)})")
+
+    if parsed is None or parsed["skill"] == "verb" or ("relation" in parsed and parsed["relation"] not in relations):
+        raise ValueError(f"the shapes world cannot answer {question!r}: it reads GenEval 2's count, object, colour and "
+                         f"flat-relation questions ({', '.join(relations)})")
+    found = shape(parsed["noun"])
+    if parsed["skill"] == "count":
+        return geneval.NUMBERS[len(found)] if len(found) < len(geneval.NUMBERS) else str(len(found))
+    if parsed["skill"] == "object":
+        holds = bool(found)
+    elif parsed["skill"] == "attribute":
+        if parsed["attribute"] not in shapes.COLORS:
+            raise ValueError(f"{parsed['attribute']!r} in {question!r} is no colour of this world "
+                             f"({', '.join(shapes.COLORS)})")
+        holds = bool(found) and all(o["color"] == parsed["attribute"] for o in found)
+    else:
+        targets, relation = shape(parsed["target"]), relations[parsed["relation"]]
+        holds = bool(found) and bool(targets) and all(relation in geneval.relative_position(o["box"], t["box"])
+                                                      for o in found for t in targets)
+    return "Yes" if holds else "No"
+
+
+def _soft_tifa_shapes():
+    """The exact judge of the shapes world: each question answered from the shapes detector's detections (those any
+    GenEval rule keeps: score above 0.3, geneval.kept_detections) by `shapes_answer`; a question's probability is 1
+    when that answer is the expected one, else 0. A component the detector cannot name (class UNKNOWN) is no object
+    here, where GenEval's judge counts it against exclude clauses."""
+    def ask(images, vqa):
+        probs = []
+        for pairs, detections in zip(vqa, shapes.detect(images)):
+            kept = [d for dets in geneval.kept_detections(detections, None).values() for d in dets]
+            probs.append(torch.tensor([float(shapes_answer(q, kept).lower() == a.lower()) for q, a in pairs],
+                                      dtype=torch.float64))
+        return probs, torch.zeros(len(vqa), dtype=torch.bool)
+
+    return ask
+
+
+SOFT_TIFA_BACKENDS = ("transformers", "openai", "shapes")
+SOFT_TIFA_SCORES = ("prompt", "atom")
+
+
+def soft_tifa(*, soft_tifa_backend, soft_tifa_model, soft_tifa_url, soft_tifa_api_key_env, soft_tifa_score,
+              soft_tifa_batch_size, soft_tifa_max_concurrency, soft_tifa_top_logprobs, reward_timeout, reward_retries,
+              reward_backoff, reward_on_error, reward_max_bytes, device, **_):
+    """GenEval 2's Soft-TIFA (arXiv:2512.16853; reward_models' Soft-TIFA section has the authors' rules) ->
+    score(images, prompts, metadata) -> {"reward": the `soft_tifa_score` one of the two below, "soft_tifa_atom": the
+    mean of the questions' probabilities (Soft-TIFA AM), "soft_tifa_prompt": their geometric mean (Soft-TIFA GM),
+    "failed"}, each [B]. A sample's questions are `metadata["vqa_list"]` (reward_models.check_vqa), asked of:
+
+        transformers  --soft-tifa-model in this process (reward_models.soft_tifa_vlm)
+        openai        an OpenAI-compatible server at --soft-tifa-url serving --soft-tifa-model, read from top_logprobs
+                      (`_soft_tifa_server`; --reward-timeout, --reward-retries and --reward-on-error apply)
+        shapes        the shapes world's exact judge (`_soft_tifa_shapes`): each probability 1 or 0
+
+    Images only. A failed sample (openai, --reward-on-error skip) has NaN scores and reward 0.
+    """
+    if soft_tifa_backend not in SOFT_TIFA_BACKENDS:
+        raise ValueError(f"--soft-tifa-backend must be one of {', '.join(SOFT_TIFA_BACKENDS)}, "
+                         f"got {soft_tifa_backend!r}")
+    if soft_tifa_score not in SOFT_TIFA_SCORES:
+        raise ValueError(f"--soft-tifa-score must be one of {', '.join(SOFT_TIFA_SCORES)}, got {soft_tifa_score!r}")
+    if soft_tifa_backend == "transformers":
+        ask = reward_models.soft_tifa_vlm(soft_tifa_model, device,
+                                          flags.integer(soft_tifa_batch_size, 1, "--soft-tifa-batch-size"))
+    elif soft_tifa_backend == "openai":
+        loop = _service_loop(reward_timeout, "--reward-timeout", soft_tifa_max_concurrency,
+                             "--soft-tifa-max-concurrency", reward_retries, reward_backoff, reward_on_error,
+                             reward_max_bytes)
+        if not isinstance(soft_tifa_model, str) or not soft_tifa_model:
+            raise ValueError(f"--soft-tifa-model must name the served model, got {flags.show(soft_tifa_model)}")
+        ask = _soft_tifa_server(url=soft_tifa_url, model=soft_tifa_model, api_key_env=soft_tifa_api_key_env,
+                                top_logprobs=flags.integer(soft_tifa_top_logprobs, 1, "--soft-tifa-top-logprobs"),
+                                loop=loop)
+    else:
+        ask = _soft_tifa_shapes()
+
+    def score(images, prompts, metadata):
+        images = to_uint8(images)
+        if images.ndim != 4:
+            raise ValueError(f"soft_tifa scores images only, got frames of shape {images.shape}")
+        metadata = metadata or [{}] * len(images)
+        vqa = []
+        for i, m in enumerate(metadata):
+            try:
+                vqa.append(reward_models.check_vqa(m))
+            except ValueError as err:
+                raise ValueError(f"soft_tifa: sample {i} ({prompts[i][:60]!r}): {err}") from None
+        probs, failed = ask(images, vqa)
+        atom, prompt = torch.tensor([reward_models.soft_tifa_scores(p) if not f else (math.nan, math.nan)
+                                     for p, f in zip(probs, failed)], dtype=torch.float64).T
+        main = {"atom": atom, "prompt": prompt}[soft_tifa_score]
+        return {"reward": main.float(), "soft_tifa_atom": atom.float(), "soft_tifa_prompt": prompt.float(),
+                "failed": failed}
+
+    return score
+
+
 # ----------------------------------------------------------------------------- mixtures and dispatch
 
 MAX_WEIGHT = 1e6  # the largest |weight| of a --reward component
@@ -843,6 +1032,23 @@ def add_arguments(parser):
     flag("--unifiedreward-api-key-env", "name of an environment variable holding the server's API key (None: no key)",
          metavar="NAME", default=None)
     flag("--unifiedreward-max-concurrency", "requests in flight to --unifiedreward-url, per GPU", type=int, default=8)
+    # Soft-TIFA (GenEval 2's judge)
+    flag("--soft-tifa-backend", "who answers the questions: transformers (--soft-tifa-model in this process), openai "
+         "(the OpenAI-compatible server at --soft-tifa-url, e.g. vLLM) or shapes (the shapes world's exact judge)",
+         choices=SOFT_TIFA_BACKENDS, default="transformers")
+    flag("--soft-tifa-model", "the judge: hub id or local folder (transformers), or the name the server serves it "
+         "under (openai)", default=reward_models.SOFT_TIFA_MODEL)
+    flag("--soft-tifa-score", "the trained reward: prompt (the geometric mean of the questions' probabilities, "
+         "Soft-TIFA GM) or atom (their mean, Soft-TIFA AM); both are reported", choices=SOFT_TIFA_SCORES,
+         default="prompt")
+    flag("--soft-tifa-batch-size", "questions per forward of the in-process judge, per GPU", type=int, default=8)
+    flag("--soft-tifa-url", "base URL of the OpenAI-compatible server (openai backend)",
+         default="http://127.0.0.1:8000/v1")
+    flag("--soft-tifa-api-key-env", "name of an environment variable holding the server's API key (None: no key)",
+         metavar="NAME", default=None)
+    flag("--soft-tifa-max-concurrency", "questions in flight to --soft-tifa-url, per GPU", type=int, default=16)
+    flag("--soft-tifa-top-logprobs", "log-probabilities the server lists for the answer token (vLLM allows 20 unless "
+         "started with a larger --max-logprobs); an answer below them counts 0", type=int, default=20)
     # OCR
     flag("--ocr-backend", "OCR engine", choices=sorted(OCR_BACKENDS), default="rapidocr")
     flag("--ocr-workers", "OCR threads, per GPU, each with its own engine on the CPU", type=int, default=2)
@@ -897,7 +1103,8 @@ def geneval_rows_check(detector):
 def rows_check(spec, geneval_detector, by_advantage=False):
     """The check of data.load_prompts for the rows of a prompt file trained with reward `spec` (a row's metadata
     rm_type replaces it): a row whose reward has a geneval component must be a GenEval row the judge and
-    --geneval-detector can score (geneval_rows_check), one with image_similarity must name a source image;
+    --geneval-detector can score (geneval_rows_check), one with image_similarity must name a source image, one with
+    soft_tifa must carry its questions (reward_models.check_vqa);
     by_advantage (--reward-combine advantage, whose weights are
     --reward's): a row's rm_type may only leave components of `spec` out. An unknown rm_type is left to be named
     after the file loads."""
@@ -917,6 +1124,8 @@ def rows_check(spec, geneval_detector, by_advantage=False):
             geneval_rows_check("shapes")(metadata)
         if "shapes_edit" in dict(row):
             shapes.edit_row_check(metadata)
+        if "soft_tifa" in dict(row):
+            reward_models.check_vqa(metadata)
         if "image_similarity" in dict(row) and not metadata.get(data.SOURCE_KEY):
             raise ValueError("reward image_similarity compares each sample with its source image, and this row has "
                              "none: give it an 'image', or drop image_similarity from --reward")
@@ -968,4 +1177,5 @@ REWARDS = {
     "image_similarity": reward_models.image_similarity,
     "aesthetic": reward_models.aesthetic,
     "unifiedreward": unifiedreward,
+    "soft_tifa": soft_tifa,
 }

@@ -339,15 +339,18 @@ def _at_most(value, limit, name):
 
 
 def _serve(service, units, prepare, send, *, timeout, max_bytes, retries, backoff, max_concurrency, on_error,
-           redact=lambda s: s):
+           redact=lambda s: s, label=None):
     """Score `units` (lists of sample indices) with at most `max_concurrency` requests in flight.
 
     prepare(u) builds unit u's request once; send(u, request) returns one float per sample of the
     unit. Each attempt runs under one deadline of `timeout` seconds and a reply cap of `max_bytes`,
     and is retried `backoff * 2**attempt` seconds later, up to `retries` attempts. With on_error
     "raise" the first unit that fails for good raises at once, and no unit starts another attempt.
+    label(unit) names a unit in errors and logs (default "sample 3", "sample 0-7"); a service whose units are
+    not samples (Soft-TIFA: one question of a sample) says what they are.
     Returns (scores [B] float32, failed [B] bool).
     """
+    label = label or (lambda unit: f"sample {_samples(unit)}")
     total = sum(len(u) for u in units)
     scores, failed = torch.zeros(total), torch.zeros(total, dtype=torch.bool)
     stop = threading.Event()
@@ -367,8 +370,8 @@ def _serve(service, units, prepare, send, *, timeout, max_bytes, retries, backof
                 if not _retryable(err) or attempt >= retries:
                     break
                 delay = min(backoff * 2 ** (attempt - 1), MAX_BACKOFF)  # doubling past it would hang the run
-                log.warning("%s: sample %s attempt %d/%d failed (%s); retrying in %.2fs",
-                            service, _samples(units[u]), attempt, retries, error, delay)
+                log.warning("%s: %s attempt %d/%d failed (%s); retrying in %.2fs",
+                            service, label(units[u]), attempt, retries, error, delay)
                 stop.wait(delay)
         return None, error, attempt
 
@@ -381,7 +384,7 @@ def _serve(service, units, prepare, send, *, timeout, max_bytes, retries, backof
             if error is None:
                 scores[unit] = torch.tensor(values, dtype=torch.float32)
                 continue
-            message = f"{service}: sample {_samples(unit)} failed after {attempts} attempt(s): {error}"
+            message = f"{service}: {label(unit)} failed after {attempts} attempt(s): {error}"
             if on_error == "raise":
                 stop.set()  # attempts in flight end at their deadline; no new ones start
                 raise RewardServiceError(message)

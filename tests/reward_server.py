@@ -133,3 +133,15 @@ class ShoutingJudge(rewards.OpenAIJudge):
 
     def build_request(self, image, prompt, metadata):
         return super().build_request(image, prompt.upper(), metadata)
+
+
+def logprobs_reply(top, token=None):
+    """The Chat Completions reply of a server asked for one token with logprobs and top_logprobs (vLLM's shape):
+    `top` ({token text: logprob}) is the first token's top_logprobs list, `token` (default: the likeliest) the token
+    generated."""
+    entries = [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top.items()]
+    token = token if token is not None else max(top, key=top.get) if top else ""
+    return {"id": "cmpl-test", "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": token}, "finish_reason": "length",
+                         "logprobs": {"content": [{"token": token, "logprob": top.get(token, 0.0),
+                                                   "bytes": list(token.encode()), "top_logprobs": entries}]}}]}
