@@ -882,6 +882,27 @@ def _as_scores(out, n, who):
     return vector(out, "scores"), failed, extras
 
 
+def _score_part(fn, name, images, prompts, metadata, idx):
+    """Component `name` scored by `fn` on the samples idx -> (scores [n], failed [n] bool, extras {key: [n]}), each
+    checked: a score must be finite (NaN where it failed), an extra entry may be NaN (does not apply), never inf."""
+    try:
+        result = fn(images[idx], [prompts[i] for i in idx], [metadata[i] for i in idx])
+    except SystemExit as err:  # would end the run in silence, with no checkpoint (exit 0 for sys.exit(0))
+        if isinstance(err.code, str):  # an exit with its own message: not silent
+            raise
+        raise ValueError(f"reward {name!r} called sys.exit({err.code!r}) while scoring; return scores, or "
+                         "raise an exception to stop the run") from None
+    part, part_failed, extras = _as_scores(result, len(idx), f"reward {name!r}")
+    checks = [(name, part, ~torch.isfinite(part))] + [(k, v, torch.isinf(v)) for k, v in extras.items()]
+    for key, values, bad in checks:
+        bad &= ~part_failed
+        if bad.any():
+            j = int(bad.nonzero()[0])
+            raise NonFiniteReward(f"reward {name!r} ({key}) gave {values[j].item()} for sample {idx[j]}")
+    part[part_failed] = float("nan")
+    return part, part_failed, extras
+
+
 def build_reward(spec, *, device="cpu", **options):
     """reward_fn(images, prompts, metadata) -> {component: [B], ..., "reward": [B], "failed": [B] bool}.
 
@@ -930,22 +951,7 @@ def build_reward(spec, *, device="cpu", **options):
         for name, idx in users.items():
             component = torch.full((batch,), float("nan"))  # NaN where the component does not apply
             if idx:
-                try:
-                    result = scorer(name)(images[idx], [prompts[i] for i in idx], [metadata[i] for i in idx])
-                except SystemExit as err:  # would end the run in silence, with no checkpoint (exit 0 for sys.exit(0))
-                    if isinstance(err.code, str):  # an exit with its own message: not silent
-                        raise
-                    raise ValueError(f"reward {name!r} called sys.exit({err.code!r}) while scoring; return scores, or "
-                                     "raise an exception to stop the run") from None
-                part, part_failed, extras = _as_scores(result, len(idx), f"reward {name!r}")
-                # The score must be finite; an extra entry may be NaN ("does not apply to this sample"), not inf.
-                checks = [(name, part, ~torch.isfinite(part))] + [(k, v, torch.isinf(v)) for k, v in extras.items()]
-                for key, values, bad in checks:
-                    bad &= ~part_failed
-                    if bad.any():
-                        j = int(bad.nonzero()[0])
-                        raise NonFiniteReward(f"reward {name!r} ({key}) gave {values[j].item()} for sample {idx[j]}")
-                part[part_failed] = float("nan")
+                part, part_failed, extras = _score_part(scorer(name), name, images, prompts, metadata, idx)
                 component[idx] = part
                 failed[idx] |= part_failed
                 for key, values in extras.items():
