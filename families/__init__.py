@@ -27,6 +27,9 @@ takes g through its embedding (FLUX.1-dev, Kontext) or ignores it (a step-distil
 | `flux`             | `black-forest-labs/FLUX.1-dev`                                             | flux.py            |
 | `wan`              | `Wan-AI/Wan2.1-T2V-1.3B-Diffusers`, text to video (14B by --model-path)    | wan.py             |
 | `wan2.2`           | `Wan-AI/Wan2.2-T2V-A14B-Diffusers`: two 14B experts split at a boundary    | wan.py             |
+| `wan2.2-5b`        | `Wan-AI/Wan2.2-TI2V-5B-Diffusers`: one 5B, 16x VAE, a timestep per token  | wan.py             |
+| `hunyuan-video-1.5`| `hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v`, text to      | hunyuan_video.py   |
+|                    | video (720p by --model-path)                                               |                    |
 | `qwen-image`       | `Qwen/Qwen-Image`                                                          | qwen_image.py      |
 | `flux2-klein`      | `black-forest-labs/FLUX.2-klein-base-4B`, also edits (9B, distilled: path) | flux2_klein.py     |
 | `z-image`          | `Tongyi-MAI/Z-Image` (`Z-Image-Turbo` by --model-path)                     | z_image.py         |
@@ -47,8 +50,8 @@ defined in the test).
 import dataclasses
 from typing import Callable, Optional
 
-from families import (common, flux, flux2_klein, flux_kontext, qwen_image, qwen_image_edit, sd3, shapes, wan,
-                      z_image)
+from families import (common, flux, flux2_klein, flux_kontext, hunyuan_video, qwen_image, qwen_image_edit, sd3,
+                      shapes, wan, z_image)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +88,8 @@ class Family:
 # name -> component -> (class, config) of the published models (each family's PUBLISHED); Qwen-Image-Edit (2509, 2511)
 # publishes Qwen-Image's components
 PUBLISHED = {**sd3.PUBLISHED, **wan.PUBLISHED, **qwen_image.PUBLISHED, **flux2_klein.PUBLISHED, **z_image.PUBLISHED,
-             **flux_kontext.PUBLISHED, "qwen-image-edit": qwen_image.PUBLISHED["qwen-image"]}
+             **flux_kontext.PUBLISHED, "qwen-image-edit": qwen_image.PUBLISHED["qwen-image"],
+             **hunyuan_video.PUBLISHED}
 
 
 def build_published(name, component, device="meta"):
@@ -105,6 +109,10 @@ MODELS = {
     "tiny-wan": Family(**wan.TINY),
     "wan2.2": Family(**wan.WAN22),
     "tiny-wan2.2": Family(**wan.TINY22),
+    "wan2.2-5b": Family(**wan.WAN22_5B),
+    "tiny-wan2.2-5b": Family(**wan.TINY22_5B),
+    "hunyuan-video-1.5": Family(**hunyuan_video.HUNYUAN_VIDEO),
+    "tiny-hunyuan-video-1.5": Family(**hunyuan_video.TINY),
     "qwen-image": Family(**qwen_image.QWEN_IMAGE),
     "tiny-qwen-image": Family(**qwen_image.TINY),
     "flux2-klein": Family(**flux2_klein.KLEIN),

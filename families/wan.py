@@ -1,7 +1,9 @@
 """Wan text-to-video: Wan 2.1, `wan` (`Wan-AI/Wan2.1-T2V-1.3B-Diffusers`; the 14B by --model-path) and `tiny-wan`,
 and Wan 2.2 A14B, `wan2.2` (`Wan-AI/Wan2.2-T2V-A14B-Diffusers`) and `tiny-wan2.2`: two experts of Wan 2.1-14B's
 architecture, `transformer` for the high-noise steps and `transformer_2` for the rest, both trained (the record's
-trained), each step's samples routed by the pipeline's boundary (velocity).
+trained), each step's samples routed by the pipeline's boundary (velocity). Wan 2.2 TI2V-5B, `wan2.2-5b`
+(`Wan-AI/Wan2.2-TI2V-5B-Diffusers`) and `tiny-wan2.2-5b`: one dense 5B on the Wan 2.2 VAE, a timestep per token (its
+section, at the end).
 
 Checked against diffusers/pipelines/wan/pipeline_wan.py (WanPipeline.__call__) and
 schedulers/scheduling_unipc_multistep.py (UniPCMultistepScheduler.set_timesteps) by tests/test_families.py; the
@@ -220,3 +222,100 @@ WAN = dict(name="wan", load=load, hub_id=WAN_ID, hub=True, multiple=16, preset=c
 TINY = dict(WAN, load=tiny, hub_id=None, hub=False, preset=dict(common.TINY, num_frames=5))  # 5 frames: 2 latent
 WAN22 = dict(WAN, load=load_a14b, hub_id=WAN22_ID, trained=("transformer", "transformer_2"))
 TINY22 = dict(WAN22, load=tiny_a14b, hub_id=None, hub=False, preset=TINY["preset"])
+
+
+# ----------------------------------------------------------------------------- Wan 2.2 TI2V-5B
+# `wan2.2-5b` and `tiny-wan2.2-5b`: Wan 2.1's adapter (encode, shape, noise, decode, sigmas) where the 5B only changes
+# sizes, and its own velocity (per-token timesteps). Checked against WanPipeline.__call__ with expand_timesteps
+# (diffusers/pipelines/wan/pipeline_wan.py) and AutoencoderKLWan's patchify (models/autoencoders/autoencoder_kl_wan.py)
+# by tests/test_video_families.py.
+
+WAN22_5B_ID = "Wan-AI/Wan2.2-TI2V-5B-Diffusers"
+# Wan 2.2's VAE, as diffusers' scripts/convert_wan_to_diffusers.py (vae22_diffusers_config) writes the hub repo's
+# vae/config.json: 48 latent channels, 8x spatial convolutions on a 2 x 2-patchified (12-channel) input: 16x in all
+_VAE22 = dict(
+    base_dim=160, decoder_base_dim=256, z_dim=48, is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+    scale_factor_temporal=4, scale_factor_spatial=16,
+    latents_mean=[-0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382, 0.0542, 0.2813, 0.0891,
+                  0.1570, -0.0098, 0.0375, -0.1825, -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502,
+                  -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.1230, -0.0313, -0.1649, 0.0117, 0.0723,
+                  -0.2839, -0.2083, -0.0520, 0.3748, 0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681,
+                  -0.0667],
+    latents_std=[0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013, 0.8158, 1.0344, 0.5894, 1.0901, 0.6885,
+                 0.6165, 0.8454, 0.4978, 0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659, 0.7069, 0.5338,
+                 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093, 0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458,
+                 1.6887, 0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744])
+
+
+def load_5b(model_path=None, dtype=torch.float32, device="cpu"):
+    """Wan 2.2 TI2V-5B text to video (`Wan-AI/Wan2.2-TI2V-5B-Diffusers`): one dense transformer of Wan's architecture
+    (30 blocks of width 3072) on the Wan 2.2 VAE; WanPipeline with expand_timesteps (the hub config's).
+
+    Where it differs from Wan 2.1 (load's conventions hold otherwise): latents [B, 48, F', H/16, W/16] with
+    F' = (F - 1) / 4 + 1, the VAE's 16x being a 2 x 2 patchify of the pixels (12 channels) and 8x convolutions, so a
+    token (1 x 2 x 2 latent patch) is 32 x 32 px and sides are multiples of 32; the timestep is one per token,
+    [B, F' (H/32)(W/32)], each floor(1000 s) (WanPipeline.__call__'s expand_timesteps branch: a mask of ones over the
+    tokens times t; its image-to-video use sets the first frame's tokens to 0, text to video none); the transformer
+    embeds it per token (WanTransformer3DModel.forward, timestep.ndim == 2). UniPC flow sigmas with flow_shift 5
+    (convert_wan_to_diffusers.py for TI2V). The decode undoes the VAE's per-channel latents_mean / latents_std of 48
+    channels, then AutoencoderKLWan.decode unpatchifies; the VAE is kept in float32 whatever `dtype`, as load.
+    """
+    from diffusers import WanPipeline
+
+    pipe = common.from_pretrained(WanPipeline, "wan2.2-5b", model_path or WAN22_5B_ID, WAN22_5B_ID, dtype)
+    pipe.vae.to(torch.float32)
+    return pipe
+
+
+def tiny_5b(model_path=None, dtype=torch.float32, device="cpu"):
+    """Wan 2.2 TI2V-5B at toy size: tiny-wan's tokenizer and UMT5 encoder, 2 blocks of width 24 (2 heads) on 48
+    channels, the Wan 2.2 VAE at base width 8 with its published patchify, compression and latent statistics; UniPC
+    with flow_shift 5 and expand_timesteps, as the hub pipeline; seed 0."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+
+    common.check_no_path("tiny-wan2.2-5b", model_path)
+    base = tiny(device=device)  # its tokenizer and text encoder
+    with common.seeded_build(0, device):
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=48, out_channels=48,
+            text_dim=32, freq_dim=32, ffn_dim=48, num_layers=2, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", rope_max_seq_len=32).eval()
+        vae = AutoencoderKLWan(**dict(_VAE22, base_dim=8, decoder_base_dim=8, dim_mult=[1, 1, 1, 1],
+                                      num_res_blocks=1)).eval()
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        num_train_timesteps=1000, flow_shift=5.0)
+    pipe = WanPipeline(tokenizer=base.tokenizer, text_encoder=base.text_encoder, vae=vae, scheduler=scheduler,
+                       transformer=transformer, expand_timesteps=True)
+    if dtype != torch.float32:
+        pipe.to(dtype=dtype)
+        pipe.vae.to(torch.float32)  # as load_5b
+    return pipe
+
+
+def velocity_5b(pipe, modules, x, sigma, embeds, guidance_scale):
+    """The 5B's transformer on per-token timesteps: each sample's floor(1000 s) (UniPC's integer timestep, as Wan 2.1)
+    for every one of its F' (h / 2)(w / 2) tokens, float32 [B, L], as WanPipeline.__call__ builds it under
+    expand_timesteps (`mask[0][0][:, ::2, ::2] * t`, flattened); true CFG on batched halves."""
+    model = modules["transformer"]
+    dtype = pipe.transformer.dtype
+    _, ph, pw = pipe.transformer.config.patch_size
+    tokens = x.shape[2] * (x.shape[3] // ph) * (x.shape[4] // pw)
+    timestep = _timestep(pipe, sigma).float()[:, None].expand(-1, tokens)  # [B, L]
+    (text,) = common.cfg_halves(embeds, ["prompt_embeds"]) if guidance_scale > 1 else (embeds["prompt_embeds"],)
+    if guidance_scale > 1:
+        x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
+    v = model(hidden_states=x.to(dtype), timestep=timestep, encoder_hidden_states=text.to(dtype), return_dict=False)[0]
+    if guidance_scale > 1:
+        v, _ = common.guided(v, guidance_scale)
+    return v
+
+
+# from the hub repo's transformer/config.json (convert_wan_to_diffusers.py, "Wan2.2-TI2V-5B"), UMT5-XXL and _VAE22
+PUBLISHED["wan2.2-5b"] = dict(
+    transformer=("WanTransformer3DModel", dict(_WAN_T2V, in_channels=48, out_channels=48, num_attention_heads=24,
+                                               ffn_dim=14336, num_layers=30)),
+    text_encoder=("UMT5EncoderModel", _UMT5_XXL), vae=("AutoencoderKLWan", _VAE22))
+
+# Flow-GRPO's train_wan2_1.py targets (LORA_TARGETS): the same attention projections in every block of the 5B
+WAN22_5B = dict(WAN, load=load_5b, hub_id=WAN22_5B_ID, multiple=32, velocity=velocity_5b)
+TINY22_5B = dict(WAN22_5B, load=tiny_5b, hub_id=None, hub=False, preset=TINY["preset"])

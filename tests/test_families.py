@@ -279,6 +279,9 @@ def reference_sigmas(pipe, name, num_steps, resolution):
     if kind in ("sd3", "wan"):
         scheduler.set_timesteps(num_steps)
         return scheduler.sigmas
+    if kind == "hunyuan-video-1.5":  # HunyuanVideo15Pipeline.__call__: these sigmas, its static shift
+        retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=np.linspace(1.0, 0.0, num_steps + 1)[:-1])
+        return scheduler.sigmas
     g = torch.Generator().manual_seed(0)
     if kind == "z-image":
         latents = pipe.prepare_latents(1, pipe.transformer.in_channels, resolution, resolution, torch.float32, "cpu", g)
@@ -411,7 +414,10 @@ def test_lora_roundtrips_through_the_pipelines_loader(name, tmp_path):
         torch.testing.assert_close(v(pipe), base, atol=0, rtol=0)
     models.save_lora(pipe, tmp_path)
     fresh = models.load_pipeline(name)
-    fresh.load_lora_weights(tmp_path)
+    if hasattr(fresh, "load_lora_weights"):
+        fresh.load_lora_weights(tmp_path)
+    else:  # HunyuanVideo15Pipeline has no LoRA loader in diffusers 0.42: its transformer's (families/hunyuan_video.py)
+        fresh.transformer.load_lora_adapter(tmp_path, weight_name="pytorch_lora_weights.safetensors")
     for extra in list(models.trained_modules(pipe))[1:]:  # Wan 2.2's second expert, as diffusers loads it
         fresh.load_lora_weights(tmp_path / extra, **{f"load_into_{extra}": True})
     torch.testing.assert_close(v(fresh), tuned, atol=1e-5, rtol=1e-5)
