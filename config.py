@@ -17,6 +17,7 @@ then a few derived values (--lora-alpha from --lora-rank, --train-cfg from --gui
 import argparse
 import inspect
 import math
+import os
 import re
 
 import torch
@@ -281,6 +282,9 @@ def _check_model(p, args, world_size):
     if multiple and any(side % multiple for side in sides):
         p.error(f"--resolution {args.resolution} must be a multiple of {multiple} for --model {args.model} "
                 "(VAE down-sampling x transformer patch)")
+    if args.prompt_store and os.path.exists(args.prompt_store) and not os.path.isdir(args.prompt_store):
+        p.error(f"--prompt-store {args.prompt_store} is not a folder: give a folder on the node's local disk for the "
+                "prompt store")  # found before the model loads and the prompts are encoded
     if args.offload_text_encoders and args.prompt_cache_gb is not None and args.prompt_cache_gb <= 0:
         p.error("--offload-text-encoders reads every prompt from the prompt cache: give --prompt-cache-gb > 0 (or "
                 "leave it unset)")  # models.prompt_cache refused it too, but after the model had loaded

@@ -1,6 +1,6 @@
 """Ranks, collectives and FSDP2 sharding: the multi-process plumbing of train.py, free of any algorithm.
 
-    RANK, WORLD, LOCAL_RANK, is_main     from torchrun's environment (0, 1, 0, True without torchrun)
+    RANK, WORLD, LOCAL_RANK, LOCAL_WORLD, is_main   from torchrun's environment (0, 1, 0, 1, True without torchrun)
     init() -> device                     process group (NCCL on GPUs, gloo on CPUs) and this rank's device
     print0(...)                          print on rank 0 only
     cpus_per_rank()                      this rank's share of the node's CPU cores (CPU-side thread pools)
@@ -12,6 +12,7 @@
     broadcast(obj)                       rank 0's value of a small object, on every rank
     barrier(), finish()
     shard_transformer(transformer, device, param_dtype=None)      FSDP2, one unit per transformer block
+    gathered(transformer)                                         FSDP2 context: each unit gathered once, kept
     gradient_sync(transformer, last)                              FSDP2: reduce-scatter after each micro-step
     average_gradients(params)                                     the mean gradient over ranks, None counted as 0
     broadcast_parameters(params)                                  rank 0's values everywhere, as DDP starts
@@ -24,6 +25,7 @@
 Every function here is called on every rank (the collectives need all of them); the script also runs
 without torchrun, where each of them reduces to the single-process case.
 """
+import contextlib
 import datetime
 import os
 
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 RANK, WORLD, LOCAL_RANK = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+LOCAL_WORLD = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # the ranks of this node (torchrun)
 is_main = RANK == 0
 
 
@@ -39,14 +42,17 @@ _HOST = []  # a gloo group beside NCCL's, for flags agreed on the host without w
 
 def init():
     """Join the process group (under torchrun) and return this rank's device."""
-    if WORLD > 1:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
-        _HOST[:] = [dist.new_group(backend="gloo") if backend == "nccl" else None]  # None: the default group is gloo
     device = torch.device(f"cuda:{LOCAL_RANK}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if WORLD > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        # device_id binds the group to this rank's GPU: NCCL builds its communicator at once, on that GPU, rather than
+        # at the first collective on whichever device is current then, and barrier() need not guess the device.
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30),
+                                device_id=device if device.type == "cuda" else None)
+        _HOST[:] = [dist.new_group(backend="gloo") if backend == "nccl" else None]  # None: the default group is gloo
     return device
 
 
@@ -179,6 +185,28 @@ def shard_transformer(transformer, device, *, param_dtype=None):
     # gathered weights registered in place of its shards until the next backward. This way, outside a forward,
     # named_parameters() are always the shards the optimizer holds. Costs one extra gather of the small root.
     fully_shard(transformer, mesh=mesh, reshard_after_forward=True, mp_policy=mp_policy)
+
+
+@contextlib.contextmanager
+def gathered(transformer):
+    """FSDP2, for forwards without gradients (a rollout, an evaluation): inside, each unit (block, root) all-gathers
+    its weights at its first forward and keeps them, so a rollout of N forwards gathers each block once instead of N
+    times; on exit every unit reshards and resharding after each forward is restored, so that the training forwards
+    that follow hold one block at a time and named_parameters() are the shards again.
+
+    The price is the whole transformer gathered at once (in the MixedPrecisionPolicy's dtype: 2 bytes a parameter
+    under bf16) for the rollout, instead of the block in use and the prefetched one. The gathered weights are those of
+    the first forward: enter it inside any exchange of the weights (policy.Policy.frozen, ema_weights), never around
+    one. A checkpoint inside is safe: FSDP2 reshards before a state_dict, and the next forward gathers again."""
+    from torch.distributed.fsdp import FSDPModule
+    units = [m for m in transformer.modules() if isinstance(m, FSDPModule)]
+    transformer.set_reshard_after_forward(False)  # every unit below it too
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+        transformer.set_reshard_after_forward(True)  # as shard_transformer built them (the root: True on purpose)
 
 
 def gradient_sync(transformer, last):

@@ -35,12 +35,18 @@ Departures from the diffusers defaults, and why:
 
 import collections
 import contextlib
+import hashlib
+import json
 import logging
+import os
+import time
 
 import torch
 
+import distributed
 import families
 import flags
+import prompt_store
 import sde
 
 MODELS = families.MODELS  # the registry: name -> families.Family
@@ -160,7 +166,8 @@ def encode_prompts(pipe, prompts, *, negative_prompt="", guidance_scale=1.0, max
     images"), and for Qwen-Image-Edit also into the text; velocity() then conditions on them. None, or
     only empty lists, for text-to-image: every other model refuses source images in one line.
 
-    With a prompt cache on the pipeline (prompt_cache below), each prompt is encoded once and its rows come from the
+    With a prompt store on the pipeline (prompt_cache below, --prompt-store), the prompts it holds are read from its
+    files, the text encoders not called; with a prompt cache, each prompt is encoded once and its rows come from the
     cache afterwards; prompts with source images are always encoded afresh."""
     prompts = list(prompts)
     if images is not None and not any(len(refs) for refs in images):
@@ -168,6 +175,10 @@ def encode_prompts(pipe, prompts, *, negative_prompt="", guidance_scale=1.0, max
     cache = getattr(pipe, "prompt_cache", None)
     kwargs = dict(negative_prompt=negative_prompt, guidance_scale=guidance_scale, resolution=resolution,
                   max_sequence_length=default_tokens(pipe) if max_sequence_length is None else max_sequence_length)
+    store = getattr(pipe, "prompt_store", None)
+    if store is not None and prompts and images is None and _in_store(store, prompts, **kwargs) and \
+            not _encoders_train(pipe):
+        return _assemble(store.rows(prompts), store.negative if guidance_scale > 1 else {}, pipe._execution_device)
     if cache is None or not prompts or images is not None or _encoders_train(pipe):  # edits: text depends on images
         with _encoders_on(pipe):
             return _encode_fresh(pipe, prompts, images=images, **kwargs)
@@ -254,11 +265,18 @@ def _encoders_train(pipe):
     return any(p.requires_grad for m in _text_encoders(pipe) for p in m.parameters())
 
 
+def _offloaded_from(pipe):
+    """The device the text encoders were moved off (offload_text_encoders, a prompt store); None while on it."""
+    for holder in (getattr(pipe, "prompt_store", None), getattr(pipe, "prompt_cache", None)):
+        if holder is not None and holder.offloaded_from is not None:
+            return holder.offloaded_from
+    return None
+
+
 @contextlib.contextmanager
 def _encoders_on(pipe):
     """Inside, the text encoders are on the pipeline's device, also after offload_text_encoders (a cache miss)."""
-    cache = getattr(pipe, "prompt_cache", None)
-    device = cache.offloaded_from if cache is not None else None
+    device = _offloaded_from(pipe)
     if device is None:
         yield
         return
@@ -354,16 +372,24 @@ def prompt_cache(pipe, gigabytes, *, texts=(), offload=False, guidance_scales=(1
     offload: encode `texts` (training and held-out prompts, without source images) ahead, in batches of
     batch_size, for each of `guidance_scales` (whether CFG's negative is needed), until all are in or the cache is
     full, then move the text encoders to the CPU; a later miss moves them back for its encode (an edit's source
-    images, a prompt that did not fit). gigabytes None: DEFAULT_PROMPT_CACHE_GB on a GPU, none on a CPU."""
+    images, a prompt that did not fit). gigabytes None: DEFAULT_PROMPT_CACHE_GB on a GPU, none on a CPU.
+
+    With pipe.prompt_store_dir (--prompt-store, set by policy.Policy), `texts` and the negative prompt are first read
+    from, or encoded ahead into, the prompt store in that folder (prompt_store_of below), and the text encoders leave
+    the GPU; the cache then holds what the store does not (an edit's prompts, another negative prompt)."""
+    lines = []
+    if getattr(pipe, "prompt_store_dir", None):
+        lines.append(prompt_store_of(pipe, pipe.prompt_store_dir, texts, negative_prompt=negative_prompt,
+                                     max_sequence_length=max_sequence_length, batch_size=batch_size))
     if gigabytes is None:  # GPU time is what the cache saves; the CPU runs stay as they were
         gigabytes = DEFAULT_PROMPT_CACHE_GB if offload or pipe._execution_device.type == "cuda" else 0
     if offload and gigabytes <= 0:
         raise ValueError("--offload-text-encoders reads every prompt from the prompt cache: give --prompt-cache-gb > 0")
     if gigabytes <= 0:
-        return None
+        return "; ".join(lines) or None
     pipe.prompt_cache = cache = PromptCache(gigabytes * 2**30)
-    if not offload:
-        return f"prompt cache: {gigabytes:g} GB"
+    if not offload or lines:  # a store holds every prompt, and has moved the encoders off
+        return "; ".join(lines + [f"prompt cache: {gigabytes:g} GB"])
     texts = list(dict.fromkeys(texts))
     tokens = default_tokens(pipe) if max_sequence_length is None else max_sequence_length
     for cfg in sorted({g > 1 for g in guidance_scales}):  # the negative of each CFG setting used
@@ -380,13 +406,131 @@ def prompt_cache(pipe, gigabytes, *, texts=(), offload=False, guidance_scales=(1
             f"({cache.bytes / 2**30:.2f} GB); text encoders moved to the CPU")
 
 
-def offload_text_encoders(pipe):
-    """Move the text encoders to the CPU: encode_prompts then reads the cache, and moves them back for a miss."""
-    cache = pipe.prompt_cache
-    if cache.offloaded_from is None:
-        cache.offloaded_from = pipe._execution_device
+def offload_text_encoders(pipe, holder=None):
+    """Move the text encoders to the CPU: encode_prompts then reads the cache (or `holder`, the prompt store), and
+    moves them back for a miss."""
+    holder = holder or pipe.prompt_cache
+    if _offloaded_from(pipe) is None:
+        holder.offloaded_from = pipe._execution_device
         for m in _text_encoders(pipe):
             m.to("cpu")
+
+
+# ----------------------------------------------------------------------------- the prompt-embedding store
+#
+# The cache above holds about 2400 SD3.5 prompts, and a prompt file of Flow-GRPO's holds tens of thousands, each seen
+# once an epoch: with the encoders offloaded nearly every step moved them (11 GB) to the GPU and back. The store
+# (--prompt-store DIR, prompt_store.py for its files) encodes every training and held-out prompt once, ahead, into
+# files on the node's disk (about 1.7 MB a prompt for SD3.5), and every later step reads its prompts' rows from them,
+# the encoders on the CPU for the rest of the run. A run, a resume or a later run with the same identity (the model,
+# each text encoder's class, dtype and weights, the tokenizers, the text tokens, the negative prompt) and the same
+# prompts reads the same files; any other is refused in one line, as a damaged file is.
+#
+# Every rank of a node encodes its share (shard k by local rank k mod the node's ranks) and writes it to the node's
+# folder, then local rank 0 writes the manifest; rather than rank 0 encoding everything and sending it: the encoders
+# are already on every GPU when the run starts, so the share costs no memory and divides the one-off encode by the
+# GPUs of a node, and a node-local folder must be written on each node anyway (an SD3.5 prompt file of 50000 prompts
+# is 84 GB: encoding it again is faster than sending it between nodes). A folder that several nodes share gets each
+# file written whole by each node in turn (renamed into place): correct, at the cost of the nodes' repeated work.
+# Rows are the rows of the batches the store encoded (batch_size prompts within one shard), as the cache's.
+
+def _in_store(store, prompts, *, negative_prompt, guidance_scale, max_sequence_length, resolution):
+    """Whether the store serves this encode: every prompt in it, at its text tokens and (CFG) its negative prompt."""
+    identity = store.identity
+    return (max_sequence_length == identity["tokens"] and (guidance_scale <= 1 or
+            negative_prompt == identity["negative_prompt"]) and all(p in store.index for p in prompts))
+
+
+def _weights_digest(module):
+    """16 hex digits of SHA-256 over a module's tensors: names, dtypes, shapes and two integer sums of their bits
+    (plain, and weighted by position mod 251), computed where the tensors are: exact and free of the order in which a
+    device sums, so every rank and every GPU model computes the same digest of the same weights."""
+    digest, sums = hashlib.sha256(), []
+    for name, t in module.state_dict().items():
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        bits = t.detach().contiguous().reshape(-1)
+        bits = bits.view(torch.int32) if bits.element_size() >= 4 else bits.view((torch.int8, torch.int16)[
+            bits.element_size() - 1])  # 8-byte tensors as two int32 each: no sum can overflow int64
+        for start in range(0, bits.numel(), 1 << 22):
+            chunk = bits[start:start + (1 << 22)].long()
+            weight = torch.arange(start, start + len(chunk), device=chunk.device) % 251 + 1
+            sums += [chunk.sum(), (chunk * weight).sum()]
+    if sums:
+        digest.update(torch.stack(sums).cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _store_identity(pipe, tokens, negative_prompt):
+    """What a prompt's stored rows depend on besides its text (prompt_store.py's manifest, compared on reuse)."""
+    identity = dict(model=pipe.model_name, tokens=tokens, negative_prompt=negative_prompt, encoders={}, tokenizers={})
+    for name, part in sorted(pipe.components.items()):
+        if name.startswith("text_encoder") and isinstance(part, torch.nn.Module):
+            dtypes = "/".join(sorted({str(q.dtype).replace("torch.", "") for q in part.parameters()}))
+            identity["encoders"][name] = f"{type(part).__name__} {dtypes} {_weights_digest(part)}"
+        elif name.startswith("tokenizer") and hasattr(part, "get_vocab"):
+            vocab = json.dumps(sorted(part.get_vocab().items())).encode()
+            identity["tokenizers"][name] = f"{type(part).__name__} {len(part)} {hashlib.sha256(vocab).hexdigest()[:16]}"
+    return identity
+
+
+def _store_rows(pipe, texts, *, guidance_scale=1.0, **kwargs):
+    """Freshly encoded rows of `texts` -> (rows, the negative's row), as the cache splits them."""
+    split = _split_rows(_encode_fresh(pipe, texts, guidance_scale=guidance_scale, **kwargs), len(texts))
+    if split is None:
+        raise ValueError(f"--prompt-store: model {pipe.model_name}'s text embeddings have no row per prompt to store; "
+                         "drop --prompt-store")
+    return split
+
+
+def _build_store(pipe, directory, texts, *, negative_prompt, tokens, batch_size):
+    """This rank's share of the store's files (the section's notes): shard k where k is its local rank mod the
+    node's ranks, each encoded in batches of batch_size, and on local rank 0 the negative prompt (under CFG)."""
+    os.makedirs(directory, exist_ok=True)
+    kwargs = dict(negative_prompt=negative_prompt, max_sequence_length=tokens)
+    with _encoders_on(pipe):
+        for k, (first, count) in enumerate(prompt_store.shards(len(texts))):
+            if k % distributed.LOCAL_WORLD == distributed.LOCAL_RANK:
+                rows = []
+                for i in range(first, first + count, batch_size):
+                    rows += _store_rows(pipe, texts[i:min(i + batch_size, first + count)], **kwargs)[0]
+                prompt_store.write_rows(os.path.join(directory, prompt_store.shard_name(k)), rows)
+        if distributed.LOCAL_RANK == 0:
+            negative = _store_rows(pipe, [negative_prompt], guidance_scale=2.0, **kwargs)[1]  # encoded alone, as cached
+            prompt_store.write_rows(os.path.join(directory, "negative.safetensors"), [negative])
+
+
+def prompt_store_of(pipe, directory, texts, *, negative_prompt="", max_sequence_length=None, batch_size=16):
+    """Give `pipe` the prompt store in `directory` for `texts` (and the negative prompt), built first where the
+    folder holds none (every rank its share), then move the text encoders to the CPU -> a line for the log. A store
+    of another identity or other prompts, or a damaged one, raises ValueError in one line (on every rank)."""
+    start = time.time()
+    tokens = default_tokens(pipe) if max_sequence_length is None else max_sequence_length
+    texts = list(dict.fromkeys(texts))
+    identity = _store_identity(pipe, tokens, negative_prompt)
+    store, problem = None, None
+    try:
+        store = prompt_store.open_store(directory, identity, texts)
+    except ValueError as e:
+        problem = e
+    if distributed.any_rank_host(problem is not None):  # every rank stops, or none: the others would wait for it
+        raise problem or ValueError(f"--prompt-store {directory}: another rank refused its store (its line above)")
+    built = store is None
+    if distributed.any_rank_host(built):  # some node has no store: its ranks build one, every rank waits for them
+        if built:
+            _build_store(pipe, directory, texts, negative_prompt=negative_prompt, tokens=tokens, batch_size=batch_size)
+        distributed.barrier()
+        if built and distributed.LOCAL_RANK == 0:
+            names = [prompt_store.shard_name(k) for k in range(len(prompt_store.shards(len(texts))))]
+            prompt_store.write_manifest(directory, identity, texts, {
+                name: os.path.getsize(os.path.join(directory, name)) for name in names + ["negative.safetensors"]})
+        distributed.barrier()
+        store = store or prompt_store.open_store(directory, identity, texts)
+    pipe.prompt_store = store
+    offload_text_encoders(pipe, store)
+    how = (f"encoded ahead by {distributed.LOCAL_WORLD} rank(s) a node in {time.time() - start:.0f} s" if built
+           else "reused")
+    return (f"prompt store {directory}: {len(texts)} prompts, {store.bytes / 2**30:.2f} GB, {how}; text encoders "
+            "moved to the CPU")
 
 
 def velocity(pipe, x, sigma, embeds, *, guidance_scale=1.0, modules=None):
@@ -557,6 +701,11 @@ def add_arguments(parser):
     g.add_argument("--offload-text-encoders", action="store_true",
                    help="encode every training and held-out prompt ahead into the prompt cache, then keep the text "
                         "encoders on the CPU (a miss moves them back for its encode)")
+    g.add_argument("--prompt-store", default=None, metavar="DIR",
+                   help="a folder on each node's local disk: every training and held-out prompt is encoded once, ahead "
+                        "(each GPU its share), into files there and read back per step, the text encoders on the CPU; "
+                        "later runs and resumes with the same model, text encoders, text tokens, negative prompt and "
+                        "prompts reuse it, others are refused (models.prompt_store_of; default: none)")
     g.add_argument("--edit-vl-input", choices=list(families.qwen_image_edit.EDIT_VL_INPUTS), default="diffusers",
                    help="qwen-image-edit: what its VL encoder is shown of the source. diffusers: the resized image; "
                         "authors: Flow-GRPO's preprocessed tensor in [-1, 1], almost uniform after the Qwen2-VL "

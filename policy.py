@@ -5,6 +5,7 @@
                                        reference snapshot (float32)
     policy.modules, policy.models      {name: module} that train (models.trained_modules), and their training wrappers
     policy.velocity(x, sigma, embeds, guidance_scale, train=False)   a forward (train: through DDP / compile)
+    policy.gathered()                  context of a rollout or evaluation: FSDP gathers each block once, not per forward
     policy.frozen("old" | "sampling" | "reference") context: a copy's weights, or the KL reference: the base
                                        model (LoRA off), or with --gardo-reference the snapshot
     policy.sync_gradients(last)        before a training forward: reduce gradients over ranks after it or not
@@ -37,11 +38,18 @@ class Policy:
         load_dtype = amp_dtype if (amp_dtype and args.lora_rank > 0) else torch.float32  # LoRA: frozen base in half
         self.pipe = pipe = models.load_pipeline(args.model, args.model_path, dtype=load_dtype, device=device)
         pipe.edit_vl_input = getattr(args, "edit_vl_input", "diffusers")  # qwen_image_edit.encode reads it
+        pipe.prompt_store_dir = getattr(args, "prompt_store", None)  # models.prompt_cache builds or opens it there
         # VAE weights in float32, as Flow-GRPO keeps them; the decode still runs under the rollout's fp16 autocast
         # (models.generate), so its convolutions compute in fp16: float32 activations there are not yet guaranteed.
         if load_dtype == torch.float16:
             pipe.vae.to(torch.float32)
         self.modules = modules = models.trained_modules(pipe)  # {"transformer": ...}, or a family's experts
+        # A full fine-tune loads in float32 for the weights it trains, but the modules that never train only run
+        # forwards: under mixed precision they sit in its dtype whatever the rank, as a LoRA run loads them (the
+        # frozen T5-XXL of SD3.5: 9.5 GB per GPU in bf16 instead of 19 GB), their prompts encoded in the precision a
+        # LoRA run encodes them in. The trained modules stay float32 (the master weights) and the VAE as it loaded.
+        if amp_dtype is not None:
+            _frozen_in(pipe, modules, amp_dtype)
         models.add_lora(pipe, args.lora_rank, args.lora_alpha)  # the adapter (float32) trains, or all weights (rank 0)
         trainable = [(n, q) for n, q in models.named_parameters(modules) if q.requires_grad]
         which = "LoRA r%d" % args.lora_rank if args.lora_rank else "full"
@@ -116,6 +124,17 @@ class Policy:
         with self.autocast():
             return models.velocity(self.pipe, x, sigma, embeds, guidance_scale=guidance_scale,
                                    modules=self.models if train else None)
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Context for a rollout or a held-out evaluation (forwards without gradients): under --fsdp each block's
+        weights are all-gathered at its first forward and kept until the exit, then resharded for training
+        (distributed.gathered): one all-gather per block per rollout batch instead of one per forward. Enter it inside
+        frozen() and ema_weights(), whose exchanges of the weights it must see. Without --fsdp: nothing."""
+        with contextlib.ExitStack() as stack:
+            for module in self.modules.values() if self.args.fsdp else ():
+                stack.enter_context(distributed.gathered(module))
+            yield
 
     @contextlib.contextmanager
     def frozen(self, name):
@@ -262,6 +281,23 @@ class Policy:
     def _fsdp_module(self):
         """The one sharded module (config refuses --fsdp for a family of several)."""
         return next(iter(self.modules.values()))
+
+
+def _frozen_in(pipe, trained, dtype):
+    """Every module of the pipeline but the trained ones and the VAE, cast to `dtype` in place, keeping in float32 the
+    layers its class keeps there when transformers loads it in that dtype (`_keep_in_fp32_modules` under fp16, as
+    T5's `wo`, whose fp16 outputs overflow; `_keep_in_fp32_modules_strict` under fp16 and bf16): the frozen modules as
+    a half-precision load gives them, from a float32 load's bits. A no-op for what already loaded in `dtype`."""
+    for name, module in pipe.components.items():
+        if not isinstance(module, torch.nn.Module) or name == "vae" or any(module is m for m in trained.values()):
+            continue
+        keep = set(getattr(module, "_keep_in_fp32_modules_strict", None) or ())
+        if dtype == torch.float16:
+            keep |= set(getattr(module, "_keep_in_fp32_modules", None) or ())
+        kept = [(q, q.data) for n, q in module.named_parameters() if keep & set(n.split("."))]
+        module.to(dtype)
+        for q, data in kept:  # the float32 tensors themselves, not a round trip through dtype
+            q.data = data
 
 
 SNAPSHOT_BYTES = 4 << 30  # trained weights up to this are copied to the CPU at the start of a multi-update step

@@ -357,7 +357,7 @@ class Run:
         texts, metadata = (part * args.eval_samples_per_prompt for part in self.held_out)
         mine = distributed.share(len(texts))  # copy c of prompt j is image c N + j, its noise index
         my_texts, my_metadata = [texts[i] for i in mine], [metadata[i] for i in mine]
-        with policy.ema_weights():
+        with policy.ema_weights(), policy.gathered():  # FSDP: each block gathered once
             images = evaluation.sample_images(policy.pipe, my_texts, resolution=args.resolution,
                                               num_steps=args.eval_steps, guidance_scale=eval_guidance(args),
                                               seed=args.seed, device=device, batch_size=args.sample_batch_size,

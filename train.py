@@ -118,7 +118,7 @@ def sample(policy, loss, args, prompts, sigmas, step, reward_fn, run):
     batch = dict(embeds=embeds, prompts=[texts[i] for i in my_ids], trajectories=[])
     pending, size = [], args.sample_batch_size
     policy.train(False)
-    with rollout_weights(policy, loss, step, args):  # NFT: train_nft_sd3.py L640
+    with rollout_weights(policy, loss, step, args), policy.gathered():  # NFT: train_nft_sd3.py L640; FSDP: one gather
         for b in range(len(my_ids) // size):
             if run.signalled():  # preempted: the step is redone on resume, nothing of it is kept
                 run.stop_in_sampling(step)

@@ -34,7 +34,8 @@ The recipe estimate (recipe_terms) takes a recipe's own flags (train.parse_args)
   peft_copies       peft casts a LoRA layer's input to float32 and autocast casts it back for lora_A's matmul: a bf16
                     copy of each LoRA layer's input that its backward keeps, not shared with the base layer's;
   rollout           a step's latents at every sampler step, float32; prompt_embeddings those of a step's prompts;
-  text_encoders     in the load dtype (float32 for a full fine-tune); vae float32 under fp16 or a full fine-tune;
+  text_encoders     in the run's mixed precision, a full fine-tune's too (policy._frozen_in); vae float32 under fp16
+                    or a full fine-tune;
   reward            the reward models, float32 on every rank (reward_models.py).
 Each is an order-of-magnitude guide (about +-30 %): left out are the rollout's VAE decode and text encoding
 (transient, outside the update), the CUDA context (about 0.5 GB) and allocator fragmentation.
@@ -265,7 +266,7 @@ def recipe_terms(name, fixed=()):
         activations=activations,
         peft_copies=peft,
         rollout=samples * (args.num_steps + 1) * latent * 4,  # the latents of every step, float32, until the update
-        text_encoders=0 if 6 in fixed else load * text,
+        text_encoders=0 if 6 in fixed else (2 if half else 4) * text,  # policy._frozen_in: the run's precision
         # a step's prompt embeddings (and the negative prompt's), bf16: the same with or without the cache, which
         # holds the others off the GPU
         prompt_embeddings=(args.prompts_per_step + 1) * text_tokens * ARCH[model]["text_width"] * 2,

@@ -1,0 +1,194 @@
+"""What a cluster run holds on each GPU and need not, checked on a CPU: a full fine-tune's frozen text encoders in the
+run's precision (policy._frozen_in), and FSDP rollouts that gather each block once instead of at every forward
+(policy.Policy.gathered, distributed.gathered), under two gloo ranks."""
+import json
+import math
+import os
+import sys
+
+import torch
+
+import models
+import train
+from policy import Policy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def dtypes(module):
+    return sorted({str(q.dtype) for q in module.parameters()})
+
+
+# ----------------------------------------------------------------------------- frozen encoders in the run's precision
+
+def test_a_full_fine_tune_keeps_its_frozen_text_encoders_in_the_autocast_dtype():
+    """--lora-rank 0 --mixed-precision bf16: the text encoders bf16 (they were float32, as the transformer), the trained
+    transformer and its optimizer's weights float32, the VAE float32; the encoders' bf16 weights are the rounding of
+    the float32 load; --mixed-precision no keeps everything float32 (the golden runs)."""
+    _, args = train.parse_args(["--model", "tiny", "--lora-rank", "0", "--mixed-precision", "bf16"])
+    policy = Policy(args, torch.device("cpu"), old_copy=False)
+    pipe = policy.pipe
+    assert dtypes(pipe.text_encoder) == dtypes(pipe.text_encoder_2) == ["torch.bfloat16"]
+    assert dtypes(pipe.transformer) == dtypes(pipe.vae) == ["torch.float32"]
+    assert {q.dtype for _, q in policy.trainable} == {torch.float32}
+    assert len(policy.trainable) == len(list(pipe.transformer.parameters()))
+    full = models.load_pipeline("tiny")
+    for (name, q), (_, ref) in zip(pipe.text_encoder.named_parameters(), full.text_encoder.named_parameters()):
+        assert torch.equal(q, ref.to(torch.bfloat16)), name
+    for (name, q), (_, ref) in zip(pipe.transformer.named_parameters(), full.transformer.named_parameters()):
+        assert torch.equal(q, ref), name
+    embeds = models.encode_prompts(pipe, ["a red cube"])
+    assert embeds["prompt_embeds"].dtype == torch.bfloat16
+    _, args = train.parse_args(["--model", "tiny", "--lora-rank", "0", "--mixed-precision", "no"])
+    pipe = Policy(args, torch.device("cpu"), old_copy=False).pipe
+    assert {d for m in (pipe.text_encoder, pipe.text_encoder_2, pipe.transformer, pipe.vae) for d in dtypes(m)} == {
+        "torch.float32"}
+
+
+def test_fp16_keeps_the_t5_layers_transformers_keeps_in_float32():
+    """fp16 (tiny-flux's T5): every T5 weight fp16 but its `wo` layers (T5EncoderModel._keep_in_fp32_modules, whose
+    fp16 outputs overflow), which keep the float32 load's bits, as from_pretrained(torch_dtype=fp16) loads them; the
+    embeddings are finite."""
+    _, args = train.parse_args(["--model", "tiny-flux", "--lora-rank", "0", "--mixed-precision", "fp16"])
+    pipe = Policy(args, torch.device("cpu"), old_copy=False).pipe
+    full = models.load_pipeline("tiny-flux")
+    t5 = dict(pipe.text_encoder_2.named_parameters())
+    kept = [n for n in t5 if "wo" in n.split(".")]
+    assert kept and dtypes(pipe.text_encoder) == ["torch.float16"]
+    for name, ref in full.text_encoder_2.named_parameters():
+        want = ref if name in kept else ref.to(torch.float16)
+        assert t5[name].dtype == want.dtype and torch.equal(t5[name], want), name
+    embeds = models.encode_prompts(pipe, ["a red cube", "two blue spheres"])
+    assert all(v.is_floating_point() and torch.isfinite(v).all() for v in embeds.values())
+
+
+def test_a_bf16_full_fine_tune_trains_with_finite_losses(tmp_path, monkeypatch):
+    """The run's first two steps: finite losses and gradient norms, the prompts encoded by the bf16 encoders."""
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "run"
+    train.main(["--model", "tiny", "--lora-rank", "0", "--mixed-precision", "bf16", "--loss", "grpo", "--steps", "2",
+                "--prompts-per-step", "2", "--group-size", "4", "--sample-batch-size", "4", "--train-batch-size", "4",
+                "--num-steps", "4", "--resolution", "32", "--log-images-every", "0", "--out", str(out)])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0, r
+
+
+# ----------------------------------------------------------------------------- FSDP rollouts: one gather per block
+
+def test_init_binds_the_process_group_to_the_rank_gpu(monkeypatch):
+    """On GPUs the process group is made with device_id (NCCL's communicator built at once, on this rank's GPU);
+    on CPUs (gloo) without one."""
+    import torch.distributed as dist
+
+    import distributed
+    made = []
+    monkeypatch.setattr(distributed, "WORLD", 2)
+    monkeypatch.setattr(distributed, "LOCAL_RANK", 1)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: made.append((backend, kw.get("device_id"))))
+    monkeypatch.setattr(dist, "new_group", lambda **kw: "host group")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert distributed.init() == torch.device("cuda:1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert distributed.init() == torch.device("cpu")
+    assert made == [("nccl", torch.device("cuda:1")), ("gloo", None)]
+
+
+def _rollout_worker(out):
+    """Under torchrun (2 ranks, gloo): a sharded full fine-tune of the tiny model per --mixed-precision; rollouts with
+    and without Policy.gathered, before and after an optimizer step, with the live weights and inside ema_weights;
+    FSDP2's all-gathers counted. Each rank writes what the test checks."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+    from torch.distributed.tensor import DTensor
+
+    import distributed
+    import sde
+    device = distributed.init()
+    gathers, real = [], _fsdp_param_group.foreach_all_gather
+    _fsdp_param_group.foreach_all_gather = lambda *a, **k: gathers.append(1) or real(*a, **k)
+    found = {}
+    for precision in ("no", "bf16"):
+        _, args = train.parse_args(["--model", "tiny", "--lora-rank", "0", "--resolution", "32", "--fsdp",
+                                    "--mixed-precision", precision, "--ema-decay", "0.5"])
+        policy = Policy(args, device, old_copy=False)
+        pipe, transformer = policy.pipe, policy.modules["transformer"]
+        units = sum(isinstance(m, FSDPModule) for m in transformer.modules())
+        embeds = models.encode_prompts(pipe, ["a cat", "a dog"], guidance_scale=3.0)
+        sigmas = models.sigmas(pipe, 4, 32)
+
+        def rollout(seed=0):
+            gen = torch.Generator().manual_seed(10 * seed + distributed.RANK)
+            x = models.initial_noise(pipe, 2, 32, generator=gen)
+            gathers.clear()
+            traj, images = models.generate(pipe, x, sigmas, embeds, guidance_scale=3.0, autocast=policy.autocast,
+                                           sde_steps=sde.sde_steps(4), kind="flow", eta=0.7, generator=gen)
+            return dict(traj, images=images), len(gathers)
+
+        def shards():  # every parameter the transformer holds is its DTensor shard, the optimizer's own
+            held = list(transformer.named_parameters())
+            return all(isinstance(q, DTensor) for _, q in held) and all(
+                a is b for (_, a), (_, b) in zip(held, policy.trainable)) and len(held) == len(policy.trainable)
+
+        def same(a, b):
+            return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+        policy.train(False)
+        plain, plain_gathers = rollout()
+        with policy.gathered():
+            kept, kept_gathers = rollout()
+            inside = shards()
+        f = dict(units=units, plain_gathers=plain_gathers, kept_gathers=kept_gathers, same=same(plain, kept),
+                 unsharded_inside=not inside, shards_after=shards())
+        policy.train()  # a training step after the rollout: one gather per unit and forward again, then resharded
+        x = models.initial_noise(pipe, 2, 32, generator=torch.Generator().manual_seed(5 + distributed.RANK))
+        gathers.clear()
+        policy.sync_gradients(True)
+        v = policy.velocity(x, 0.5, {k: v for k, v in embeds.items() if not k.startswith("neg_")}, 1.0, train=True)
+        f.update(train_forward_gathers=len(gathers), shards_after_train_forward=shards())
+        policy.backward(v.float().square().mean())
+        f["step"] = policy.step()[0]
+        policy.train(False)
+        with policy.ema_weights():  # the held-out evaluation's weights (run.Run.evaluate)
+            ema_plain, _ = rollout(1)
+        with policy.ema_weights(), policy.gathered():
+            ema_kept, ema_gathers = rollout(1)
+        live_plain, _ = rollout(1)
+        with policy.gathered():
+            live_kept, _ = rollout(1)
+        f.update(ema_same=same(ema_plain, ema_kept), ema_gathers=ema_gathers, live_same=same(live_plain, live_kept),
+                 ema_differs=not torch.equal(ema_plain["latents"], live_plain["latents"]), shards_at_end=shards())
+        found[precision] = f
+    with open(os.path.join(out, f"rank{distributed.RANK}.json"), "w") as fh:
+        json.dump(found, fh)
+    distributed.finish()
+
+
+def test_fsdp_rollouts_gather_each_block_once_and_sample_the_same_bits(tmp_path):
+    """Two gloo ranks, FSDP2 in float32 and bf16: a 4-step rollout under CFG all-gathers each unit (the blocks and the
+    root) once inside Policy.gathered, against once per forward without it, and its samples, log-probs, means and
+    images are the same bits; inside, the units hold their gathered weights, and after it every parameter is its
+    DTensor shard again (the optimizer's own object), a training forward gathers per forward and reshards, and the
+    optimizer steps. The evaluation's EMA weights, entered before the gathering, are what it samples; a later
+    rollout samples the live weights (no stale gathered copy)."""
+    import forkserver
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join("tests", "test_cluster_memory.py"), "rollout", str(tmp_path)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)  # the script runs from tests/
+    proc = forkserver.run(cmd, cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    for rank in (0, 1):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for precision, f in found.items():
+            units = f["units"]
+            assert units == 3, f  # the tiny transformer's two joint blocks and its root
+            assert f["plain_gathers"] == 4 * units and f["kept_gathers"] == units, (rank, precision, f)
+            assert f["ema_gathers"] == units and f["train_forward_gathers"] == units, (rank, precision, f)
+            assert f["same"] and f["ema_same"] and f["live_same"] and f["ema_differs"], (rank, precision, f)
+            assert f["unsharded_inside"] and f["shards_after"] and f["shards_after_train_forward"], (rank, f)
+            assert f["shards_at_end"] and f["step"] == "ok", (rank, precision, f)
+
+
+if __name__ == "__main__":  # the FSDP rollout worker, under torchrun
+    _rollout_worker(sys.argv[2])
