@@ -31,6 +31,7 @@ takes g through its embedding (FLUX.1-dev, Kontext) or ignores it (a step-distil
 | `hunyuan-video-1.5`| `hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v`, text to      | hunyuan_video.py   |
 |                    | video (720p by --model-path)                                               |                    |
 | `qwen-image`       | `Qwen/Qwen-Image`                                                          | qwen_image.py      |
+| `qwen-image-2.1`   | `Qwen/Qwen-Image-2.1`: single-stream, block-causal, Qwen3-VL text, no CFG  | qwen_image21.py    |
 | `flux2-klein`      | `black-forest-labs/FLUX.2-klein-base-4B`, also edits (9B, distilled: path) | flux2_klein.py     |
 | `z-image`          | `Tongyi-MAI/Z-Image` (`Z-Image-Turbo` by --model-path)                     | z_image.py         |
 | `flux-kontext`     | `black-forest-labs/FLUX.1-Kontext-dev`, FLUX.1's editor                    | flux_kontext.py    |
@@ -50,8 +51,8 @@ defined in the test).
 import dataclasses
 from typing import Callable, Optional
 
-from families import (common, flux, flux2_klein, flux_kontext, hunyuan_video, qwen_image, qwen_image_edit, sd3,
-                      shapes, wan, z_image)
+from families import (common, flux, flux2_klein, flux_kontext, hunyuan_video, qwen_image, qwen_image21,
+                      qwen_image_edit, sd3, shapes, wan, z_image)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +90,7 @@ class Family:
 # publishes Qwen-Image's components
 PUBLISHED = {**sd3.PUBLISHED, **wan.PUBLISHED, **qwen_image.PUBLISHED, **flux2_klein.PUBLISHED, **z_image.PUBLISHED,
              **flux_kontext.PUBLISHED, "qwen-image-edit": qwen_image.PUBLISHED["qwen-image"],
-             **hunyuan_video.PUBLISHED}
+             **hunyuan_video.PUBLISHED, **qwen_image21.PUBLISHED}
 
 
 def build_published(name, component, device="meta"):
@@ -115,6 +116,8 @@ MODELS = {
     "tiny-hunyuan-video-1.5": Family(**hunyuan_video.TINY),
     "qwen-image": Family(**qwen_image.QWEN_IMAGE),
     "tiny-qwen-image": Family(**qwen_image.TINY),
+    "qwen-image-2.1": Family(**qwen_image21.QWEN_IMAGE21),
+    "tiny-qwen-image-2.1": Family(**qwen_image21.TINY),
     "flux2-klein": Family(**flux2_klein.KLEIN),
     "tiny-flux2-klein": Family(**flux2_klein.TINY),
     "z-image": Family(**z_image.Z_IMAGE),

@@ -288,7 +288,8 @@ def reference_sigmas(pipe, name, num_steps, resolution):
         tokens = (latents.shape[2] // 2) * (latents.shape[3] // 2)
         sigmas = get_default_z_image_sigmas(num_steps)
     else:
-        source = (None,) if kind == "flux-kontext" else ()  # FluxKontextPipeline.prepare_latents takes the image first
+        # FluxKontextPipeline.prepare_latents and QwenImage21Pipeline's take the source images first
+        source = (None,) if kind in ("flux-kontext", "qwen-image-2.1") else ()
         latents = pipe.prepare_latents(*source, 1, pipe.transformer.config.in_channels // 4, resolution, resolution,
                                        torch.float32, "cpu", g)
         tokens = (latents[0] if isinstance(latents, tuple) else latents).shape[1]
