@@ -684,6 +684,28 @@ def save_lora(pipe, folder):
     family(pipe).save_lora(pipe, trained_modules(pipe), folder)
 
 
+def _attention_backends():
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    return [b.value for b in AttentionBackendName]
+
+
+def attention_backend(pipe, name):
+    """The trained modules' attention through diffusers' attention backend `name` (set_attention_backend: flash,
+    sage, xformers, the native SDPA kernels...), for the rollout, training and reference forwards alike; "native",
+    diffusers' default (torch's SDPA, its kernel of choice), leaves the modules as they load. Attention processors that
+    do not dispatch (SD3's joint attention) keep native SDPA whatever the name. A backend whose package is missing is
+    refused in one line."""
+    if name == "native":
+        return
+    for module in trained_modules(pipe).values():
+        try:
+            module.set_attention_backend(name)
+        except (RuntimeError, ValueError, ImportError) as e:
+            raise RuntimeError(f"--attention-backend {name}: {' '.join(str(e).split())[:200]} (or leave it native)")\
+                from None
+
+
 def add_arguments(parser):
     """The model flags, declared once; None means the preset of --model (train.py)."""
     g = parser.add_argument_group("model")
@@ -698,6 +720,9 @@ def add_arguments(parser):
     g.add_argument("--prompt-cache-gb", type=flags.NONNEG, default=None,
                    help="CPU memory per GPU for prompt embeddings, each prompt encoded once (models.prompt_cache; "
                         f"0: none; default {DEFAULT_PROMPT_CACHE_GB:g} on a GPU, 0 on a CPU)")
+    g.add_argument("--attention-backend", default="native", choices=_attention_backends(),
+                   help="diffusers' attention backend of the trained modules (recorded in args.json; native: torch's "
+                        "SDPA as diffusers loads it)")
     g.add_argument("--offload-text-encoders", action="store_true",
                    help="encode every training and held-out prompt ahead into the prompt cache, then keep the text "
                         "encoders on the CPU (a miss moves them back for its encode)")

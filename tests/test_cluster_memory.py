@@ -6,6 +6,7 @@ import math
 import os
 import sys
 
+import pytest
 import torch
 
 import models
@@ -192,3 +193,26 @@ def test_fsdp_rollouts_gather_each_block_once_and_sample_the_same_bits(tmp_path)
 
 if __name__ == "__main__":  # the FSDP rollout worker, under torchrun
     _rollout_worker(sys.argv[2])
+
+
+def test_the_attention_backend_is_chosen_explicitly_and_recorded(tmp_path, capsys):
+    """--attention-backend sets diffusers' backend on every trained module (here the math SDPA kernel on Wan's
+    processors, which dispatch), args.json records it, and a backend whose package is missing is refused in one line
+    naming the flag."""
+    import json
+
+    import models
+
+    pipe = models.load_pipeline("tiny-wan2.2")
+    models.attention_backend(pipe, "_native_math")
+    for module in models.trained_modules(pipe).values():
+        backends = {str(getattr(m.processor, "_attention_backend", None)) for m in module.modules()
+                    if hasattr(m, "processor")}
+        assert backends == {"AttentionBackendName._NATIVE_MATH"}, backends
+    with pytest.raises(RuntimeError, match="--attention-backend flash: .*flash-attn"):
+        models.attention_backend(pipe, "flash")
+    out = tmp_path / "run"
+    train.main(["--model", "tiny-wan", "--attention-backend", "_native_math", "--steps", "1", "--num-steps", "2",
+                "--prompts-per-step", "1", "--group-size", "2", "--sample-batch-size", "2", "--train-batch-size", "2",
+                "--log-images-every", "0", "--out", str(out)])
+    assert json.load(open(out / "args.json"))["args"]["attention_backend"] == "_native_math"
