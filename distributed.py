@@ -13,7 +13,7 @@
     barrier(), finish()
     shard_transformer(transformer, device, param_dtype=None)      FSDP2, one unit per transformer block
     gathered(transformer)                                         FSDP2 context: each unit gathered once, kept
-    gradient_sync(transformer, last)                              FSDP2: reduce-scatter after each micro-step
+    gradient_sync(transformer, last, every)                       FSDP2: reduce-scatter after each (or the last) micro-step
     average_gradients(params)                                     the mean gradient over ranks, None counted as 0
     broadcast_parameters(params)                                  rank 0's values everywhere, as DDP starts
     check_replicas(trainable, fsdp, device) -> [checksum per rank]
@@ -209,10 +209,11 @@ def gathered(transformer):
         transformer.set_reshard_after_forward(True)  # as shard_transformer built them (the root: True on purpose)
 
 
-def gradient_sync(transformer, last):
-    """Before a training forward under FSDP: every micro-step reduce-scatters its gradients into the float32 shards,
-    the last one of an optimizer step included (shard_transformer: full unsharded gradients would be kept else)."""
-    transformer.set_requires_gradient_sync(True)
+def gradient_sync(transformer, last, every=True):
+    """Before a training forward under FSDP: every micro-step reduce-scatters its gradients into the float32 shards
+    (every, the default: shard_transformer says why), or only the last one of an optimizer step (every=False: one
+    reduce-scatter per optimizer step, the unsharded float32 gradients kept until then: 4 bytes a parameter)."""
+    transformer.set_requires_gradient_sync(last or every)
 
 
 def average_gradients(params):

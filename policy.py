@@ -154,7 +154,8 @@ class Policy:
         forward too). FSDP reduce-scatters after every micro-step (distributed.gradient_sync: memory)."""
         if self.args.fsdp:
             for module in self.modules.values():
-                distributed.gradient_sync(module, last)
+                distributed.gradient_sync(module, last, every=getattr(self.args, "fsdp_reduce", "micro-step") ==
+                                          "micro-step")
         elif self.ddp is not None:
             self.ddp.require_backward_grad_sync = last
 
@@ -327,6 +328,10 @@ def add_arguments(parser):
     g.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=False,
                    help="full fine-tune (--lora-rank 0) under torchrun: shard weights, gradients and Adam state over "
                         "the processes (FSDP2) instead of replicating them (DDP)")
+    g.add_argument("--fsdp-reduce", default="micro-step", choices=["micro-step", "optimizer-step"],
+                   help="--fsdp: reduce-scatter the gradients after every micro-step (the least memory) or once per "
+                        "optimizer step (the least traffic, the unsharded float32 gradients kept until then: 4 bytes "
+                        "a parameter, e.g. 9 GB for SD3.5-M)")
     g.add_argument("--lr", type=flags.POSITIVE, default=None, help="AdamW learning rate")
     g.add_argument("--lr-schedule", default="constant", choices=["constant", "linear", "cosine"],
                    help="learning rate over the run: constant, or from --lr down to --lr-final x --lr at --steps")

@@ -272,8 +272,9 @@ def _fsdp_worker(out):
     from policy import Policy
     device = distributed.init()
     found = {}
-    for precision in ("no", "bf16", "ddp"):
-        fsdp = ["--fsdp", "--mixed-precision", precision] if precision != "ddp" else []
+    for precision in ("no", "bf16", "ddp", "once"):
+        fsdp = {"ddp": [], "once": ["--fsdp", "--mixed-precision", "no", "--fsdp-reduce", "optimizer-step"]}.get(
+            precision, ["--fsdp", "--mixed-precision", precision])
         _, args = train.parse_args(["--model", "tiny", "--lora-rank", "0", "--resolution", "32", *fsdp])
         policy = Policy(args, device, old_copy=False)
         pipe, block = policy.pipe, policy.modules["transformer"].transformer_blocks[0]  # SD3's joint blocks
@@ -325,7 +326,8 @@ def _reference_grads(autocast):
 def test_fsdp_mixed_precision_and_accumulation_and_ddp_options(tmp_path):
     """FSDP2's MixedPrecisionPolicy: bf16 runs gather and compute bf16 weights, fp32 ones float32; gradients are
     reduced in float32 into float32 shards, and forward inputs are left to autocast. Every micro-step leaves its
-    reduce-scattered shard of the gradient (no full unsharded gradient kept until the last one). The float32 path
+    reduce-scattered shard of the gradient (no full unsharded gradient kept until the last one), or with --fsdp-reduce
+    optimizer-step only the last one does (one reduce-scatter per optimizer step, the same gradient). The float32 path
     gives the unsharded gradient to float rounding, bf16 to bf16 rounding; so does DDP, built without buffer
     broadcasts and with its gradients as views of its buckets."""
     import sys
@@ -344,8 +346,10 @@ def test_fsdp_mixed_precision_and_accumulation_and_ddp_options(tmp_path):
     for f in (fp32, bf16):
         assert f["cast_inputs"] is False and f["shards"] == f["grad_dtypes"] == ["torch.float32"]
         assert f["synced"] == [True, True, True]  # a sharded gradient after the first micro-step already
+    assert found["once"]["synced"] == [False, False, True]  # --fsdp-reduce optimizer-step: one reduce-scatter, last
     reference = _reference_grads(autocast=False)
-    for path in ("grads_no.pt", "grads_ddp.pt"):  # FSDP in float32, and DDP with its options (below)
+    for path in ("grads_no.pt", "grads_ddp.pt", "grads_once.pt"):  # FSDP in float32 (reduced each micro-step, or
+        # once), and DDP with its options (below)
         grads = torch.load(tmp_path / path)
         assert set(grads) == set(reference)
         for n in reference:
