@@ -67,10 +67,11 @@ class Policy:
             trainable = [(n, q) for n, q in models.named_parameters(modules) if q.requires_grad]  # same names, shards
         self.trainable = trainable  # [(name, parameter)]
         self.optimizer = torch.optim.AdamW([q for _, q in trainable], lr=args.lr, weight_decay=args.weight_decay)
-        # Several modules (experts a micro-batch may not reach) are averaged over ranks at the optimizer step
-        # (distributed.average_gradients): DDP refuses a module that takes no part in a backward.
+        # Several modules (experts a micro-batch may not reach), or one called several times a forward (the record's
+        # one_call), are averaged over ranks at the optimizer step (distributed.average_gradients): DDP refuses a
+        # module that takes no part in a backward, or takes part twice.
         self.ddp = None
-        if WORLD > 1 and not args.fsdp and len(modules) == 1:
+        if WORLD > 1 and not args.fsdp and len(modules) == 1 and models.family(pipe).one_call:
             # broadcast_buffers=False: the transformers' buffers are fixed tables (positions, RoPE frequencies), built
             # alike on every rank and never updated, so rank 0's copy need not be broadcast before every forward.
             # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets instead of beside them, one
@@ -80,7 +81,7 @@ class Policy:
             self.ddp = torch.nn.parallel.DistributedDataParallel(
                 module, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
                 gradient_as_bucket_view=True)
-        elif WORLD > 1 and not args.fsdp:  # several modules: the replicas start alike, as DDP would make them
+        elif WORLD > 1 and not args.fsdp:  # no DDP: the replicas start alike, as DDP would make them
             distributed.broadcast_parameters([q for _, q in trainable])
         wrapped = {name: self.ddp or module for name, module in modules.items()}  # what the training forward calls
         self.models = {name: torch.compile(m) if args.compile else m for name, m in wrapped.items()}
@@ -169,7 +170,7 @@ class Policy:
         overflowed (the scaler lowers it; not a bad step, and counted in the run's optimizer steps as the references
         count it: train_nft_sd3.py L992-1035, train_sd3_awm.py L1373-1413), else "skipped". Returns (status, gradient
         norm)."""
-        if WORLD > 1 and self.ddp is None and not self.args.fsdp:  # several modules: reduced here, not by DDP
+        if WORLD > 1 and self.ddp is None and not self.args.fsdp:  # reduced here, not by DDP (see __init__)
             distributed.average_gradients([q for _, q in self.trainable])
         self.scaler.unscale_(self.optimizer)  # fp16: the loss-scaled gradients back to their size (else a no-op)
         grad_norm = torch.nn.utils.clip_grad_norm_([q for _, q in self.trainable], self.args.max_grad_norm)

@@ -234,7 +234,8 @@ r = run.Run.__new__(run.Run)
 r.args = types.SimpleNamespace(eval_samples_per_prompt=1, resolution=8, eval_steps=2, guidance_scale=1.0, seed=0,
                                sample_batch_size=2, negative_prompt="", shift=None, num_frames=None,
                                max_sequence_length=None, out=out)
-r.policy = types.SimpleNamespace(train=torch.nn.Linear(1, 1).train, ema_weights=contextlib.nullcontext, pipe=None,
+r.policy = types.SimpleNamespace(train=torch.nn.Linear(1, 1).train, ema_weights=contextlib.nullcontext,
+                                 gathered=contextlib.nullcontext, pipe=None,
                                  autocast=contextlib.nullcontext)
 r.device, r.held_out, r.reward_fn = device, (["a", "b", "c"], [{}, {}, {}]), reward_fn
 try:
@@ -304,3 +305,16 @@ def test_two_experts_train_under_ddp_where_the_micro_batches_reach_one(tmp_path)
     assert lora_b["transformer"] and lora_b["transformer_2"]
     assert max(t.abs().max() for t in lora_b["transformer"]) > 0
     assert all(torch.equal(t, torch.zeros_like(t)) for t in lora_b["transformer_2"])
+
+
+def test_a_family_that_calls_its_transformer_twice_a_forward_trains_under_torchrun(tmp_path):
+    """Qwen-Image 2.1 runs one forward per text length (families/qwen_image21.py), so under CFG a training forward calls
+    the transformer twice, which DDP refuses before its backward; such a record (one_call False) has its gradients
+    averaged at the optimizer step instead, and the replicas agree at the checkpoint."""
+    out = tmp_path / "run"
+    torchrun(tmp_path, ["--model", "tiny-qwen-image-2.1", "--guidance-scale", "4", "--train-cfg", "--num-steps", "2",
+                        "--group-size", "2", "--prompts-per-step", "2", "--sample-batch-size", "2",
+                        "--train-batch-size", "2", "--steps", "2", "--log-images-every", "0", "--out", str(out)])
+    state = json.load(open(out / "checkpoints" / "2" / "state.json"))
+    assert len(state["rank_checksums"]) == 2 and len(set(state["rank_checksums"])) == 1
+    assert all(math.isfinite(r["loss"]) for r in metrics(out))
