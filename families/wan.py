@@ -142,8 +142,9 @@ def velocity(pipe, modules, x, sigma, embeds, guidance_scale):
     scales = {"transformer": guidance_scale,
               "transformer_2": second if second is not None and guidance_scale > 1 else guidance_scale}
     high = _timestep(pipe, sigma) >= ratio * pipe.scheduler.config.num_train_timesteps  # [B] bool
-    if bool(high.all()) or not bool(high.any()):  # the whole batch on one side: no copies
-        name = "transformer" if bool(high[0]) else "transformer_2"
+    n_high = int(high.sum())  # the one host read
+    if n_high in (0, len(x)):  # the whole batch on one side: no copies
+        name = "transformer" if n_high else "transformer_2"
         return _velocity(pipe, modules[name], x, sigma, embeds, scales[name])
     v = None
     for name, rows in (("transformer", high), ("transformer_2", ~high)):
