@@ -46,6 +46,23 @@ def test_shipped_proxy_agrees_with_the_exact_judge_on_held_out_scenes(script, on
         assert (said == (truth > 0.5)).float().mean() >= AGREEMENT_FLOOR
 
 
+def test_the_training_labels_are_the_judges_verdicts_on_generated_samples(script):
+    """The labels come from the geneval reward's verdict on the shapes detector, the counting rule included: on the
+    generated samples where GenEval's 0.9 rule and the judge disagree (tests/data/judge, extra shapes scored under
+    0.9), the script's labels are the judge's, not GenEval's own."""
+    from PIL import Image
+
+    folder = os.path.join(ROOT, "tests", "data", "judge")
+    labels = json.load(open(os.path.join(folder, "labels.json")))
+    rows = {r["prompt"]: r for r in shapes.prompt_rows("counting")}
+    judged = [dict(prompt=label["prompt"], metadata=rows[label["prompt"]]["metadata"]) for label in labels]
+    images = np.stack([np.asarray(Image.open(os.path.join(folder, label["file"])).convert("RGB")) for label in labels])
+    exact = rewards.build_reward("geneval", geneval_detector="shapes")
+    verdicts = exact(images, [r["prompt"] for r in judged], [r["metadata"] for r in judged])
+    assert torch.equal(script.judge(images, judged)[0], verdicts["geneval_correct"].float())
+    assert not torch.equal(verdicts["geneval_correct"].float(), verdicts["geneval_official"].float())
+
+
 def test_the_reward_gives_probabilities_per_image_and_refuses_what_it_cannot_read(one_thread):
     rows = [json.loads(line) for line in open(os.path.join(ROOT, "prompts", "shapes_test.jsonl"))][::60]
     rng = np.random.default_rng(1)

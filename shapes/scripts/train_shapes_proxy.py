@@ -161,7 +161,8 @@ def judge(images, rows):
     centres = torch.arange(side) * 2 + 1.0  # cell centres in pixels
     for i, (image, row) in enumerate(zip(images, rows)):
         detections = shapes.detect(image)[0]
-        verdicts[i] = geneval.geneval_judge(row["metadata"], detections)["correct"]
+        verdicts[i] = geneval.geneval_judge(row["metadata"], detections,  # the shapes world's counting rule
+                                            counting_threshold=shapes.COUNTING_THRESHOLD)["correct"]
         for d in sorted(detections, key=lambda d: d["mask"].sum()):  # larger objects first win a shared cell
             cells = torch.from_numpy(d["mask"].reshape(side, 2, side, 2).sum((1, 3)) >= 2)  # [h, w]
             known = d["class"] in shapes.SHAPES
