@@ -18,7 +18,7 @@ from test_train import metrics, run
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The shipped weights on every 4th held-out row (15 per tag), one rendered scene of the row's own metadata and two
 # perturbed ones (shapes/scripts/train_shapes_proxy.py's held-out mix), seed 0: 270 scenes, 0.563 of them judged
-# correct; the members agree with the judge on 0.919, 0.904 and 0.904 of them (measured on one thread).
+# correct; the members agree with the judge on 0.896, 0.896 and 0.881 of them (measured on one thread).
 AGREEMENT_FLOOR = 0.85
 
 
