@@ -67,11 +67,12 @@ class Policy:
             trainable = [(n, q) for n, q in models.named_parameters(modules) if q.requires_grad]  # same names, shards
         self.trainable = trainable  # [(name, parameter)]
         self.optimizer = torch.optim.AdamW([q for _, q in trainable], lr=args.lr, weight_decay=args.weight_decay)
-        # Several modules (experts a micro-batch may not reach), or one called several times a forward (the record's
-        # one_call), are averaged over ranks at the optimizer step (distributed.average_gradients): DDP refuses a
-        # module that takes no part in a backward, or takes part twice.
+        # Several modules (experts a micro-batch may not reach), or a record that says DDP may not wrap its module
+        # (ddp: called several times a forward, or layers some batches do not reach), are averaged over ranks at the
+        # optimizer step (distributed.average_gradients): DDP refuses a parameter that takes no part in a backward, or
+        # takes part twice.
         self.ddp = None
-        if WORLD > 1 and not args.fsdp and len(modules) == 1 and models.family(pipe).one_call:
+        if WORLD > 1 and not args.fsdp and len(modules) == 1 and models.family(pipe).ddp:
             # broadcast_buffers=False: the transformers' buffers are fixed tables (positions, RoPE frequencies), built
             # alike on every rank and never updated, so rank 0's copy need not be broadcast before every forward.
             # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets instead of beside them, one

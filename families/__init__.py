@@ -79,8 +79,9 @@ class Family:
     unused: Callable = common.no_unused  # transformer -> layers whose output is discarded: left out of training
     save_lora: Callable = common.save_lora  # (pipe, modules, folder) -> the adapters written as the loader reads them
     trained: tuple = ("transformer",)  # the pipeline attributes that train (models.trained_modules), in this order
-    one_call: bool = True  # velocity calls each module once a forward, so DDP may wrap it; False: gradients averaged
-    # at the optimizer step instead (policy.py), as DDP refuses a module called twice before its backward
+    ddp: bool = True  # DDP may wrap the module: every trained parameter takes part in every backward, once. False
+    # (a module called twice a forward, or with layers some batches do not reach): gradients averaged at the optimizer
+    # step instead (policy.py), as DDP refuses both
     video: bool = False  # samples are videos [B, F, H, W, 3]; --num-frames applies
     source_images: Optional[str] = None  # edits: "optional" or "required" (encode takes images, size); None: text
     max_sources: Optional[int] = None  # edits: the most source images one prompt may bring (None: any number)

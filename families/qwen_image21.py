@@ -233,5 +233,5 @@ PUBLISHED = {"qwen-image-2.1": dict(transformer=("QwenImage21Transformer2DModel"
 QWEN_IMAGE21 = dict(name="qwen-image-2.1", load=load, hub_id=QWEN_IMAGE21_ID, hub=True, multiple=32,
                     preset=dict(common.HUB, guidance_scale=1.0),  # sampled without CFG (true_cfg_scale 1)
                     tokens=512, shape=shape, noise=noise, encode=encode, velocity=velocity, decode=decode,
-                    sigmas=sigmas, lora_targets=LORA_TARGETS, one_call=False)  # a forward per text length
+                    sigmas=sigmas, lora_targets=LORA_TARGETS, ddp=False)  # a forward per text length
 TINY = dict(QWEN_IMAGE21, load=tiny, hub_id=None, hub=False, preset=common.TINY)

@@ -309,7 +309,7 @@ def test_two_experts_train_under_ddp_where_the_micro_batches_reach_one(tmp_path)
 
 def test_a_family_that_calls_its_transformer_twice_a_forward_trains_under_torchrun(tmp_path):
     """Qwen-Image 2.1 runs one forward per text length (families/qwen_image21.py), so under CFG a training forward calls
-    the transformer twice, which DDP refuses before its backward; such a record (one_call False) has its gradients
+    the transformer twice, which DDP refuses before its backward; such a record (ddp False) has its gradients
     averaged at the optimizer step instead, and the replicas agree at the checkpoint."""
     out = tmp_path / "run"
     torchrun(tmp_path, ["--model", "tiny-qwen-image-2.1", "--guidance-scale", "4", "--train-cfg", "--num-steps", "2",
