@@ -159,9 +159,10 @@ def _timestep(pipe, sigma):
     return torch.floor(sigma.double() * pipe.scheduler.config.num_train_timesteps).long()  # int64, as UniPC's
 
 
-def _velocity(pipe, model, x, sigma, embeds, guidance_scale):
+def _velocity(pipe, model, x, sigma, embeds, guidance_scale, timestep=None):
+    """One module's guided velocity; timestep: the transformer's input, default each sample's floor(1000 s)."""
     dtype = pipe.transformer.dtype
-    timestep = _timestep(pipe, sigma)
+    timestep = _timestep(pipe, sigma) if timestep is None else timestep
     (text,) = common.cfg_halves(embeds, ["prompt_embeds"]) if guidance_scale > 1 else (embeds["prompt_embeds"],)
     if guidance_scale > 1:
         x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
@@ -297,18 +298,10 @@ def velocity_5b(pipe, modules, x, sigma, embeds, guidance_scale):
     """The 5B's transformer on per-token timesteps: each sample's floor(1000 s) (UniPC's integer timestep, as Wan 2.1)
     for every one of its F' (h / 2)(w / 2) tokens, float32 [B, L], as WanPipeline.__call__ builds it under
     expand_timesteps (`mask[0][0][:, ::2, ::2] * t`, flattened); true CFG on batched halves."""
-    model = modules["transformer"]
-    dtype = pipe.transformer.dtype
     _, ph, pw = pipe.transformer.config.patch_size
     tokens = x.shape[2] * (x.shape[3] // ph) * (x.shape[4] // pw)
     timestep = _timestep(pipe, sigma).float()[:, None].expand(-1, tokens)  # [B, L]
-    (text,) = common.cfg_halves(embeds, ["prompt_embeds"]) if guidance_scale > 1 else (embeds["prompt_embeds"],)
-    if guidance_scale > 1:
-        x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
-    v = model(hidden_states=x.to(dtype), timestep=timestep, encoder_hidden_states=text.to(dtype), return_dict=False)[0]
-    if guidance_scale > 1:
-        v, _ = common.guided(v, guidance_scale)
-    return v
+    return _velocity(pipe, modules["transformer"], x, sigma, embeds, guidance_scale, timestep=timestep)
 
 
 # from the hub repo's transformer/config.json (convert_wan_to_diffusers.py, "Wan2.2-TI2V-5B"), UMT5-XXL and _VAE22
