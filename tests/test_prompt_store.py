@@ -10,6 +10,7 @@ import torch
 
 import models
 import prompt_store
+from test_gpu_perf import count_encodes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT_MODELS = ["tiny", "tiny-flux", "tiny-wan", "tiny-qwen-image", "tiny-flux2-klein", "tiny-z-image",
@@ -29,17 +30,6 @@ def fresh_pipe(pipes, name):
     pipe = pipes[name]
     pipe.prompt_cache = pipe.prompt_store = pipe.prompt_store_dir = None
     return pipe
-
-
-def count_encodes(monkeypatch):
-    """Record the prompts the text encoders see (models._encode_fresh's calls)."""
-    seen, fresh = [], models._encode_fresh
-
-    def spy(pipe, prompts, **kw):
-        seen.append(list(prompts))
-        return fresh(pipe, prompts, **kw)
-    monkeypatch.setattr(models, "_encode_fresh", spy)
-    return seen
 
 
 def build(pipe, directory, **kw):
