@@ -467,13 +467,8 @@ def remote(*, rm_url, rm_auth_env, remote_batch_size, remote_max_concurrency, re
     batch_size = flags.integer(remote_batch_size, 0, "--remote-batch-size")
     loop = _service_loop(reward_timeout, "--reward-timeout", remote_max_concurrency, "--remote-max-concurrency",
                          reward_retries, reward_backoff, reward_on_error, reward_max_bytes)
-    headers, redact = {}, (lambda s: s)
-    if rm_auth_env:
-        token = os.environ.get(rm_auth_env)
-        if not token:
-            raise ValueError(f"--rm-auth-env {rm_auth_env}: that environment variable is unset or empty; "
-                             f"export the Authorization header value in it, e.g. {rm_auth_env}='Bearer <token>'")
-        headers, redact = {"Authorization": token}, services.mask_secrets([token])
+    headers, redact = _secret_header(rm_auth_env, "--rm-auth-env", lambda token: token,
+                                     f"export the Authorization header value in it, e.g. {rm_auth_env}='Bearer <token>'")
     client = http_client(headers)  # the header lives in the client only: not in args, logs or errors
 
     def send(body):
@@ -663,6 +658,17 @@ def soft_tifa_logprob(reply, answers):
     return min(found, 1.0)
 
 
+def _secret_header(env, flag, header, hint):
+    """({"Authorization": header(secret)}, a redactor of the secret) from the environment variable `env`, or no
+    header without one; an unset or empty variable is refused in one line naming `flag` and `hint`."""
+    if not env:
+        return {}, (lambda s: s)
+    secret = os.environ.get(env)
+    if not secret:
+        raise ValueError(f"{flag} {env}: that environment variable is unset or empty; {hint}")
+    return {"Authorization": header(secret)}, services.mask_secrets([secret])
+
+
 def _soft_tifa_server(*, url, model, api_key_env, top_logprobs, loop):
     """Soft-TIFA's questions to an OpenAI-compatible server (vLLM: `vllm serve Qwen/Qwen3-VL-8B-Instruct`), one
     Chat Completions request per question: the user turn of reward_models.soft_tifa_vlm (the image as a PNG data URL,
@@ -670,13 +676,8 @@ def _soft_tifa_server(*, url, model, api_key_env, top_logprobs, loop):
     probability is `soft_tifa_logprob`'s. Requests run in services' loop (deadline, retries, at most max_concurrency
     in flight); a question that fails for good fails its sample (--reward-on-error)."""
     _http_url(url, "--soft-tifa-url")
-    headers, redact = {}, (lambda s: s)
-    if api_key_env:
-        key = os.environ.get(api_key_env)
-        if not key:
-            raise ValueError(f"--soft-tifa-api-key-env {api_key_env}: that environment variable is unset or empty; "
-                             f"export the server's API key in it")
-        headers, redact = {"Authorization": f"Bearer {key}"}, services.mask_secrets([key])
+    headers, redact = _secret_header(api_key_env, "--soft-tifa-api-key-env", lambda key: f"Bearer {key}",
+                                     "export the server's API key in it")
     client, endpoint = http_client(headers), url.rstrip("/") + "/chat/completions"
 
     def ask(images, vqa):
