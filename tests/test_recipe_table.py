@@ -336,6 +336,48 @@ TABLE["wan22_pickscore_grpo.args"] = (
 OPTIMIZER["wan22_pickscore_grpo.args"] = (2, 384)  # 8 GPUs x 48 micro-batches of 1 per optimizer step
 GPUS["wan22_pickscore_grpo.args"] = (8,)  # Y num_processes
 
+# UniRL examples/diffusion/hunyuan_video15_t2v_dancegrpo_trainside.yaml (H, 1a7b501), run by unirl/algorithms/flowgrpo.py
+# (no KL term; clip_range H L119), unirl/sde/kernels.py L185-230 (FlowSDEStrategy: sde.py's flow step), unirl/utils/
+# scheduler_utils.py L86-124 (AllSDEScheduler) and unirl/sde/runtime.py L92-96 (the static shift). H L18-20 8 GPUs,
+# 48 prompts, adv_use_global_std; H L38/42 shift 5; L62 activation checkpointing; L67-71 lr 1e-5, weight decay 1e-4;
+# L79-80 LoRA r64 / alpha 64, L84-96 the 12 projections of families/hunyuan_video.py LORA_TARGETS; L102
+# forward_batch_size 1; L111-114 PickScore of the first frame (reward/local/video_pickscore.py) in batches of 8; L128-
+# 136 micro-batches of 1, max_grad_norm 1, num_updates_per_batch 2 (two mini-batch optimizer steps of 72 per GPU);
+# L155-163 16 steps, guidance 0 (no CFG), 480x480, 5 frames, eta 0.25, 24 per prompt, seed 42, init_same_noise false;
+# L175-176 timestep_fraction [0, 0.6] and num_sde_steps 8: 8 of steps 0-8 each step (int(16 x 0.6) = 9). bf16
+# (L34-35); unirl/models/hunyuan_video15/text_embed.py L100 1000 text tokens. No EMA section.
+TABLE["hunyuan_video15_pickscore_grpo.args"] = (
+    "UniRL examples/diffusion/hunyuan_video15_t2v_dancegrpo_trainside.yaml (algorithms/flowgrpo.py)", dict(
+        model="hunyuan-video-1.5", resolution=480, num_frames=5, num_steps=16, shift=5.0, max_sequence_length=1000,
+        guidance_scale=1.0, sde="flow", eta=0.25, sde_window="sparse", window_size=8, window_range=[0, 9],
+        same_noise_per_group=False, group_size=24, prompts_per_step=48, sample_batch_size=1, train_batch_size=1,
+        minibatches=2, updates_per_batch=1, loss="grpo", clip_range=1e-4, kl_beta=0.0, global_std=True,
+        lora_rank=64, lora_alpha=64.0, lr=1e-5, weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="bf16",
+        gradient_checkpointing=True, ema_decay=0.0, seed=42, reward="pickscore", pickscore_num_frames=1,
+        pickscore_batch_size=8))
+OPTIMIZER["hunyuan_video15_pickscore_grpo.args"] = (2, 576)  # 8 GPUs x 72 micro-batches of 1 per optimizer step
+GPUS["hunyuan_video15_pickscore_grpo.args"] = (8,)  # H num_devices
+
+# Flow-Factory examples/grpo/lora/qwen_image_2_1/default.yaml (Q, 5f6cda1), run by the GRPO trainer of the wan22 row
+# (the same mapping of its knobs): num_processes 8, per_device_batch_size 1, group_size 16, unique_sample_num_per_epoch
+# 48, gradient_step_per_epoch 2 (two optimizer steps of 384); Flow-SDE noise_level 1.0, num_sde_steps 1 of sde_steps
+# [1, 2, 3]; clip_range 1e-4, adv_clip_range 5, kl_beta 0, advantage_aggregation gdpo (--no-global-std); resolution
+# 384, num_inference_steps 10, guidance_scale 1.0; ema_decay 0.9, ema_update_interval 4 (--ema-every 8); gradient
+# checkpointing; LoRA r64 / alpha 128, target_modules default (models/qwen_image_21/qwen_image_21.py
+# default_target_modules: families/qwen_image21.py LORA_TARGETS); lr 3e-4, weight decay 1e-4, max_grad_norm 1; bf16;
+# eval 40 steps every 20, save_freq 20; PickScore in batches of 16; seed 42. Its data (an edit set) is a difference.
+TABLE["qwen_image21_pickscore_grpo.args"] = (
+    "Flow-Factory examples/grpo/lora/qwen_image_2_1/default.yaml (5f6cda1; trainers/grpo.py)", dict(
+        model="qwen-image-2.1", resolution=384, num_steps=10, eval_steps=40, guidance_scale=1.0, sde="flow", eta=1.0,
+        sde_window="sparse", window_size=1, window_range=[1, 4], same_noise_per_group=False, group_size=16,
+        prompts_per_step=48, sample_batch_size=1, train_batch_size=1, minibatches=2, updates_per_batch=1,
+        loss="grpo", clip_range=1e-4, adv_clip=5.0, kl_beta=0.0, global_std=False, lora_rank=64, lora_alpha=128.0,
+        lr=3e-4, weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="bf16", gradient_checkpointing=True,
+        ema_decay=0.9, ema_every=8, ema_repeat=1, eval_every=20, save_every=20, seed=42, reward="pickscore",
+        pickscore_batch_size=16))
+OPTIMIZER["qwen_image21_pickscore_grpo.args"] = (2, 384)
+GPUS["qwen_image21_pickscore_grpo.args"] = (8,)  # Q num_processes
+
 
 def stated_flags(recipe):
     """The flag names a recipe file sets itself (not inherited from a preset), as argparse dests."""

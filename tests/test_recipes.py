@@ -22,6 +22,8 @@ TWIN = {"sd3": ["--model", "tiny"], "flux": ["--model", "tiny"], "wan": ["--mode
         "qwen-image-edit": ["--model", "tiny-qwen-image-edit"],
         "shapes": []}  # the CPU model that stands in for each hub model (the shapes world's is its own)
 TWIN["wan2.2"] = ["--model", "tiny-wan2.2"]  # Wan 2.2 A14B: two tiny experts (its recipe samples 5 frames)
+TWIN["hunyuan-video-1.5"] = ["--model", "tiny-hunyuan-video-1.5"]  # its recipe samples 5 frames
+TWIN["qwen-image-2.1"] = ["--model", "tiny-qwen-image-2.1"]
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +107,8 @@ def test_every_published_setup_has_a_recipe():
                      "flux_mixgrpo_flash.args", "sd3_ocr_pickscore_mix.args", "wan_ocr_grpo.args",
                      "qwen_image_pickscore_grpo.args", "sd3_guard_pickscore.args", "sd3_nft_geneval.args",
                      "sd3_nft_pickscore.args", "sd3_nft_ocr.args", "sd3_awm_geneval.args", "sd3_awm_ocr.args",
-                     "sd3_awm_pickscore.args"):
+                     "sd3_awm_pickscore.args", "wan22_pickscore_grpo.args", "hunyuan_video15_pickscore_grpo.args",
+                     "qwen_image21_pickscore_grpo.args"):
         assert expected in names
     for recipe in RECIPES:  # each cites what it reproduces
         assert open(recipe).readline().startswith("# ")
