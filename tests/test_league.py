@@ -580,3 +580,43 @@ def test_machine_line_counts_the_runs_that_ran_otherwise():
                     "threads); load average (1 min) as the runs ended: median 2.1, the league's own runs included.")
     alone = league.machine_line(where, [])
     assert alone == "Machine: AMD EPYC, 2 CPU threads; 1 run(s) at a time, 1 torch thread(s) each."
+
+
+def test_a_league_never_takes_a_run_of_another_judge(tmp_path, fake_train, capsys):
+    """The judge is code, not a flag: a ledger row or a run folder trained on GenEval's 0.9 counting rule (records
+    written before they named their judge) has the flags of a run on the present judge. A league that runs takes none
+    of them (the ledger's are run again, a folder's is refused in one line); a report states its judge and refuses a
+    folder that mixes two."""
+    ledger = tmp_path / "ledger.jsonl"
+    first = tmp_path / "machine1"
+    run_league(first, "--only", "grpo", "--lrs", "1e-4", "--sweep-seed", "0", "--seeds", "0", "--ledger", str(ledger))
+    launched = len(fake_train())
+    rows = [json.loads(line) for line in open(ledger)]
+    assert launched == 1 and [row["judge"] for row in rows] == [league.JUDGE]
+    assert f"trained and judged by the {league.JUDGE}" in open(first / "league.md").read()
+    old = [{k: v for k, v in row.items() if k != "judge"} for row in rows]  # as the 0.9-rule league wrote them
+    old_ledger = tmp_path / "old.jsonl"
+    old_ledger.write_text("".join(json.dumps(row) + "\n" for row in old))
+    third = tmp_path / "machine3"  # the old ledger's report alone still reads, and says which judge
+    league.main(["--out", str(third), "--samples", "128", "--evals", "3", "--only", "grpo", "--lrs", "1e-4",
+                 "--sweep-seed", "0", "--seeds", "0", "--ledger", str(old_ledger), "--report"])
+    assert "trained and judged by the shapes judge, counting above 0.9." in (third / "league.md").read_text()
+    second = tmp_path / "machine2"
+    run_league(second, "--only", "grpo", "--lrs", "1e-4", "--sweep-seed", "0", "--seeds", "0", "--ledger",
+               str(old_ledger))
+    assert len(fake_train()) == launched + 1  # run again on the present judge
+    assert "trained on another judge (shapes judge, counting above 0.9" in capsys.readouterr().out
+    # a league on a folder holding a finished run of the old judge: one line, nothing runs
+    with pytest.raises(SystemExit) as stop:
+        run_league(third, "--only", "grpo", "--lrs", "1e-4", "--sweep-seed", "0", "--seeds", "0")
+    assert "trained on another judge (shapes judge, counting above 0.9" in str(stop.value)
+    assert len(fake_train()) == launched + 1
+    # a report over a folder of both judges: one line
+    record = json.loads((second / "grpo-lr1e-4-s0.json").read_text())
+    (third / "grpo-lr2e-4-s0.json").write_text(json.dumps(dict(record, flags=league.train_flags(
+        "grpo", 2e-4, 0, league.plan(league.parse_args(["--out", str(third), "--samples", "128", "--evals", "3"]),
+                                     None)))))
+    with pytest.raises(SystemExit) as stop:
+        league.main(["--out", str(third), "--samples", "128", "--evals", "3", "--only", "grpo", "--lrs", "1e-4",
+                     "2e-4", "--sweep-seed", "0", "--seeds", "0", "--report"])
+    assert "mixes runs of two judges" in str(stop.value)

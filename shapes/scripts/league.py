@@ -76,6 +76,7 @@ import checkpoints  # noqa: E402
 import eval as evaluation  # noqa: E402
 import flags  # noqa: E402
 import geneval  # noqa: E402
+import shapes  # noqa: E402
 import train  # noqa: E402
 
 TRAIN = [sys.executable, os.path.join(ROOT, "train.py")]  # the command each run starts with
@@ -120,6 +121,11 @@ ENTRIES = {
     "crd": ("CRD: centred rewards matched by implicit rewards, Euler rollouts", ["--loss", "crd"]),
 }
 LRS = [1e-4, 2e-4, 4e-4]
+# The judge a run trained on and was measured with, kept in its record and ledger row: the code, not a flag, sets it,
+# so two runs of the same flags on two judges differ only here. A record without it was measured before the field,
+# on GenEval's 0.9 counting rule (docs/judge.md).
+JUDGE = f"shapes judge, counting above {shapes.COUNTING_THRESHOLD}"
+OLD_JUDGE = "shapes judge, counting above 0.9"
 REFERENCES = ["grpo", "flow"]  # Flow-GRPO's loss on CPS steps, and on its own SDE step as the papers ran it
 
 
@@ -268,6 +274,11 @@ def number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def judge_of(record):
+    """The judge a run's record names (OLD_JUDGE for records written before records named one)."""
+    return record.get("judge", OLD_JUDGE)
+
+
 def read_ledger(path):
     """{run name: record} of the finished runs a ledger holds (the last line of a name wins; torn lines skipped)."""
     rows, _ = checkpoints.read_jsonl(path)
@@ -285,21 +296,30 @@ def append_ledger(path, run, record):
 
 
 def restore_ledger(args):
-    """The ledger's finished runs as --out's records, where --out has no finished record of them. -> how many."""
+    """The ledger's finished runs as --out's records, where --out has no finished record of them. -> how many. A
+    league that runs takes only the rows of the present judge (JUDGE): a run trained on another judge's reward is run
+    again, with one line saying how many; a report takes every row (check_records then refuses a mix)."""
     if not args.ledger:
         return 0
-    ledger, restored = read_ledger(args.ledger), 0
+    ledger, restored, other = read_ledger(args.ledger), 0, collections.Counter()
     for run in all_runs(args):
         row = ledger.get(run_name(*run))
         here = read_record(args.out, run)
-        if row and not (here and here.get("done")):
+        if row and not args.report and judge_of(row) != JUDGE:
+            other[judge_of(row)] += 1
+        elif row and not (here and here.get("done")):
             write_record(args.out, run, row)
             restored += 1
+    for judge, count in other.items():
+        print(f"{count} finished run(s) of the ledger {args.ledger} trained on another judge ({judge}; this league's: "
+              f"{JUDGE}) are run again", flush=True)
     return restored
 
 
 def check_records(args):
-    """One line, before anything runs or is reported, when a finished run of --out was run with other flags."""
+    """One line, before anything runs or is reported, when a finished run of --out was run with other flags, or on
+    another judge than this league's (JUDGE; a report: than the other finished runs')."""
+    judges = {}
     for run in all_runs(args):
         record = read_record(args.out, run)
         if record and record.get("done") and record["flags"] != train_flags(*run, args):
@@ -307,6 +327,17 @@ def check_records(args):
             raise SystemExit(f"error: {os.path.join(args.out, run_name(*run))} was run with `{was}`, not with this "
                              "league's flags (--samples, --evals, COMMON or the entry's): give the flags it "
                              "ran with, or another --out")
+        if record and record.get("done"):
+            judges.setdefault(judge_of(record), run_name(*run))
+    if not args.report and set(judges) - {JUDGE}:
+        judge = min(set(judges) - {JUDGE})
+        raise SystemExit(f"error: {os.path.join(args.out, judges[judge])} trained on another judge ({judge}; this "
+                         f"league's: {JUDGE}): give another --out")
+    if len(judges) > 1:
+        (a, first), (b, second) = sorted(judges.items())[:2]
+        raise SystemExit(f"error: {args.out} mixes runs of two judges ({first}: {a}; {second}: {b}): report each "
+                         "judge's runs from their own --out and ledger")
+    args.judge = next(iter(judges), JUDGE)
 
 
 # ----------------------------------------------------------------------------- the learning rate
@@ -347,11 +378,11 @@ def launch(run, args):
     """Start one run: continued (--resume auto) when its record holds the same flags, started over otherwise."""
     folder, flags_now = os.path.join(args.out, run_name(*run)), train_flags(*run, args)
     record = read_record(args.out, run)
-    same = record is not None and record["flags"] == flags_now
+    same = record is not None and record["flags"] == flags_now and judge_of(record) == JUDGE
     eval0 = record.get("eval0") if same else None
     if same and 0 in (evals := last_rows(os.path.join(folder, "eval.jsonl"))):
         eval0 = evals[0]  # a resume drops eval.jsonl's step-0 row: the league keeps it
-    write_record(args.out, run, dict(flags=flags_now, done=False, eval0=eval0, machine=machine(args)))
+    write_record(args.out, run, dict(flags=flags_now, done=False, eval0=eval0, machine=machine(args), judge=JUDGE))
     how = ["--resume", "auto"] if same or not os.path.exists(folder) else ["--overwrite"]
     command = [*TRAIN, "--out", folder, *how, "--save-every", str(args.save_every), "--keep-checkpoints", "1",
                *flags_now]
@@ -612,7 +643,8 @@ def tables(results, args):
     n = len(args.seeds)
     lines = [f"**Equal samples**: {args.samples:,} samples per run ({args.steps} steps of {args.per_step}), held-out "
              f"GenEval accuracy (360 prompts, ODE) before and after, mean +- standard deviation over seeds "
-             f"({' '.join(map(str, args.seeds))}); per tag after, mean over seeds.", "",
+             f"({' '.join(map(str, args.seeds))}); per tag after, mean over seeds; trained and judged by the "
+             f"{getattr(args, 'judge', JUDGE)}.", "",
              "| entry | lr | samples | before | after | rise | " + " | ".join(tags)
              + " | colour diversity after | samples/s | training minutes |",
              "| --- | --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in tags)
