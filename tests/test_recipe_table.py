@@ -378,6 +378,43 @@ TABLE["qwen_image21_pickscore_grpo.args"] = (
 OPTIMIZER["qwen_image21_pickscore_grpo.args"] = (2, 384)
 GPUS["qwen_image21_pickscore_grpo.args"] = (8,)  # Q num_processes
 
+# VeRL-Omni (github.com/verl-project/verl-omni) examples/dancegrpo_trainer/wan22/run_wan22_5b_t2v_hpsv3_v1.sh
+# (V, 04eaf00), run by verl_omni.trainer.main_diffusion_v1 over config/diffusion_trainer.yaml; the defaults and the
+# code read at a1139ba (2026-08-22, where the script's v0 twin run_wan22_5b_t2v_hpsv3_auto.sh sets the same values):
+# trainer/config/_generated_diffusion_trainer.yaml (Y), pipelines/wan22_dance_grpo/vllm_omni_rollout_adapter.py (R)
+# and diffusers_training_adapter.py (T), pipelines/schedulers/flow_match_sde.py (S), trainer/diffusion/diffusion_algos.py
+# (D), trainer/diffusion/v1/trainer_base.py (B), utils/reward_score/hpsv3_reward.py (H). V L96-97 8 GPUs, one node;
+# V L48 (L37: 64) 64 prompts, V L65 rollout.n 8 -> --group-size 8: 512 videos a step; V L56 ppo_mini_batch_size 16
+# x n 8 (B L889-890) = 128 videos per optimizer step, 4 a step -> --minibatches 4; V L57 (L23) micro-batches of 4 per
+# GPU; Y L98 ppo_epochs 1; a rollout request is one video (R L374-378) -> --sample-batch-size 1. V L43-45 dance_grpo
+# estimator and loss: D L190-265 Flow-GRPO's advantage at its defaults (D L195-197: epsilon 1e-4, the batch std;
+# ray_diffusion_trainer.py L126-128 hands Y L481 global_std to flow_grpo only) -> --global-std; D L308-321 and
+# Y L75-76 ratio clip 1e-4, advantages clipped at 5; Y L78 ref_kl_coef 0, L93 use_kl_loss false -> --kl-beta 0. V L80-83
+# noise_level 1.2, dance_sde (S L271-310: sde.py's dance step (6)), sde_window_size 2 in sde_window_range [0, 5]:
+# R L611-622 start = randint(0, 5 - 2 + 1) per video, R L161-170 the SDE on the window, ODE elsewhere -> --sde-window
+# fast --window-size 2 --window-range 0 5. R L340, L483-487 init_same_noise (default True, never passed) ->
+# --same-noise-per-group. V L71, L77 true_cfg_scale and guidance_scale 5: the rollout guides with guidance_scale (R
+# L415-429), the training forward with true_cfg_scale (T L220-229) -> --guidance-scale 5 --train-cfg; the negative
+# prompt " " (examples/dancegrpo_trainer/data_process/wan22_hpsv3.py L72). V L72-74 704x1280, num_frames 8 -> 9 (R
+# L463-466); V L76 10 steps; T L104 and R L450 shift 5 on linspace(1, 0, 11) (T L62-66, R L521-524) -> --shift 5;
+# V L78 1024 tokens (R L305-313: zero-padded). Y L301 lora_rank 0: the whole transformer, under FSDP (V L58-61) ->
+# --lora-rank 0 --fsdp; V L60 model_dtype bfloat16 -> --mixed-precision bf16; V L54-55 lr 1e-5, weight decay 1e-4;
+# Y L10-23 AdamW (0.9, 0.999), clip_grad 1, constant lr; Y L297 gradient checkpointing. V L90 compute_score_hpsv3:
+# H L426-435 0.1 x HPSv3's mu averaged over frames [::4] (0, 4, 8 of 9) -> --reward hpsv3=0.1 --hpsv3-num-frames 3,
+# each video's frames one batch (H L431) -> --hpsv3-batch-size 3, at 256 x 28 x 28 px (H L332). V L50, L66 seed 42;
+# V L98-99, L101 save and test every 30, 120 steps; V L84-85 evaluation with 50 ODE steps. No EMA in Y or B.
+TABLE["wan22_5b_hpsv3_dancegrpo.args"] = (
+    "VeRL-Omni examples/dancegrpo_trainer/wan22/run_wan22_5b_t2v_hpsv3_v1.sh (04eaf00; trainer/main_diffusion_v1.py)",
+    dict(model="wan2.2-5b", resolution=[704, 1280], num_frames=9, num_steps=10, shift=5.0, max_sequence_length=1024,
+         guidance_scale=5.0, train_cfg=True, negative_prompt=" ", sde="dance", eta=1.2, sde_window="fast",
+         window_size=2, window_range=[0, 5], same_noise_per_group=True, group_size=8, prompts_per_step=64,
+         sample_batch_size=1, train_batch_size=4, minibatches=4, updates_per_batch=1, loss="grpo", clip_range=1e-4,
+         adv_clip=5.0, kl_beta=0.0, global_std=True, lora_rank=0, fsdp=True, lr=1e-5, weight_decay=1e-4,
+         max_grad_norm=1.0, mixed_precision="bf16", gradient_checkpointing=True, ema_decay=0.0, seed=42, steps=120,
+         save_every=30, eval_every=30, eval_steps=50, reward="hpsv3=0.1", hpsv3_num_frames=3, hpsv3_batch_size=3))
+OPTIMIZER["wan22_5b_hpsv3_dancegrpo.args"] = (4, 128)  # 8 GPUs x 4 micro-batches of 4 per optimizer step
+GPUS["wan22_5b_hpsv3_dancegrpo.args"] = (8,)  # V n_gpus_per_node
+
 
 def stated_flags(recipe):
     """The flag names a recipe file sets itself (not inherited from a preset), as argparse dests."""

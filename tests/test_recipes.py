@@ -24,20 +24,23 @@ TWIN = {"sd3": ["--model", "tiny"], "flux": ["--model", "tiny"], "wan": ["--mode
 TWIN["wan2.2"] = ["--model", "tiny-wan2.2"]  # Wan 2.2 A14B: two tiny experts (its recipe samples 5 frames)
 TWIN["hunyuan-video-1.5"] = ["--model", "tiny-hunyuan-video-1.5"]  # its recipe samples 5 frames
 TWIN["qwen-image-2.1"] = ["--model", "tiny-qwen-image-2.1"]
+TWIN["wan2.2-5b"] = ["--model", "tiny-wan2.2-5b"]  # Wan 2.2 TI2V-5B: its recipe samples 9 frames (4k + 1)
 
 
 @pytest.fixture(scope="module")
 def tiny_reward_models(tmp_path_factory):
-    """Stand-ins for the hub reward models: tiny random PickScore, HPS, ImageReward and aesthetic predictor built from
-    configs, and for GenEval's detector and colour classifier a tiny random Mask2Former (80 labels) and open_clip
-    model."""
+    """Stand-ins for the hub reward models: tiny random PickScore, HPS, HPSv3, ImageReward and aesthetic predictor
+    built from configs, and for GenEval's detector and colour classifier a tiny random Mask2Former (80 labels) and
+    open_clip model."""
     folder = str(tmp_path_factory.mktemp("reward_models"))
     pick = reward_fixtures.tiny_pickscore(os.path.join(folder, "pickscore"))
     hps_name, hps_path = reward_fixtures.tiny_hps(os.path.join(folder, "hps"))
     image_reward = os.path.join(folder, "imagereward")
     reward_fixtures.tiny_imagereward(image_reward)
     aesthetic_clip, aesthetic_mlp = reward_fixtures.tiny_aesthetic(os.path.join(folder, "aesthetic"))
-    return ["--pickscore-model-path", pick, "--pickscore-processor-path", pick, "--image-similarity-model-path", pick,
+    hpsv3_base, hpsv3_path = reward_fixtures.tiny_hpsv3(os.path.join(folder, "hpsv3"))
+    return ["--hpsv3-base-path", hpsv3_base, "--hpsv3-checkpoint-path", hpsv3_path,
+            "--pickscore-model-path", pick, "--pickscore-processor-path", pick, "--image-similarity-model-path", pick,
             "--hps-checkpoint-path", hps_path, "--hps-model-name", hps_name,
             "--imagereward-model-path", image_reward, "--imagereward-tokenizer-path", image_reward,
             "--aesthetic-clip-path", aesthetic_clip, "--aesthetic-mlp-path", aesthetic_mlp,
@@ -108,7 +111,7 @@ def test_every_published_setup_has_a_recipe():
                      "qwen_image_pickscore_grpo.args", "sd3_guard_pickscore.args", "sd3_nft_geneval.args",
                      "sd3_nft_pickscore.args", "sd3_nft_ocr.args", "sd3_awm_geneval.args", "sd3_awm_ocr.args",
                      "sd3_awm_pickscore.args", "wan22_pickscore_grpo.args", "hunyuan_video15_pickscore_grpo.args",
-                     "qwen_image21_pickscore_grpo.args"):
+                     "qwen_image21_pickscore_grpo.args", "wan22_5b_hpsv3_dancegrpo.args"):
         assert expected in names
     for recipe in RECIPES:  # each cites what it reproduces
         assert open(recipe).readline().startswith("# ")
