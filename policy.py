@@ -4,8 +4,10 @@
                                        AdamW; fp16 loss scaling; the evaluation EMA, the old copy and GARDO's
                                        reference snapshot (float32)
     policy.modules, policy.models      {name: module} that train (models.trained_modules), and their training wrappers
-    policy.velocity(x, sigma, embeds, guidance_scale, train=False)   a forward (train: through DDP / compile)
-    policy.gathered()                  context of a rollout or evaluation: FSDP gathers each block once, not per forward
+    policy.velocity(x, sigma, embeds, guidance_scale, train=False)   a forward (train: through DDP / compile; else the
+                                       bare module, compiled with --compile)
+    policy.gathered()                  context of a rollout or evaluation: FSDP gathers each block once, not per
+                                       forward; --compile: the pipeline's calls run the compiled forward (compiled())
     policy.frozen("old" | "sampling" | "reference") context: a copy's weights, or the KL reference: the base
                                        model (LoRA off), or with --gardo-reference the snapshot
     policy.sync_gradients(last)        before a training forward: reduce gradients over ranks after it or not
@@ -85,7 +87,13 @@ class Policy:
         elif WORLD > 1 and not args.fsdp:  # no DDP: the replicas start alike, as DDP would make them
             distributed.broadcast_parameters([q for _, q in trainable])
         wrapped = {name: self.ddp or module for name, module in modules.items()}  # what the training forward calls
+        # --compile, after everything that changes what a forward runs (--attention-backend, the adapter, FSDP's
+        # shards, gradient checkpointing): torch.compile traces at the first call, so it sees the modules as they are
+        # now. The training forward compiles its wrapper (DDP: dynamo's DDPOptimizer splits the graph at the gradient
+        # buckets); the forwards without gradients (rollout, old / sampling copy, reference, evaluation) compile the
+        # bare module's forward, never DDP's (Policy.compiled).
         self.models = {name: torch.compile(m) if args.compile else m for name, m in wrapped.items()}
+        self.forwards = _compiled_forwards(modules) if args.compile and not args.fsdp else []
         # fp16 (as Flow-GRPO's configs, through accelerate) needs loss scaling: the tiny gradients of mean-reduced
         # log-probs underflow its range (26 % of the gradient norm lost on the tiny model). Off: each call a no-op.
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
@@ -123,20 +131,42 @@ class Policy:
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
     def velocity(self, x, sigma, embeds, guidance_scale, *, train=False):
-        """The velocity at (x, sigma) under autocast; train=True runs the training wrapper (DDP, compile)."""
-        with self.autocast():
+        """The velocity at (x, sigma) under autocast; train=True runs the training wrapper (DDP, compile), else the
+        bare modules (--compile: their compiled forwards, Policy.compiled)."""
+        with self.autocast(), contextlib.nullcontext() if train else self.compiled():
             return models.velocity(self.pipe, x, sigma, embeds, guidance_scale=guidance_scale,
                                    modules=self.models if train else None)
+
+    @contextlib.contextmanager
+    def compiled(self):
+        """Inside, with --compile (not --fsdp), the bare trained modules run their compiled forwards: every call of
+        them, the pipeline's own as models.generate makes, goes through torch.compile. Outside, `forward` is the
+        class's again (or what it was), so that the training wrapper (torch.compile of the module or of DDP) traces
+        the module itself and no call enters two compiled regions. The module's hooks (scripts/bench.py's recorder)
+        run around the compiled forward, eager. Re-entrant; without --compile, nothing."""
+        held = [(module, module.__dict__.get("forward")) for module, _ in self.forwards]
+        for module, forward in self.forwards:
+            module.forward = forward  # an instance attribute, found before the class's forward by nn.Module.__call__
+        try:
+            yield
+        finally:
+            for module, before in held:
+                if before is None:
+                    del module.forward
+                else:
+                    module.forward = before
 
     @contextlib.contextmanager
     def gathered(self):
         """Context for a rollout or a held-out evaluation (forwards without gradients): under --fsdp each block's
         weights are all-gathered at its first forward and kept until the exit, then resharded for training
         (distributed.gathered): one all-gather per block per rollout batch instead of one per forward. Enter it inside
-        frozen() and ema_weights(), whose exchanges of the weights it must see. Without --fsdp: nothing."""
+        frozen() and ema_weights(), whose exchanges of the weights it must see. With --compile the forwards inside run
+        compiled (Policy.compiled). Without --fsdp or --compile: nothing."""
         with contextlib.ExitStack() as stack:
             for module in self.modules.values() if self.args.fsdp else ():
                 stack.enter_context(distributed.gathered(module))
+            stack.enter_context(self.compiled())
             yield
 
     @contextlib.contextmanager
@@ -304,6 +334,24 @@ def _frozen_in(pipe, trained, dtype):
             q.data = data
 
 
+def _compiled_forwards(modules):
+    """[(module, torch.compile of its forward)] for the forwards without gradients (Policy.compiled).
+
+    Nothing is baked in: dynamo's graphs take the parameters as inputs (torch 2.14's inline_inbuilt_nn_modules), so the
+    in-place exchanges of the weights (checkpoints.swapped: the old, sampling and reference copies, the EMA) reach the
+    next call as they are, and it guards on the Python state a forward branches on (peft's adapter switch that
+    models.reference flips, the requires_grad flags it sets, train / eval mode, autocast, grad mode): each such state
+    compiles once, then each call finds its graph. dynamic left at None (automatic): the first call compiles for its
+    shapes, and a second batch size (a micro-batch smaller than the rollout's, or a different one of a later step as
+    samples without an advantage are dropped; an evaluation's last batch) recompiles once with the batch dimension
+    symbolic, after which every size shares that graph. dynamic=False would compile once per batch size, up to
+    dynamo's recompile limit (8 per module) and then run eager; dynamic=True would make the image dimensions symbolic
+    too, for slower kernels. The limit counts the training forward's graphs too: its compile, of the module or of
+    DDP, ends in the same forward, its graphs told apart by grad mode. The compiles per phase are counted in
+    tests/test_cluster_memory.py::test_the_compiled_training_forward_reproduces_the_rollouts_log_probs."""
+    return [(module, torch.compile(module.forward)) for module in modules.values()]
+
+
 SNAPSHOT_BYTES = 4 << 30  # trained weights up to this are copied to the CPU at the start of a multi-update step
 
 
@@ -326,7 +374,14 @@ def add_arguments(parser):
                    help="autocast dtype of model forwards; the SDE step and log-probs are always float32")
     g.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute transformer activations in the backward pass (less memory, ~30%% more compute)")
-    g.add_argument("--compile", action="store_true", help="torch.compile the transformer")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the trained transformer(s) in every phase: the training forward (through DDP "
+                        "where it wraps them) and, on the bare module, the rollout, the old / sampling copy, the KL "
+                        "reference and the held-out evaluation. Under --fsdp only the training forward: the rollout's "
+                        "one gather per block (Policy.gathered) works through FSDP2's hooks, which are not checked "
+                        "under compile, so the forwards without gradients stay eager. The first step pays the "
+                        "compiles: one per phase, one more where a second batch size makes the batch dimension "
+                        "dynamic")
     g.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=False,
                    help="full fine-tune (--lora-rank 0) under torchrun: shard weights, gradients and Adam state over "
                         "the processes (FSDP2) instead of replicating them (DDP)")

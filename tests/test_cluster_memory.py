@@ -218,17 +218,85 @@ def test_the_attention_backend_is_chosen_explicitly_and_recorded(tmp_path, capsy
     assert json.load(open(out / "args.json"))["args"]["attention_backend"] == "_native_math"
 
 
-def test_the_compiled_training_forward_reproduces_the_rollouts_log_probs(tmp_path):
-    """--compile (torch.compile of the training forward, inductor on the CPU) with micro-batches of 2 where the rollout
-    batches are 4: the first update's ratio stays within 1e-4 of 1, the hub recipes' clip range, and the losses and
-    gradient norms are the eager run's to float rounding. (About a minute: the compile.)"""
-    flags = ["--model", "tiny", "--steps", "2", "--num-steps", "4", "--prompts-per-step", "2", "--group-size", "4",
-             "--sample-batch-size", "4", "--train-batch-size", "2", "--resolution", "32", "--log-images-every", "0"]
+def test_the_compiled_training_forward_reproduces_the_rollouts_log_probs(tmp_path, monkeypatch):
+    """--compile (inductor on the CPU) compiles every phase: the training forward, and on the bare module the rollout's
+    and the KL reference's (--kl-beta on a LoRA run: the adapter off). With micro-batches of 2 where the rollout batches
+    are 4, the first update's ratio stays within 1e-4 of 1, the hub recipes' clip range, and the losses and gradient
+    norms are the eager run's to float rounding. Dynamo compiles each phase (grad mode x train mode) in the first step
+    and nothing after it. After the run the compiled forwards give the eager module's velocity with other weights
+    exchanged in place (the old copy's way) and with the adapter off, without a recompile: no stale graph. (The three
+    compiles: about a minute with inductor's on-disk cache warm, two to three minutes cold on 2 cores.)"""
+    from torch._dynamo import callback_handler
+    from torch._dynamo.callback import CallbackTrigger
+
+    flags = ["--model", "tiny", "--lora-rank", "4", "--kl-beta", "0.04", "--steps", "3", "--num-steps", "4",
+             "--prompts-per-step", "2", "--group-size", "4", "--sample-batch-size", "4", "--train-batch-size", "2",
+             "--resolution", "32", "--log-images-every", "0"]
+    made, steps, compiles = [], [], []
+
+    class Kept(Policy):  # the run's policy, kept to probe its compiled forwards afterwards
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+    monkeypatch.setattr(train, "Policy", Kept)
+
+    def on_compile(info):  # which phase dynamo compiles a frame for: the steps done, grad mode, train / eval mode
+        if info.callback_trigger == CallbackTrigger.DYNAMO:
+            compiles.append((len(steps), torch.is_grad_enabled(), made[-1].modules["transformer"].training))
+    callback_handler.register_start_callback(on_compile)
     rows = {}
-    for name, extra in (("eager", []), ("compiled", ["--compile"])):
-        train.main(flags + extra + ["--out", str(tmp_path / name)])
-        rows[name] = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+    try:
+        for name, extra in (("eager", []), ("compiled", ["--compile"])):
+            steps.clear()
+            train.main(flags + extra + ["--out", str(tmp_path / name)], on_step=lambda info: steps.append(info))
+            rows[name] = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+            if name == "eager":
+                assert compiles == []
+        policy = made[-1]
+        assert [m.__dict__.get("forward") for m in policy.modules.values()] == [None]  # the class's, outside
+        ran = len(compiles)
+        found = _compiled_against_eager(policy)
+    finally:
+        callback_handler.remove_start_callback(on_compile)
+    assert len(rows["compiled"]) == len(rows["eager"]) == 3
     for compiled, eager in zip(rows["compiled"], rows["eager"]):
         assert compiled["first_ratio_dev"] < 1e-4
         assert compiled["loss"] == pytest.approx(eager["loss"], rel=1e-2, abs=1e-8)
         assert compiled["grad_norm"] == pytest.approx(eager["grad_norm"], rel=1e-3)
+    # rollout (no grad, eval mode), reference (no grad, train mode), training (grad): one compile each, all in the
+    # first step (a training-only compile makes one); the exchange and the adapter switch after the run, none
+    assert sorted(compiles[:ran]) == [(0, False, False), (0, False, True), (0, True, True)], compiles
+    assert len(compiles) == ran, compiles[ran:]
+    for name, (compiled, eager, other) in found.items():
+        assert torch.allclose(compiled, eager, atol=1e-5), (name, (compiled - eager).abs().max())
+        assert (compiled - other).abs().max() > 1e-3, name  # what a stale graph would have returned
+
+
+def _compiled_against_eager(policy):
+    """The run's compiled forwards against the eager module, in the rollout's shapes and mode with the trained weights
+    exchanged for others (policy.frozen("old")), and in the reference's (train mode, a micro-batch of 2, adapter off):
+    {name: (compiled, eager, what the weights before the exchange / with the adapter give)}."""
+    pipe, args = policy.pipe, policy.args
+    sample_guidance, train_guidance = train.guidance_scales(args)
+    embeds = models.encode_prompts(pipe, ["a red cube", "a blue ball"] * 2, guidance_scale=max(sample_guidance,
+                                   train_guidance), max_sequence_length=args.max_sequence_length)
+    x = models.initial_noise(pipe, 4, 32, generator=torch.Generator().manual_seed(3))
+    sigma = torch.full((4,), 0.6)
+    gen = torch.Generator().manual_seed(4)
+    policy.copies["old"] = {n: q.detach() + 0.1 * torch.randn(q.shape, generator=gen) for n, q in policy.trainable}
+    found = {}
+    policy.train(False)
+    with torch.no_grad():
+        live = policy.velocity(x, sigma, embeds, sample_guidance)
+        with policy.frozen("old"):
+            found["exchanged"] = (policy.velocity(x, sigma, embeds, sample_guidance),
+                                  models.velocity(pipe, x, sigma, embeds, guidance_scale=sample_guidance), live)
+    policy.train(True)
+    sub = {k: v[:2] for k, v in embeds.items()}
+    with torch.no_grad():
+        live = models.velocity(pipe, x[:2], sigma[:2], sub, guidance_scale=train_guidance)
+    with policy.frozen("reference"):
+        found["adapter off"] = (policy.velocity(x[:2], sigma[:2], sub, train_guidance),
+                                models.velocity(pipe, x[:2], sigma[:2], sub, guidance_scale=train_guidance), live)
+    policy.copies["old"] = None
+    return found
