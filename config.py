@@ -247,9 +247,12 @@ def _check_model(p, args, world_size):
                 "--nproc_per_node N > 1 (LoRA runs use DDP)")
     if args.guidance_scale_2 is not None and "transformer_2" not in families.MODELS[args.model].trained:
         p.error(f"--guidance-scale-2 is the CFG scale of a second expert, and {args.model} has none: drop it")
-    if args.fsdp and len(families.MODELS[args.model].trained) > 1:
-        p.error(f"--fsdp shards one trained module, and {args.model} trains "
-                f"{' and '.join(families.MODELS[args.model].trained)}: use LoRA (--lora-rank > 0) under DDP")
+    # Several experts under FSDP: an optimizer step's last micro-step may not reach every expert that an earlier one
+    # did, and only its backward would reduce-scatter the gradients accumulated until then (families/wan.py _routes).
+    experts = families.MODELS[args.model].trained
+    if args.fsdp and getattr(args, "fsdp_reduce", None) == "optimizer-step" and len(experts) > 1:
+        p.error(f"--fsdp-reduce optimizer-step reduces at the last micro-step, which may not reach every one of "
+                f"{args.model}'s {' and '.join(experts)}: use --fsdp-reduce micro-step")
     if args.kl_beta > 0 and args.lora_rank == 0 and not args.gardo_reference and args.kl_reference == "base":
         p.error("--kl-beta > 0 with --lora-rank 0 has no base model to anchor the KL (it is the LoRA adapter off): add "
                 "--kl-reference start (a snapshot of the starting weights), or set --lora-rank > 0 or --kl-beta 0")

@@ -7,11 +7,13 @@
     all_gather_cat(t)                    [n, ...] on every rank -> [WORLD * n, ...] in rank order
     any_rank(flag, device)               True everywhere when True anywhere (lockstep skips and stops)
     any_rank_host(flag)                  the same over gloo on the host, without waiting for the GPU (signals)
+    any_rank_each(flags)                 any_rank_host of each flag of a list, in one all-reduce (experts reached)
     union(names)                         the sorted union of every rank's names (the same collectives everywhere)
     share(n), gather_share(t, n)         this rank's share of n items; the shares' [n, ...] back in item order
     broadcast(obj)                       rank 0's value of a small object, on every rank
     barrier(), finish()
     shard_transformer(transformer, device, param_dtype=None)      FSDP2, one unit per transformer block
+    sharded(module)                                               whether FSDP2 shards it
     gathered(transformer)                                         FSDP2 context: each unit gathered once, kept
     gradient_sync(transformer, last, every)                       FSDP2: reduce-scatter after each (or the last) micro-step
     average_gradients(params)                                     the mean gradient over ranks, None counted as 0
@@ -115,6 +117,16 @@ def any_rank_host(flag):
     return bool(t.item())
 
 
+def any_rank_each(flags):
+    """[any_rank_host(f) for f in flags] in one all-reduce on the host: which of a family's experts any rank's
+    micro-batch reaches (families/wan.py), so that every rank calls those under FSDP."""
+    if WORLD == 1:
+        return [bool(f) for f in flags]
+    t = torch.tensor([float(f) for f in flags])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_HOST[0] if _HOST else None)
+    return [bool(f) for f in t.tolist()]
+
+
 def union(names):
     """The sorted union of every rank's names (strings), on every rank: what each rank then gathers one by one is the
     same list in the same order, whatever each happened to hold (a collective per name that one rank lacks would
@@ -185,6 +197,12 @@ def shard_transformer(transformer, device, *, param_dtype=None):
     # gathered weights registered in place of its shards until the next backward. This way, outside a forward,
     # named_parameters() are always the shards the optimizer holds. Costs one extra gather of the small root.
     fully_shard(transformer, mesh=mesh, reshard_after_forward=True, mp_policy=mp_policy)
+
+
+def sharded(module):
+    """Whether FSDP2 shards `module` (or the module a torch.compile wrapper holds)."""
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(getattr(module, "_orig_mod", module), FSDPModule)
 
 
 @contextlib.contextmanager

@@ -539,11 +539,17 @@ def velocity(pipe, x, sigma, embeds, *, guidance_scale=1.0, modules=None):
 
     sigma: float or [B] tensor. modules: {name: callable} in place of trained_modules(pipe), e.g. the DDP / FSDP /
     compiled wrappers to train through. Gradients flow unless the caller disables them.
+
+    The family receives sigma on x's device, except a family of several trained modules (Wan 2.2's experts): it
+    routes each sample by its sigma, so a sigma the caller holds on the host (a float, a CPU tensor) reaches it there,
+    and it reads the routes without waiting for the device.
     """
     trained = trained_modules(pipe)
     with _lora_input(trained.values(), x.device.type):  # no float32 round trip of the LoRA inputs under autocast
         assert embeds["prompt_embeds"].shape[0] == x.shape[0], "embeds and x must have the same batch size"
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0])  # [B]
+        on = "cpu" if len(trained) > 1 and not (torch.is_tensor(sigma) and sigma.device.type != "cpu") else x.device
+        # non_blocking: a host value is staged from pageable memory at once, without waiting for the device's queue
+        sigma = torch.as_tensor(sigma, dtype=torch.float32).to(on, non_blocking=True).expand(x.shape[0])  # [B]
         return family(pipe).velocity(pipe, modules or trained, x, sigma, embeds, guidance_scale)
 
 

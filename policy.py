@@ -313,8 +313,9 @@ class Policy:
 
 
     def _fsdp_module(self):
-        """The one sharded module (config refuses --fsdp for a family of several)."""
-        return next(iter(self.modules.values()))
+        """The sharded modules as one, whose parameter names are the trained ones' (models.named_parameters): the
+        module itself, or a ModuleDict of a family's experts ("transformer_2.blocks.0...")."""
+        return next(iter(self.modules.values())) if len(self.modules) == 1 else torch.nn.ModuleDict(self.modules)
 
 
 def _frozen_in(pipe, trained, dtype):

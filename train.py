@@ -144,6 +144,7 @@ def sample(policy, loss, args, prompts, sigmas, step, reward_fn, run):
     if loss.process == "reverse":
         steps = torch.cat([t["steps"].expand(len(t["latents"]), -1) for t in trajs])  # [n, K]
         batch["steps"] = steps.to(policy.device)  # beside the latents it indexes
+        batch["host_steps"] = steps  # and on the CPU, for the forwards' sigmas (models.velocity: Wan 2.2 routes there)
     return batch, pending
 
 
@@ -301,7 +302,7 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
             stepped = update or m  # an optimizer step of this step came before
             for i, (ids, rows) in enumerate(micro):
                 sub = embed_rows(batch["embeds"], ids, rows)
-                terms = reverse_terms(policy, batch, ids, sub, adv["adv"][ids], sigmas, args) \
+                terms = reverse_terms(policy, batch, ids, sub, adv["adv"][ids], sigmas, args, rows) \
                     if loss.process == "reverse" else forward_terms(policy, loss, batch, ids, sub, adv["adv"][ids],
                                                                     sigmas, args, (step, update, m, i), old_stats)
                 for x, sigma, complete in terms:  # one trained step (or sigma) of every sample of the micro-batch
@@ -350,10 +351,11 @@ def host_stats(stats):
             for k, values in stats.items()}
 
 
-def reverse_terms(policy, batch, ids, sub, adv, sigmas, args):
+def reverse_terms(policy, batch, ids, sub, adv, sigmas, args, rows=None):
     """The trained sampler steps of micro-batch `ids`, the j-th of every sample at a time: its input x and sigma, and
     complete(v), the step's tensors for the loss from the current velocity v (losses.py, "the algorithms"): the
-    stored transition scored by sde.sde_step, and with --kl-beta the frozen reference's mean of it (policy.frozen)."""
+    stored transition scored by sde.sde_step, and with --kl-beta the frozen reference's mean of it (policy.frozen).
+    rows: `ids` on the CPU; with the rollout's host_steps, the forwards take their sigma from the host."""
     train_guidance = guidance_scales(args)[1]
     step = dict(kind=args.sde, eta=args.eta, sigma_max=sigmas[1].item())  # sigmas[1] stands in for s = 1, as in rollout
     gate = batch["kl_gate"][ids] if "kl_gate" in batch else None  # [b]: --gardo-gate's samples whose KL counts
@@ -362,10 +364,11 @@ def reverse_terms(policy, batch, ids, sub, adv, sigmas, args):
         k = batch["steps"][ids, j]  # [b]: each sample's j-th trained step
         x, x_next = batch["latents"][ids, k], batch["latents"][ids, k + 1]  # [b, ...]: its stored transition
         sigma, sigma_next = on_device[k], on_device[k + 1]  # [b]
+        at = sigma if rows is None or "host_steps" not in batch else sigmas[batch["host_steps"][rows, j]]  # [b]
         ref = {}
         if args.kl_beta > 0:  # the frozen reference, before the training forward: the base (the adapter off), or
             with policy.frozen("reference"):  # GARDO's snapshot, exchanged in place with weights a graph would hold
-                v_ref = policy.velocity(x, sigma, sub, train_guidance)
+                v_ref = policy.velocity(x, at, sub, train_guidance)
             ref["ref_mean"] = sde.sde_step(v_ref, x, sigma, sigma_next, prev_sample=x_next, **step).mean
 
         def complete(v):  # called before the generator moves on: x, sigma, ... are this step's
@@ -373,7 +376,7 @@ def reverse_terms(policy, batch, ids, sub, adv, sigmas, args):
             return dict(log_prob=out.log_prob, old_log_prob=batch["log_probs"][ids, j], mean=out.mean,
                         old_mean=batch["means"][ids, j], std=out.std, dt=sigma_next - sigma, adv=adv, sigma=sigma,
                         sigma_next=sigma_next, schedule=sigmas, kl_gate=gate, **ref)
-        yield x, sigma, complete
+        yield x, at, complete
 
 
 def forward_terms(policy, loss, batch, ids, sub, adv, sigmas, args, key, old_stats):
@@ -387,7 +390,8 @@ def forward_terms(policy, loss, batch, ids, sub, adv, sigmas, args, key, old_sta
         if needed:
             guidance = reference_guidance(loss, args) if name == "reference" else train_guidance
             with policy.frozen(name):
-                frozen[name] = [policy.velocity(x, fp["s"][:, j], sub, guidance) for j, x in enumerate(fp["x_t"])]
+                frozen[name] = [policy.velocity(x, fp["s_host"][:, j], sub, guidance)
+                                for j, x in enumerate(fp["x_t"])]
     old_stat = old_stats.get(key[1:])  # [n, b] on the optimizer steps after the batch's first, else None
     gate = batch["kl_gate"][ids] if "kl_gate" in batch else None  # [b]: --gardo-gate's samples whose KL counts
     for j, x_t in enumerate(fp["x_t"]):
@@ -396,7 +400,7 @@ def forward_terms(policy, loss, batch, ids, sub, adv, sigmas, args, key, old_sta
                         v_old=frozen["old"][j] if "old" in frozen else None,
                         v_ref=frozen["reference"][j] if "reference" in frozen else None,
                         old_stat=None if old_stat is None else old_stat[j], kl_gate=gate)
-        yield x_t, fp["s"][:, j], complete
+        yield x_t, fp["s_host"][:, j], complete
 
 
 def renoised(loss, batch, ids, sigmas, args, key):
@@ -413,8 +417,9 @@ def renoised(loss, batch, ids, sigmas, args, key):
     times, noise = times[first], noise[:, first]  # Diffusion-DPO's pair (train_sd3_dpo.py L885-899), DGPO's group
     if loss.unit == "group":  # one noise per group for all its sigmas (Flow-Factory dgpo.py L403-445)
         noise = noise[:1].expand_as(noise)
-    s, noise = schedule_at(sigmas, times).to(x0.device), noise.to(x0.device)
-    return dict(x0=x0, s=s, noise=noise, unit=unit.to(x0.device),
+    host = schedule_at(sigmas, times)  # [b, n] on the CPU, where the forwards take it (Wan 2.2 routes there)
+    s, noise = host.to(x0.device), noise.to(x0.device)
+    return dict(x0=x0, s=s, s_host=host, noise=noise, unit=unit.to(x0.device),
                 x_t=[sde.renoise(x0, eps, s[:, j]) for j, eps in enumerate(noise)])
 
 
@@ -443,8 +448,8 @@ def frozen_stats(policy, loss, batch, sigmas, micro_batches, args, step):
                 fp = renoised(loss, batch, ids, sigmas, args, (step, update, m, i))
                 with torch.no_grad():
                     out[update, m, i] = torch.stack([loss.old_stat(dict(
-                        v=policy.velocity(x, fp["s"][:, j], sub, train_guidance), x0=fp["x0"], noise=fp["noise"][j],
-                        sigma=fp["s"][:, j]), **vars(args)) for j, x in enumerate(fp["x_t"])])
+                        v=policy.velocity(x, fp["s_host"][:, j], sub, train_guidance), x0=fp["x0"],
+                        noise=fp["noise"][j], sigma=fp["s"][:, j]), **vars(args)) for j, x in enumerate(fp["x_t"])])
     return out
 
 

@@ -13,6 +13,7 @@ conventions are load's docstring. Samples are videos [B, F, H, W, 3] (the record
 import numpy as np
 import torch
 
+import distributed
 import sde
 from families import common
 
@@ -132,27 +133,46 @@ def encode(pipe, prompts, negative_prompt, guidance_scale, tokens):
 def velocity(pipe, modules, x, sigma, embeds, guidance_scale):
     """Wan 2.1: the transformer. Wan 2.2: each sample's expert by its timestep t = floor(1000 s), as WanPipeline.__call__
     chooses it: `transformer` where t >= boundary_ratio x 1000, `transformer_2` below (both in one batch only when a
-    micro-batch holds samples of both sides: a training forward of steps drawn per sample). Reading the routes is one
-    host sync a forward. A forward with CFG guides the low-noise expert by pipe.guidance_scale_2 where it is set
-    (--guidance-scale-2; the model card's 4.0 and 3.0), as WanPipeline's guidance_scale_2."""
+    micro-batch holds samples of both sides: a training forward of steps drawn per sample). The routes are read where
+    sigma is: on the host (models.velocity leaves a caller's float or CPU tensor there) without waiting for the device,
+    on the device with one host read. A forward with CFG guides the low-noise expert by pipe.guidance_scale_2 where it
+    is set (--guidance-scale-2; the model card's 4.0 and 3.0), as WanPipeline's guidance_scale_2."""
     ratio = pipe.config.get("boundary_ratio")
     if "transformer_2" not in modules or ratio is None:
-        return _velocity(pipe, modules["transformer"], x, sigma, embeds, guidance_scale)
+        return _velocity(pipe, modules["transformer"], x, sigma.to(x.device, non_blocking=True), embeds, guidance_scale)
     second = getattr(pipe, "guidance_scale_2", None)
     scales = {"transformer": guidance_scale,
               "transformer_2": second if second is not None and guidance_scale > 1 else guidance_scale}
-    high = _timestep(pipe, sigma) >= ratio * pipe.scheduler.config.num_train_timesteps  # [B] bool
-    n_high = int(high.sum())  # the one host read
-    if n_high in (0, len(x)):  # the whole batch on one side: no copies
-        name = "transformer" if n_high else "transformer_2"
+    routes = _routes(pipe, modules, sigma, ratio)  # {expert: its rows, on the host}
+    sigma = sigma.to(x.device, non_blocking=True)  # from the host: staged at once, no wait for the device's queue
+    if len(routes) == 1 and all(len(rows) == len(x) for rows in routes.values()):  # the whole batch: no copies
+        (name,) = routes
         return _velocity(pipe, modules[name], x, sigma, embeds, scales[name])
     v = None
-    for name, rows in (("transformer", high), ("transformer_2", ~high)):
-        part = _velocity(pipe, modules[name], x[rows], sigma[rows], {k: t[rows] for k, t in embeds.items()},
+    for name, rows in routes.items():
+        # A rank with none of an expert's rows that the other ranks reach (FSDP, _routes) runs it on its first row
+        # and keeps none of the output: the expert's gathers and its backward's reduce-scatter (of a zero gradient)
+        # pair with theirs.
+        index = (rows if len(rows) else rows.new_zeros(1)).to(x.device, non_blocking=True)
+        part = _velocity(pipe, modules[name], x[index], sigma[index], {k: t[index] for k, t in embeds.items()},
                          scales[name])
         v = part.new_empty((len(x), *part.shape[1:])) if v is None else v
-        v[rows] = part
+        v[index[:len(rows)]] = part if len(rows) else part[:0]
     return v
+
+
+def _routes(pipe, modules, sigma, ratio):
+    """{expert: its rows, int64 on the host}, in the order the experts are called; an expert no row reaches is left
+    out. Under FSDP the ranks agree first (one all-reduce on the host): each expert that any rank's rows reach is in
+    every rank's routes, with no rows where this rank has none, because its forward's all-gathers and its backward's
+    reduce-scatter are collectives that every rank must call, in the same order."""
+    bound = ratio * pipe.scheduler.config.num_train_timesteps
+    high = (_timestep(pipe, sigma) >= bound).cpu()  # [B] bool; a sigma on the device: the one host read
+    rows = {"transformer": high.nonzero()[:, 0], "transformer_2": (~high).nonzero()[:, 0]}
+    reached = [len(r) > 0 for r in rows.values()]
+    if distributed.sharded(modules["transformer"]):
+        reached = distributed.any_rank_each(reached)
+    return {name: r for (name, r), keep in zip(rows.items(), reached) if keep}
 
 
 def _timestep(pipe, sigma):

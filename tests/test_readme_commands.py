@@ -108,14 +108,6 @@ ONE_GPU = {w[2][1:] for _, w in shown_commands() if w[:2] == ["python", "train.p
            and w[2].startswith("@recipes/") and w[2] != "@recipes/..."}
 
 
-def trains_several_modules(recipe):
-    """Whether the recipe's model trains several modules (Wan 2.2's experts), which --fsdp refuses (config.py)."""
-    import families
-
-    words = shlex.split(open(os.path.join(ROOT, recipe)).read(), comments=True)
-    return len(families.MODELS[words[words.index("--model") + 1]].trained) > 1
-
-
 def commands():
     """(label, script, argv, world size) for every command shown, `@recipes/...` expanded to every recipe."""
     out = []
@@ -130,7 +122,7 @@ def commands():
             continue
         argv = [PLACEHOLDERS.get(w, w.replace("HOST", "localhost")) for w in words[i + 1:] if w != "..."]
         argv = [("stand-in/model" if argv[j - 1] == "--model-path" else a) if j else a for j, a in enumerate(argv)]
-        recipes = [r for r in RECIPES if r not in ONE_GPU and not ("--fsdp" in argv and trains_several_modules(r))] \
+        recipes = [r for r in RECIPES if r not in ONE_GPU] \
             if "@recipes/..." in argv else [None]
         for recipe in recipes:
             full = [("@" + recipe if a == "@recipes/..." else a) for a in argv]
@@ -222,10 +214,8 @@ def test_commands_are_found():
     assert {s for _, s, *_ in COMMANDS} >= {"train.py", "eval.py", "scripts/bench.py", "shapes/scripts/league.py"}
     worlds = {label: w for label, _, argv, w in COMMANDS if argv is not None}
     assert max(worlds.values()) == 16 and min(worlds.values()) == 1  # two nodes of 8; python
-    # the Launch section's two @recipes/... lines, each on every recipe but the one-GPU ones (FSDP's: and the recipes
-    # of several trained modules)
-    several = sum(trains_several_modules(r) for r in RECIPES if r not in ONE_GPU)
-    assert sum("[recipes/" in label for label in labels) >= 2 * (len(RECIPES) - len(ONE_GPU)) - several
+    # the Launch section's two @recipes/... lines, each on every recipe but the one-GPU ones
+    assert sum("[recipes/" in label for label in labels) >= 2 * (len(RECIPES) - len(ONE_GPU))
 
 
 def test_a_module_command_is_checked_by_its_parser(monkeypatch):
@@ -268,11 +258,9 @@ def test_recipe_tails_found():
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_with_every_tail(recipe, monkeypatch):
     """Each recipe with every tail of flags a command adds to one, on the GPUs of the `@recipes/...` launches (8), or
-    on one for a one-GPU recipe, where the FSDP tails do not apply (they shard over several processes), nor on a model
-    of several trained modules (one line says so: tests/test_config.py)."""
+    on one for a one-GPU recipe, where the FSDP tails do not apply (they shard over several processes)."""
     world = 1 if recipe in ONE_GPU else max(WORLDS)
-    several = trains_several_modules(recipe)
     failures = [f"{' '.join(tail) or '(none)'} on {world} GPUs: {error}" for tail in TAILS
-                if not ((world == 1 or several) and "--fsdp" in tail)
+                if not (world == 1 and "--fsdp" in tail)
                 and (error := run_checked("train.py", ["@" + recipe, *tail], world, monkeypatch))]
     assert not failures, "\n".join(failures)
