@@ -32,6 +32,9 @@ import json
 import math
 import os
 import re
+import shutil
+import subprocess
+import wave
 
 import torch
 
@@ -60,8 +63,8 @@ def sample_images(pipe, prompts, *, resolution, num_steps, guidance_scale, seed=
     noise_ids: each prompt's noise index (default 0..N-1; a process sampling a share of a set passes the share's);
     autocast: the forwards' (and decode's) context, as models.generate (train.py: the run's --mixed-precision);
     stop: asked before each batch, True gives up and returns None (train.py: a preemption)."""
-    sigmas = models.sigmas(pipe, num_steps, resolution, shift=shift)
     noise = seeded_noise(pipe, len(prompts), resolution, seed, num_frames, ids=noise_ids)
+    sigmas = models.sigmas(pipe, num_steps, resolution, shift=shift)  # after: ltx2's is for the frames drawn last
     out = []
     for i in range(0, len(prompts), batch_size):
         if stop is not None and stop():
@@ -183,10 +186,14 @@ def select_samples(prompts, scores, n=8):
 def save_sample_grid(path, images, captions, n=8, fps=16, ids=None):
     """Up to n training samples with their captions (train.py's samples/): images as one PNG row;
     videos [N, F, H, W, 3] as one animated GIF per caption's first line, the prompt (<path stem>_<k>.gif,
-    that prompt's samples side by side, at fps frames per second). `ids` picks the samples (e.g.
-    select_samples'); by default the first n. Returns the paths written."""
+    that prompt's samples side by side, at fps frames per second). Videos with sound (ltx2: `images.audio`)
+    also write each sample's soundtrack, <path stem>_<k>_<j>.wav for the j-th of the GIF's row, and where a
+    codec is at hand the sample with its sound as <path stem>_<k>_<j>.mp4 (save_sound). `ids` picks the samples
+    (e.g. select_samples'); by default the first n. Returns the paths written."""
     if ids is not None:
         images, captions = images[list(ids)], [captions[i] for i in ids]
+    audio = getattr(images[:n], "audio", None)  # [n, channels, samples] beside videos with sound
+    rate = getattr(images, "sample_rate", None)
     images = images[:n].numpy()
     captions = captions[:len(images)]
     if images.ndim == 4:
@@ -199,7 +206,39 @@ def save_sample_grid(path, images, captions, n=8, fps=16, ids=None):
         frames = [captioned_row(images[ids, f], [captions[i] for i in ids]) for f in range(images.shape[1])]
         paths.append(os.path.splitext(path)[0] + f"_{k}.gif")
         frames[0].save(paths[-1], save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0)
+        for j, i in enumerate(ids if audio is not None else []):
+            paths += save_sound(os.path.splitext(path)[0] + f"_{k}_{j}", images[i], audio[i], rate, fps)
     return paths
+
+
+def save_sound(stem, frames, audio, sample_rate, fps):
+    """One video's soundtrack, audio float [channels, samples] in [-1, 1], as <stem>.wav (16-bit PCM, stdlib wave),
+    and frames uint8 [F, H, W, 3] with it as <stem>.mp4 (H.264, AAC) where a codec is at hand: PyAV through
+    diffusers.utils.encode_video (the LTX-2 pipeline's own exporter), else an ffmpeg binary on PATH; neither: the
+    WAV alone. Returns the paths written."""
+    pcm = (torch.as_tensor(audio).float().clamp(-1, 1) * 32767).round().to(torch.int16)  # [C, T]
+    with wave.open(stem + ".wav", "wb") as f:
+        f.setnchannels(pcm.shape[0])
+        f.setsampwidth(2)
+        f.setframerate(int(sample_rate))
+        f.writeframes(pcm.T.contiguous().numpy().astype("<i2").tobytes())  # interleaved frames of samples
+    paths = [stem + ".wav"]
+    try:
+        import av  # noqa: F401  (diffusers' encode_video needs it)
+        from diffusers.utils import encode_video
+        encode_video(torch.as_tensor(frames), fps=fps, output_path=stem + ".mp4",
+                     audio=torch.as_tensor(audio).float(), audio_sample_rate=int(sample_rate))
+        return paths + [stem + ".mp4"]
+    except ImportError:
+        pass
+    if shutil.which("ffmpeg") is None:
+        return paths
+    height, width = frames.shape[1:3]
+    command = ["ffmpeg", "-y", "-loglevel", "error", "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{width}x{height}",
+               "-r", str(fps), "-i", "-", "-i", stem + ".wav", "-c:v", "libx264", "-pix_fmt", "yuv420p", "-c:a", "aac",
+               "-shortest", stem + ".mp4"]
+    subprocess.run(command, input=frames.tobytes(), check=True, capture_output=True)
+    return paths + [stem + ".mp4"]
 
 
 def summary_line(scores):
@@ -406,14 +445,16 @@ def page_paths(folder, stem, n, ext):
 def save_compare_grid(folder, columns, names, prompts, notes, captions, *, key="", max_height=2000, fps=16):
     """Write the before/after grid (see compare_pages) into folder: grid.png, grid-2.png, ... for images [N, H, W, 3];
     for videos [N, F, H, W, 3] the same pages with the first, middle and last frame of each video, and each page
-    as an animated GIF (grid.gif, ...) at fps frames per second. Returns the paths written."""
+    as an animated GIF (grid.gif, ...) at fps frames per second; videos with sound (ltx2) also each cell's soundtrack,
+    grid_<column>_<row>.wav (save_sound). Returns the paths written."""
+    sounds = [(getattr(c, "audio", None), getattr(c, "sample_rate", None)) for c in columns]
     columns = [c.numpy() if isinstance(c, torch.Tensor) else c for c in columns]
     video = columns[0].ndim == 5
     still = [stills(c) if video else c[:, None] for c in columns]  # [N, k, H, W, 3]
     pages = compare_pages(still, names, prompts, notes, captions, max_height=max_height,
                           key=key + ("; the frames: first, middle, last" if video else ""))
     for name in os.listdir(folder):  # the pages of an earlier, longer grid in the same folder would read as ours
-        if re.fullmatch(r"grid(-\d+)?\.(png|gif)", name):
+        if re.fullmatch(r"grid(-\d+)?\.(png|gif)|grid_\d+_\d+\.(wav|mp4)", name):
             os.remove(os.path.join(folder, name))
     paths = page_paths(folder, "grid", len(pages), "png")
     for page, path in zip(pages, paths):
@@ -425,6 +466,9 @@ def save_compare_grid(folder, columns, names, prompts, notes, captions, *, key="
             frames[0][p].save(path, save_all=True, append_images=[f[p] for f in frames[1:]],
                               duration=round(1000 / fps), loop=0)
             paths.append(path)
+    for j, (audio, rate) in enumerate(sounds):
+        for i in range(len(audio) if audio is not None and video else 0):
+            paths += save_sound(os.path.join(folder, f"grid_{j}_{i}"), columns[j][i], audio[i], rate, fps)
     return paths
 
 

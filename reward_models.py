@@ -3,6 +3,7 @@
     pickscore   PickScore (CLIP ViT-H/14 fine-tuned on Pick-a-Pic)       hps        HPSv2 / v2.1 (open_clip ViT-H/14)
     clipscore   cos(text, image) of CLIP ViT-L/14                         aesthetic  LAION's predictor on CLIP ViT-L/14
     image_similarity  cos(sample, source) of CLIP ViT-L/14 image embeddings (edits)
+    clap        cos(text, audio) of LAION-CLAP: the soundtrack of a video with sound (ltx2)
     imagereward ImageReward (BLIP + MLP)                                  hpsv3      HPSv3 (Qwen2-VL-7B + reward head)
     Soft-TIFA   GenEval 2's judge: its questions, rules and in-process VLM (the reward itself is rewards.soft_tifa)
 
@@ -393,6 +394,58 @@ def aesthetic(*, aesthetic_clip_path, aesthetic_mlp_path, aesthetic_batch_size, 
             scores.append(mlp(v.float())[:, 0])
         return torch.cat(scores).cpu().view(len(images), n).mean(1)  # [B], mean over frames
 
+    return score
+
+
+# ----------------------------------------------------------------------------- CLAP (sound)
+
+def mono_at(audio, sample_rate, rate):
+    """Waveforms [B, channels, samples] (or [B, samples]) at sample_rate -> float32 numpy [B, samples'] at `rate`: the
+    channels averaged, then resampled by linear interpolation (no anti-aliasing filter: it is meant for raising a
+    vocoder's 16 or 24 kHz to CLAP's 48 kHz, where nothing folds back)."""
+    wave = torch.as_tensor(audio).float()
+    wave = wave.mean(1) if wave.ndim == 3 else wave  # [B, samples]
+    if sample_rate != rate:
+        length = max(1, round(wave.shape[-1] * rate / sample_rate))
+        wave = torch.nn.functional.interpolate(wave[:, None], size=length, mode="linear", align_corners=False)[:, 0]
+    return wave.cpu().numpy()
+
+
+def clap(*, clap_model_path, clap_batch_size, device, **_):
+    """CLAP's text-audio score: the cosine of its text and audio embeddings (LAION-CLAP, Wu et al. 2023,
+    arXiv:2211.06687: the similarity its contrastive loss is built on, without the temperature),
+
+        score = <t / |t|, a / |a|>      in [-1, 1]
+
+    with transformers' ClapModel and ClapProcessor from one hub id or folder (laion/clap-htsat-unfused by default;
+    laion/larger_clap_general by --clap-model-path). It hears the sample's soundtrack: build_reward hands a scorer
+    marked `hears` the batch's waveforms (`audio` [B, channels, samples] in [-1, 1] and `sample_rate`, which a sound
+    model's videos carry: families/ltx2.py, WithAudio), made mono and resampled to the processor's rate (mono_at),
+    then the processor's own features (48 kHz mel spectrogram, repeat-padded to its 10 s). The frames are not used.
+    """
+    batch_size = flags.integer(clap_batch_size, 1, "--clap-batch-size")
+    from transformers import ClapModel, ClapProcessor
+
+    try:
+        processor = ClapProcessor.from_pretrained(clap_model_path)
+        model = ClapModel.from_pretrained(clap_model_path).eval().to(device)
+    except Exception as err:
+        raise hub_error("clap", clap_model_path, "--clap-model-path", err) from err
+    rate = processor.feature_extractor.sampling_rate
+
+    @torch.no_grad()
+    def score(images, prompts, metadata, *, audio, sample_rate):
+        waves = mono_at(audio, sample_rate, rate)
+        scores = []
+        for i in range(0, len(prompts), batch_size):
+            sound = processor.feature_extractor(list(waves[i:i + batch_size]), sampling_rate=rate, return_tensors="pt")
+            tokens = processor.tokenizer(prompts[i:i + batch_size], padding=True, truncation=True, return_tensors="pt")
+            a = _unit(model.get_audio_features(**{k: v.to(device) for k, v in sound.items()}))
+            t = _unit(model.get_text_features(**{k: tokens[k].to(device) for k in ("input_ids", "attention_mask")}))
+            scores.append((t * a).sum(-1))  # cos(text, audio)
+        return torch.cat(scores).float().cpu()
+
+    score.hears = True  # build_reward passes the waveforms
     return score
 
 

@@ -15,6 +15,7 @@
 | `clipscore`              | cos(text, image) of CLIP ViT-L/14 (DiffusionNFT)         | about 0.2 - 0.35         |
 | `aesthetic`              | LAION aesthetic MLP on the CLIP ViT-L/14 image embedding | about 4 - 7              |
 | `image_similarity`       | cos(sample, source) of CLIP ViT-L/14 image embeddings    | edits; 1 for the source  |
+| `clap`                   | cos(text, audio) of LAION-CLAP on the soundtrack (ltx2)  | [-1, 1]                  |
 | `unifiedreward`          | UnifiedReward's "Final Score" from your vLLM/SGLang      | [1, 5]                   |
 | `ocr`                    | 1 - capped edit distance to the quoted text (Flow-GRPO)  | [0, 1]                   |
 | `jpeg_compressibility`   | -(JPEG kB at quality 95) / 500 (DDPO)                    | <= 0                     |
@@ -55,6 +56,10 @@ Conventions shared by every scorer:
   scores `--<name>-num-frames` evenly spaced frames (every frame by default) each against the
   sample's prompt and averages them; ocr and the JPEG rewards average every frame; the judges
   openai_api and unifiedreward take images only; `remote` sends the frames.
+- Sound: videos of a model with audio (ltx2) carry their waveforms (`images.audio` [B, channels, samples],
+  `images.sample_rate`); `build_reward` takes them before quantising the frames and passes them, as the keywords
+  `audio` and `sample_rate`, to a scorer marked `hears` (`clap`), the others seeing the frames alone. A frame reward
+  and `clap` mix as any two components (`--reward pickscore=1,clap=1`).
 - Edits: a sample's source images reach every scorer the same way, in its metadata (data.py):
   `metadata["source_images"]` lists their paths and `data.source_images(metadata)` reads them as uint8
   [H, W, 3] arrays. `image_similarity` scores the sample against them, `openai_api` shows the judge the source(s)
@@ -883,11 +888,18 @@ def _as_scores(out, n, who):
     return vector(out, "scores"), failed, extras
 
 
-def _score_part(fn, name, images, prompts, metadata, idx):
+def _score_part(fn, name, images, prompts, metadata, idx, sound=(None, None)):
     """Component `name` scored by `fn` on the samples idx -> (scores [n], failed [n] bool, extras {key: [n]}), each
-    checked: a score must be finite (NaN where it failed), an extra entry may be NaN (does not apply), never inf."""
+    checked: a score must be finite (NaN where it failed), an extra entry may be NaN (does not apply), never inf.
+    sound: the batch's (waveforms [B, channels, samples], sample rate), given to a scorer marked `hears` (clap)."""
+    kwargs = {}
+    if getattr(fn, "hears", False):
+        if sound[0] is None:
+            raise ValueError(f"reward {name!r} scores the samples' sound and these samples have none; sample with a "
+                             f"model that makes audio (--model ltx2) or drop {name!r} from --reward")
+        kwargs = dict(audio=sound[0][idx], sample_rate=sound[1])
     try:
-        result = fn(images[idx], [prompts[i] for i in idx], [metadata[i] for i in idx])
+        result = fn(images[idx], [prompts[i] for i in idx], [metadata[i] for i in idx], **kwargs)
     except SystemExit as err:  # would end the run in silence, with no checkpoint (exit 0 for sys.exit(0))
         if isinstance(err.code, str):  # an exit with its own message: not silent
             raise
@@ -931,6 +943,7 @@ def build_reward(spec, *, device="cpu", **options):
         scorer(name)
 
     def reward_fn(images, prompts, metadata=None):
+        sound = getattr(images, "audio", None), getattr(images, "sample_rate", None)  # videos with sound (ltx2)
         images = to_uint8(images)
         batch = len(images)
         metadata = [m or {} for m in (metadata if metadata is not None else [None] * batch)]
@@ -952,7 +965,7 @@ def build_reward(spec, *, device="cpu", **options):
         for name, idx in users.items():
             component = torch.full((batch,), float("nan"))  # NaN where the component does not apply
             if idx:
-                part, part_failed, extras = _score_part(scorer(name), name, images, prompts, metadata, idx)
+                part, part_failed, extras = _score_part(scorer(name), name, images, prompts, metadata, idx, sound)
                 component[idx] = part
                 failed[idx] |= part_failed
                 for key, values in extras.items():
@@ -1022,6 +1035,9 @@ def add_arguments(parser):
     flag("--clipscore-batch-size", "images per CLIP forward, per GPU", type=int, default=8)
     flag("--clipscore-num-frames", "video: evenly spaced frames scored per sample (None or 0: every frame)", type=int,
          default=None)
+    flag("--clap-model-path", "hub id or local folder of the CLAP model and processor (clap: text-audio cosine)",
+         default="laion/clap-htsat-unfused")
+    flag("--clap-batch-size", "soundtracks per CLAP forward, per GPU", type=int, default=8)
     flag("--image-similarity-model-path", "hub id or local folder of the CLIP model and processor comparing an edit "
          "with its source (image_similarity)", default="openai/clip-vit-large-patch14")
     flag("--image-similarity-batch-size", "images per CLIP forward, per GPU", type=int, default=8)
@@ -1183,6 +1199,7 @@ REWARDS = {
     "clipscore": reward_models.clipscore,
     "image_similarity": reward_models.image_similarity,
     "aesthetic": reward_models.aesthetic,
+    "clap": reward_models.clap,
     "unifiedreward": unifiedreward,
     "soft_tifa": soft_tifa,
 }

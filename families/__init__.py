@@ -30,6 +30,8 @@ takes g through its embedding (FLUX.1-dev, Kontext) or ignores it (a step-distil
 | `wan2.2-5b`        | `Wan-AI/Wan2.2-TI2V-5B-Diffusers`: one 5B, 16x VAE, a timestep per token  | wan.py             |
 | `hunyuan-video-1.5`| `hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v`, text to      | hunyuan_video.py   |
 |                    | video (720p by --model-path)                                               |                    |
+| `ltx2`             | `Lightricks/LTX-2`: text to video with sound, one 19B audio-video          | ltx2.py            |
+|                    | transformer; samples carry their waveforms (ltx2.WithAudio)                |                    |
 | `qwen-image`       | `Qwen/Qwen-Image`                                                          | qwen_image.py      |
 | `qwen-image-2.1`   | `Qwen/Qwen-Image-2.1`: single-stream, block-causal, Qwen3-VL text, no CFG  | qwen_image21.py    |
 | `flux2-klein`      | `black-forest-labs/FLUX.2-klein-base-4B`, also edits (9B, distilled: path) | flux2_klein.py     |
@@ -51,7 +53,7 @@ defined in the test).
 import dataclasses
 from typing import Callable, Optional
 
-from families import (common, flux, flux2_klein, flux_kontext, hunyuan_video, qwen_image, qwen_image21,
+from families import (common, flux, flux2_klein, flux_kontext, hunyuan_video, ltx2, qwen_image, qwen_image21,
                       qwen_image_edit, sd3, shapes, wan, z_image)
 
 
@@ -93,7 +95,7 @@ class Family:
 # publishes Qwen-Image's components
 PUBLISHED = {**sd3.PUBLISHED, **wan.PUBLISHED, **qwen_image.PUBLISHED, **flux2_klein.PUBLISHED, **z_image.PUBLISHED,
              **flux_kontext.PUBLISHED, "qwen-image-edit": qwen_image.PUBLISHED["qwen-image"],
-             **hunyuan_video.PUBLISHED, **qwen_image21.PUBLISHED}
+             **hunyuan_video.PUBLISHED, **qwen_image21.PUBLISHED, **ltx2.PUBLISHED}
 
 
 def build_published(name, component, device="meta"):
@@ -117,6 +119,8 @@ MODELS = {
     "tiny-wan2.2-5b": Family(**wan.TINY22_5B),
     "hunyuan-video-1.5": Family(**hunyuan_video.HUNYUAN_VIDEO),
     "tiny-hunyuan-video-1.5": Family(**hunyuan_video.TINY),
+    "ltx2": Family(**ltx2.LTX2),
+    "tiny-ltx2": Family(**ltx2.TINY),
     "qwen-image": Family(**qwen_image.QWEN_IMAGE),
     "tiny-qwen-image": Family(**qwen_image.TINY),
     "qwen-image-2.1": Family(**qwen_image21.QWEN_IMAGE21),

@@ -212,3 +212,26 @@ def tiny_hpsv3(folder, *, seed=0):
     path = os.path.join(folder, "HPSv3.safetensors")
     save_file(state, path)
     return base, path
+
+
+def tiny_clap(folder, seed=0):
+    """A random CLAP (RoBERTa text tower, HTSAT audio tower) with its processor, saved as a hub folder: the tokenizer
+    byte-level BPE without merges (RoBERTa's specials, GPT-2's byte alphabet), the features 16 mel bins at 48 kHz over
+    2 s (the published: 64 over 10 s)."""
+    from transformers import ClapConfig, ClapFeatureExtractor, ClapModel, ClapProcessor, RobertaTokenizer
+
+    vocab = {t: i for i, t in enumerate(["<s>", "<pad>", "</s>", "<unk>", "<mask>"] + families.common.byte_alphabet())}
+    processor = ClapProcessor(feature_extractor=ClapFeatureExtractor(feature_size=16, max_length_s=2,
+                                                                     truncation="rand_trunc"),
+                              tokenizer=RobertaTokenizer(vocab=vocab, merges=[], model_max_length=64))
+    with families.common.seeded_build(seed, "cpu"):
+        model = ClapModel(ClapConfig(
+            text_config=dict(vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, max_position_embeddings=80),
+            audio_config=dict(window_size=4, num_mel_bins=16, spec_size=64, patch_size=4, patch_stride=(4, 4),
+                              depths=[1, 1], num_attention_heads=[1, 2], hidden_size=32, patch_embeds_hidden_size=16,
+                              projection_hidden_size=16, enable_fusion=False),
+            projection_dim=16)).eval()
+    processor.save_pretrained(folder)
+    model.save_pretrained(folder)
+    return folder

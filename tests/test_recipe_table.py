@@ -416,6 +416,26 @@ OPTIMIZER["wan22_5b_hpsv3_dancegrpo.args"] = (4, 128)  # 8 GPUs x 4 micro-batche
 GPUS["wan22_5b_hpsv3_dancegrpo.args"] = (8,)  # V n_gpus_per_node
 
 
+# Flow-Factory examples/grpo/lora/ltx2/t2av.yaml (L, 5f6cda1), run by the GRPO trainer of the wan22 row (the same
+# mapping): num_processes 8, per_device_batch_size 1, group_size 16, unique_sample_num_per_epoch 48,
+# gradient_step_per_epoch 2 (two optimizer steps of 384), global_std true; scheduler dynamics_type CPS, noise_level
+# 0.8, num_sde_steps 3 of sde_steps [0 .. 9]; clip_range 1e-4, adv_clip_range 5, kl_beta 0; resolution [512, 768],
+# num_frames 121, num_inference_steps 24, guidance_scale 1.0 (stg 0, modality 1, rescale 0); ema_decay 0.9,
+# ema_update_interval 4 (--ema-every 8); gradient checkpointing; LoRA r64 / alpha 128; lr 3e-4, weight decay 1e-4,
+# max_grad_norm 1; bf16; save_freq and eval_freq 60, eval 50 steps; rewards clap (laion/larger_clap_general, batch 4)
+# and imagebind (not shipped: a difference); seed 42.
+TABLE["ltx2_clap_grpo.args"] = (
+    "Flow-Factory examples/grpo/lora/ltx2/t2av.yaml (5f6cda1; trainers/grpo.py)", dict(
+        model="ltx2", resolution=[512, 768], num_frames=121, num_steps=24, eval_steps=50, guidance_scale=1.0,
+        sde="cps", eta=0.8, sde_window="sparse", window_size=3, window_range=[0, 10], same_noise_per_group=False,
+        group_size=16, prompts_per_step=48, sample_batch_size=1, train_batch_size=1, minibatches=2,
+        updates_per_batch=1, loss="grpo", clip_range=1e-4, adv_clip=5.0, kl_beta=0.0, global_std=True, lora_rank=64,
+        lora_alpha=128.0, lr=3e-4, weight_decay=1e-4, max_grad_norm=1.0, mixed_precision="bf16",
+        gradient_checkpointing=True, ema_decay=0.9, ema_every=8, ema_repeat=1, eval_every=60, save_every=60, seed=42,
+        reward="clap", clap_model_path="laion/larger_clap_general", clap_batch_size=4))
+OPTIMIZER["ltx2_clap_grpo.args"] = (2, 384)
+GPUS["ltx2_clap_grpo.args"] = (8,)  # L num_processes
+
 def stated_flags(recipe):
     """The flag names a recipe file sets itself (not inherited from a preset), as argparse dests."""
     with open(os.path.join(ROOT, "recipes", recipe)) as f:

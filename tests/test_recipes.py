@@ -24,13 +24,14 @@ TWIN = {"sd3": ["--model", "tiny"], "flux": ["--model", "tiny"], "wan": ["--mode
 TWIN["wan2.2"] = ["--model", "tiny-wan2.2"]  # Wan 2.2 A14B: two tiny experts (its recipe samples 5 frames)
 TWIN["hunyuan-video-1.5"] = ["--model", "tiny-hunyuan-video-1.5"]  # its recipe samples 5 frames
 TWIN["qwen-image-2.1"] = ["--model", "tiny-qwen-image-2.1"]
+TWIN["ltx2"] = ["--model", "tiny-ltx2", "--num-frames", "5"]  # its recipe samples 121 frames
 TWIN["wan2.2-5b"] = ["--model", "tiny-wan2.2-5b"]  # Wan 2.2 TI2V-5B: its recipe samples 9 frames (4k + 1)
 
 
 @pytest.fixture(scope="module")
 def tiny_reward_models(tmp_path_factory):
-    """Stand-ins for the hub reward models: tiny random PickScore, HPS, HPSv3, ImageReward and aesthetic predictor
-    built from configs, and for GenEval's detector and colour classifier a tiny random Mask2Former (80 labels) and
+    """Stand-ins for the hub reward models: tiny random PickScore, HPS, HPSv3, ImageReward, aesthetic predictor and
+    CLAP built from configs, and for GenEval's detector and colour classifier a tiny random Mask2Former (80 labels) and
     open_clip model."""
     folder = str(tmp_path_factory.mktemp("reward_models"))
     pick = reward_fixtures.tiny_pickscore(os.path.join(folder, "pickscore"))
@@ -39,7 +40,8 @@ def tiny_reward_models(tmp_path_factory):
     reward_fixtures.tiny_imagereward(image_reward)
     aesthetic_clip, aesthetic_mlp = reward_fixtures.tiny_aesthetic(os.path.join(folder, "aesthetic"))
     hpsv3_base, hpsv3_path = reward_fixtures.tiny_hpsv3(os.path.join(folder, "hpsv3"))
-    return ["--hpsv3-base-path", hpsv3_base, "--hpsv3-checkpoint-path", hpsv3_path,
+    clap = reward_fixtures.tiny_clap(os.path.join(folder, "clap"))
+    return ["--hpsv3-base-path", hpsv3_base, "--hpsv3-checkpoint-path", hpsv3_path, "--clap-model-path", clap,
             "--pickscore-model-path", pick, "--pickscore-processor-path", pick, "--image-similarity-model-path", pick,
             "--hps-checkpoint-path", hps_path, "--hps-model-name", hps_name,
             "--imagereward-model-path", image_reward, "--imagereward-tokenizer-path", image_reward,
@@ -111,7 +113,7 @@ def test_every_published_setup_has_a_recipe():
                      "qwen_image_pickscore_grpo.args", "sd3_guard_pickscore.args", "sd3_nft_geneval.args",
                      "sd3_nft_pickscore.args", "sd3_nft_ocr.args", "sd3_awm_geneval.args", "sd3_awm_ocr.args",
                      "sd3_awm_pickscore.args", "wan22_pickscore_grpo.args", "hunyuan_video15_pickscore_grpo.args",
-                     "qwen_image21_pickscore_grpo.args", "wan22_5b_hpsv3_dancegrpo.args"):
+                     "qwen_image21_pickscore_grpo.args", "ltx2_clap_grpo.args", "wan22_5b_hpsv3_dancegrpo.args"):
         assert expected in names
     for recipe in RECIPES:  # each cites what it reproduces
         assert open(recipe).readline().startswith("# ")
@@ -138,10 +140,11 @@ def test_recipe_runs_one_step_on_tiny(recipe, tmp_path, tiny_reward_models, coun
     assert len(rows) == 1 and not rows[0].get("skipped")
     assert rows[0]["reward_mean"] == rows[0]["reward_mean"] and rows[0]["loss"] == rows[0]["loss"]
     args = json.load(open(os.path.join(out, "args.json")))["args"]
-    # Every flag the recipe sets, except the few SHRINK overrides, reaches the run unchanged.
+    # Every flag the recipe sets, except the few SHRINK overrides and the reward models' paths (the tiny stand-ins'),
+    # reaches the run unchanged.
     flags = {tok for line in open(recipe) if not line.startswith("#") for tok in line.split() if tok.startswith("--")}
     name = lambda flag: flag[2:].replace("-", "_").removeprefix("no_")
-    keys = {name(f) for f in flags} - {name(f) for f in shrink} - {"steps"}
+    keys = {name(f) for f in flags} - {name(f) for f in [*shrink, *tiny_reward_models] if f.startswith("--")} - {"steps"}
     assert {"loss", "reward", "lora_rank", "lr"} <= keys
     assert ("sampler" if losses.LOSSES[published.loss].process == "forward" else "sde") in keys
     for key in keys:
