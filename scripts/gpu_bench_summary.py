@@ -1,6 +1,12 @@
-"""The summary of scripts/gpu_bench.sh: a markdown table of its bench runs and the verdict of its resume check.
+"""The summary of scripts/gpu_bench.sh: a markdown table of its bench runs, ours against flow_grpo's step (the anchor
+phase), and the verdict of its resume check.
 
     python scripts/gpu_bench_summary.py OUT     # OUT: the folder gpu_bench.sh wrote
+
+The anchor table sets each of our bench runs beside scripts/anchor_bench.py's run of flow_grpo's code with the same
+flags on the same device: samples/s, MFU and FLOPs per step (1.00x: the same model work), each as ours over flow_grpo's,
+and the share of the goal of GOAL_FACTOR x today's end-to-end samples/s (TODAY, docs/throughput.md), which was
+measured on an H200: on another device that column compares devices as well.
 
 A bench run that was cut at its time limit has no JSON: its row then gives what its run folder's metrics.jsonl logged
 (steps completed, seconds per step). The resume check compares step 2 of the run stopped after step 1 and resumed with
@@ -21,6 +27,8 @@ TOLERANCE = 1e-3  # relative: beyond kernel rounding of one step, short of any l
 RUNS = ("sd3_bench", "sd3_bench_compile", "sd3_bench_gc")
 COPIES = ("trainable", "ema", "old")
 SPREAD = 3  # a resume may differ by up to this many times two uninterrupted runs' difference (one pair measures it)
+TODAY = 1.085  # samples/s of sd3_bench on one H200 (docs/throughput.md, "Measured on one H200")
+GOAL_FACTOR = 2  # the goal: twice that
 
 
 def metrics(folder):
@@ -45,6 +53,46 @@ def bench_row(out, name):
         return f"| {name} | failed, cut or skipped before a step was logged (see {name}.log) |" + " |" * 9
     seconds = ", ".join(f"{r['seconds']:.1f}" for r in steps)
     return f"| {name} | cut: {len(steps)} step(s) logged, seconds {seconds} (see {name}.log) |" + " |" * 9
+
+
+def load(out, name):
+    path = os.path.join(out, name + ".json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def anchor_table(out):
+    """Lines of markdown: ours against flow_grpo's step (anchor.json), one row per bench run that wrote its JSON."""
+    anchor = load(out, "anchor")
+    if anchor is None:
+        return ["anchor: no anchor.json (skipped, cut or failed: see the console and anchor.log)"]
+    goal = GOAL_FACTOR * TODAY
+    commit = anchor["flow_grpo_commit"]
+    lines = [f"{f'flow_grpo {commit[:12]}' if commit else 'the ' + anchor['impl'] + ' stand-in'} against ours, same "
+             f"flags and device; "
+             f"goal {GOAL_FACTOR}x today's {TODAY} samples/s on an H200 = {goal:.3f} samples/s", "",
+             "| run | device | end-to-end samples/s | vs flow_grpo | rollout samples/s | update samples/s | MFU "
+             "| MFU vs flow_grpo | TFLOP/step vs flow_grpo | of the goal |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+
+    def row(name, r):
+        mfu = r.get("mfu", math.nan)
+        return (f"| {name} | {r['device']} | {r['end_to_end_samples_per_s']:.3f} | "
+                f"{r['end_to_end_samples_per_s'] / anchor['end_to_end_samples_per_s']:.2f}x | "
+                f"{r['rollout_samples_per_s']:.3f} | {r['train_samples_per_s']:.3f} | {100 * mfu:.1f} % | "
+                f"{mfu / anchor.get('mfu', math.nan):.2f}x | {r['tflop_per_step'] / anchor['tflop_per_step']:.2f}x | "
+                f"{100 * r['end_to_end_samples_per_s'] / goal:.0f} % |")
+    lines.append(row("flow_grpo (anchor)", anchor))
+    lines += [row(name, r) for name in RUNS if (r := load(out, name)) is not None]
+    if "logprob_max_abs_diff" in anchor:
+        lines += ["", f"flow_grpo's rollout log-probs against sde.py's on the same transitions: largest difference "
+                      f"{anchor['logprob_max_abs_diff']:.2e} (log-probs up to {anchor['logprob_scale']:.3g}; "
+                      f"transition means {anchor['mean_max_abs_diff']:.2e}), at the float32 states its update scores "
+                      f"{anchor.get('logprob_stored_max_abs_diff', math.nan):.2e}; its first-update abs(ratio - 1) "
+                      f"{anchor['first_ratio_dev']:.2e}"]
+    return lines
 
 
 def differences(a, b):
@@ -85,6 +133,8 @@ def step_two(folder):
 def resume_verdict(out):
     """(verdict line, detail lines) of the resume check."""
     resumed, straight, straight_2 = (os.path.join(out, name) for name in ("resumed", "straight", "straight_2"))
+    if not any(os.path.exists(os.path.join(out, name)) for name in ("resumed", "straight", "resumed_1.log")):
+        return "resume: not run (no resumed_1.log nor run folders: the phase was left out of PHASES)", []
     rows = {"resumed": step_two(resumed), "straight": step_two(straight)}
     missing = [name for name, row in rows.items() if row is None]
     if missing:
@@ -126,6 +176,8 @@ def main(out):
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name in RUNS:
         print(bench_row(out, name))
+    print()
+    print("\n".join(anchor_table(out)))
     verdict, detail = resume_verdict(out)
     print()
     print(verdict)
