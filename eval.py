@@ -63,8 +63,8 @@ def sample_images(pipe, prompts, *, resolution, num_steps, guidance_scale, seed=
     noise_ids: each prompt's noise index (default 0..N-1; a process sampling a share of a set passes the share's);
     autocast: the forwards' (and decode's) context, as models.generate (train.py: the run's --mixed-precision);
     stop: asked before each batch, True gives up and returns None (train.py: a preemption)."""
+    sigmas = models.sigmas(pipe, num_steps, resolution, shift=shift, num_frames=num_frames)
     noise = seeded_noise(pipe, len(prompts), resolution, seed, num_frames, ids=noise_ids)
-    sigmas = models.sigmas(pipe, num_steps, resolution, shift=shift)  # after: ltx2's is for the frames drawn last
     out = []
     for i in range(0, len(prompts), batch_size):
         if stop is not None and stop():

@@ -579,17 +579,21 @@ def decode(pipe, latents):
 
 # ----------------------------------------------------------------------------- native schedules
 
-def sigmas(pipe, num_steps, resolution, *, shift=None):
+def sigmas(pipe, num_steps, resolution, *, shift=None, num_frames=None):
     """The schedule the family's own pipeline samples with at `resolution`: float32 [num_steps + 1], 1 -> 0.
 
     sd3: sde.sd3_sigmas(num_steps, shift) with the scheduler's shift (3 for SD3.5). flux: FluxPipeline's
     linspace(1, 1/N, N) with its resolution-dependent exponential shift (common.dynamic_shift_mu of the image
     tokens, the scheduler's base/max shift). The other families: their pipelines' (families/ docstrings).
-    shift: a static shift in place of the family's own (sd3, wan, z-image) or of its resolution-dependent one."""
+    shift: a static shift in place of the family's own (sd3, wan, z-image) or of its resolution-dependent one.
+    num_frames: a video's frames, for a schedule that counts them (ltx2's shift counts the video's tokens: its
+    latent shape, asked here first, records them)."""
     if num_steps < 1:
         raise ValueError(f"--num-steps must be at least 1, got {num_steps}")
     if shift is not None and shift <= 0:
         raise ValueError(f"--shift must be positive, got {shift}")
+    if num_frames is not None and family(pipe).video:
+        latent_shape(pipe, resolution, num_frames=num_frames)
     return family(pipe).sigmas(pipe, num_steps, *_hw(resolution), shift)
 
 

@@ -75,7 +75,8 @@ def main(argv=None, *, on_step=None):
     policy.pipe.guidance_scale_2 = args.guidance_scale_2  # Wan 2.2's low-noise expert (families/wan.py velocity)
     setup_or_exit(models.latent_shape, policy.pipe, args.resolution, num_frames=args.num_frames)  # one line if not
     cache_prompts(policy, args, prompts, held_out)  # each prompt encoded once; --offload-text-encoders
-    sigmas = setup_or_exit(models.sigmas, policy.pipe, args.num_steps, args.resolution, shift=args.shift)  # [T+1]
+    sigmas = setup_or_exit(models.sigmas, policy.pipe, args.num_steps, args.resolution, shift=args.shift,
+                           num_frames=args.num_frames)  # [T+1]
     if not run.start(policy, held_out, reward_fn):  # resumed a run that is already done
         return distributed.finish()
     for step in range(run.step, args.steps):

@@ -176,9 +176,9 @@ def _lookup(pipe, length):
 
 
 def _frames_for(pipe, height, width):
-    """(F', H', W') of the video the schedule is for: its mu counts the video tokens, frames included, which
-    models.sigmas does not pass; the frames shape() last handed out at this size (train.py and eval.py ask for the
-    latent shape first), else __call__'s default 121."""
+    """(F', H', W') of the video the schedule is for: its mu counts the video tokens, frames included, which a
+    family's sigmas is not given; the frames shape() last handed out at this size (models.sigmas(num_frames=...) asks
+    for the latent shape first, as train.py and eval.py call it), else __call__'s default 121."""
     _, h, w, _ = _grid(pipe, height, width, None)
     frames = _FRAMES.get((*_sizes(pipe), h, w))
     return (frames if frames is not None else _grid(pipe, height, width, None)[0]), h, w
