@@ -437,8 +437,7 @@ def record_decodes(recorder, vae):
 
     def counted(z, *a, **k):
         if recorder.handle is not None:  # not while count_flops and time_bare replay (models.decode comes here too)
-            autocast = bench._autocast_dtype(z.device.type)
-            recorder._count(("decode", bench._shapes((z,), {}), str(autocast)), "decode", (z,), {}, autocast)
+            recorder.count("decode", (z,))
         return decode(z, *a, **k)
     vae.decode = counted
 

@@ -203,6 +203,12 @@ class Recorder:
     def transformer_hook(self, module, args, kwargs):
         grad = torch.is_grad_enabled()
         phase = "train" if grad else ("reference" if module.training else "rollout")  # train.py: eval() to sample, train() to update
+        self.count(phase, args, kwargs)
+
+    def count(self, phase, args, kwargs=None):
+        """Record one call of `phase` with its inputs and the autocast it runs under (the hooks' calls, or one made
+        outside them: scripts/anchor_bench.py's VAE decodes)."""
+        kwargs = kwargs or {}
         device_type = next(v for v in list(args) + list(kwargs.values()) if torch.is_tensor(v)).device.type
         autocast = _autocast_dtype(device_type)
         self._count((phase, _shapes(args, kwargs), str(autocast)), phase, args, kwargs, autocast)
