@@ -246,8 +246,8 @@ def velocity(pipe, modules, x, sigma, embeds, guidance_scale):
     t = sigma * pipe.scheduler.config.num_train_timesteps  # float32, the scheduler's timesteps
     v_video, v_audio = modules["transformer"](
         hidden_states=video.to(dtype), audio_hidden_states=audio.to(dtype), encoder_hidden_states=text.to(dtype),
-        audio_encoder_hidden_states=audio_text.to(dtype), timestep=t, sigma=t, encoder_attention_mask=mask,
-        audio_encoder_attention_mask=mask, num_frames=frames, height=height, width=width, fps=FRAME_RATE,
+        audio_encoder_hidden_states=audio_text.to(dtype), timestep=t, sigma=t, encoder_attention_mask=mask.to(x.device),
+        audio_encoder_attention_mask=mask.to(x.device), num_frames=frames, height=height, width=width, fps=FRAME_RATE,
         audio_num_frames=audio_frames, use_cross_timestep=True, return_dict=False)
     v = pack(v_video, v_audio)
     if guidance_scale > 1:
