@@ -256,9 +256,18 @@ def test_sample_grid_writes_each_soundtrack(pipe, tmp_path):
 @pytest.mark.skipif(not (shutil.which("ffmpeg") or __import__("importlib").util.find_spec("av")),
                     reason="no video codec: neither PyAV nor an ffmpeg binary")
 def test_sample_mp4(pipe, tmp_path):
+    """The MP4 holds the video's frames and its sound: read back (PyAV where installed), a video stream of the
+    frames' size and count and an audio stream at the sample rate."""
     videos = models.decode(pipe, noise(pipe, seed=6, batch=1))
     paths = evaluation.save_sound(str(tmp_path / "s"), videos.numpy()[0], videos.audio[0], videos.sample_rate, 16)
     assert paths[-1].endswith(".mp4") and os.path.getsize(paths[-1]) > 100
+    av = pytest.importorskip("av")
+    with av.open(paths[-1]) as container:
+        (video,), (audio,) = container.streams.video, container.streams.audio
+        assert (video.codec_context.width, video.codec_context.height) == videos.shape[3:1:-1]
+        assert audio.codec_context.sample_rate == videos.sample_rate
+        frames = sum(1 for _ in container.decode(video=0))
+    assert frames == videos.shape[1]
 
 
 # ----------------------------------------------------------------------------- train.py
