@@ -359,6 +359,10 @@ def _check_reward(p, args):
         p.error(str(e))
     if args.reward_key != "reward" and args.reward_key not in components and "custom" not in components:
         p.error(f"--reward-key {args.reward_key!r} is not a component of --reward {args.reward!r}")
+    hearing = [name for name in components if name in rewards.HEARING]
+    if hearing and not families.MODELS[args.model].sound:
+        p.error(f"--reward {hearing[0]} scores the samples' sound, which --model {args.model} does not make: train a "
+                "model with sound (--model ltx2), or score its frames")
     spec = rewards.parse_spec(args.reward)
     if args.reward_key == "reward" and args.reward_combine == "score" and not any(w for _, w in spec):
         p.error(f"--reward {args.reward!r} weighs every component 0: the trained total is 0 for every sample and "

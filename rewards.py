@@ -1178,6 +1178,7 @@ def option_defaults():
     return vars(parser.parse_args([]))
 
 
+HEARING = ("clap",)  # the rewards that score the samples' sound: a model that makes none is refused (config.py)
 REWARDS = {
     "pickscore": reward_models.pickscore,
     "hps": reward_models.hps,

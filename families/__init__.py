@@ -85,6 +85,7 @@ class Family:
     # (a module called twice a forward, or with layers some batches do not reach): gradients averaged at the optimizer
     # step instead (policy.py), as DDP refuses both
     video: bool = False  # samples are videos [B, F, H, W, 3]; --num-frames applies
+    sound: bool = False  # the videos carry their soundtrack (`.audio`), which rewards that hear score (clap)
     source_images: Optional[str] = None  # edits: "optional" or "required" (encode takes images, size); None: text
     max_sources: Optional[int] = None  # edits: the most source images one prompt may bring (None: any number)
     guidance_embedded: bool = False  # the guidance scale enters through an embedding, not CFG (FLUX.1-dev, Kontext)

@@ -389,5 +389,5 @@ def build_extra(device="meta"):
 
 LTX2 = dict(name="ltx2", load=load, hub_id=LTX2_ID, hub=True, multiple=32, preset=common.HUB, tokens=1024,
             shape=shape, noise=noise, encode=encode, velocity=velocity, decode=decode, sigmas=sigmas,
-            lora_targets=LORA_TARGETS, video=True)
+            lora_targets=LORA_TARGETS, video=True, sound=True)
 TINY = dict(LTX2, load=tiny, hub_id=None, hub=False, preset=dict(common.TINY, num_frames=5))  # 3 latent frames

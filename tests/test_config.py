@@ -84,3 +84,17 @@ def test_a_second_guidance_scale_needs_a_second_expert(capsys):
     assert "--guidance-scale-2 is the CFG scale of a second expert" in capsys.readouterr().err
     p, args = config.parse_args(["--model", "tiny-wan2.2", "--guidance-scale", "4", "--guidance-scale-2", "3"])
     config.check_args(p, args, 1)
+
+
+def test_a_reward_that_hears_needs_a_model_with_sound(capsys):
+    """--reward clap scores the soundtrack: a model that makes none is refused before anything loads, naming the one
+    that does; with LTX-2 (its tiny twin) the same spec passes, mixed with a frame reward too."""
+    import pytest
+
+    for spec in ("clap", "jpeg_compressibility=1,clap=0.5"):
+        p, args = config.parse_args(["--model", "tiny", "--reward", spec])
+        with pytest.raises(SystemExit):
+            config.check_args(p, args, 1)
+        assert "--reward clap scores the samples' sound, which --model tiny does not make" in capsys.readouterr().err
+        p, args = config.parse_args(["--model", "tiny-ltx2", "--reward", spec])
+        config.check_args(p, args, 1)
