@@ -540,6 +540,29 @@ def test_train_runs_two_steps(name, tmp_path, monkeypatch):
         assert saved == ["000002.png"]
 
 
+@pytest.mark.parametrize("name", ["tiny-wan2.2", "tiny-wan2.2-5b", "tiny-hunyuan-video-1.5", "tiny-qwen-image-2.1"])
+def test_the_newest_families_train_two_steps_with_lora(name, tmp_path, monkeypatch):
+    """The test above trains every twin in full (the tiny preset's --lora-rank 0); the newest families also train
+    through their LoRA adapters (LTX-2: tests/test_ltx2.py): on-policy ratio 1, finite losses, only adapters trained,
+    and they moved (Wan 2.2: on both experts, the 4 steps crossing the boundary)."""
+    from safetensors.torch import load_file
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "run"
+    train.main(["--model", name, "--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-3", "--steps", "2",
+                "--num-steps", "4", "--prompts-per-step", "2", "--group-size", "4", "--sample-batch-size", "4",
+                "--train-batch-size", "4", "--log-images-every", "0", "--save-every", "2", "--out", str(out)])
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2] and not any(r.get("skipped") for r in rows)
+    assert rows[0]["first_ratio_dev"] < 1e-5 and all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
+    trained = load_file(out / "checkpoints" / "2" / "trainable.safetensors")
+    assert trained and all("lora" in key for key in trained)
+    moved = {key.split(".")[0] for key, t in trained.items() if "lora_B" in key and t.abs().max() > 0}
+    assert moved
+    if len(models.MODELS[name].trained) > 1:  # several modules: each name starts with its module's
+        assert moved == set(models.MODELS[name].trained)
+
+
 @pytest.mark.parametrize("name", HUB)
 def test_offline_hub_model_names_the_flag(name, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
