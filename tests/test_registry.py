@@ -65,9 +65,13 @@ def test_the_forward_process_registry_fields_are_complete():
             assert times.dtype == torch.long or times.is_floating_point()
 
 
+# The one script that may name a loss: it times flow_grpo's own GRPO step beside ours, so it refuses every other loss.
+NAMES_A_LOSS = {"scripts/anchor_bench.py"}
+
+
 def test_nothing_outside_losses_chooses_by_loss_name():
     files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True).stdout.split()
-    hits = [f"{f}:{i + 1}" for f in files if f != "losses.py" and not f.startswith("tests/")
+    hits = [f"{f}:{i + 1}" for f in files if f != "losses.py" and not f.startswith("tests/") and f not in NAMES_A_LOSS
             for i, line in enumerate(open(os.path.join(ROOT, f))) if re.search(r"args\.loss *(==|!=|in )", line)]
     assert not hits, hits
 
