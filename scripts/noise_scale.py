@@ -78,9 +78,11 @@ def batch_gradient(policy, loss, args, prompts, metadata, reward_fn, sigmas, gen
                                    flash_ratio=args.flash_ratio, autocast=policy.autocast)
     reward = torch.as_tensor(reward_fn(images, texts, meta)[args.reward_key]).float()
     adv = losses.group_advantages(reward, groups, global_std=args.global_std, clip=args.adv_clip)
-    batch = dict(traj, steps=traj["steps"].expand(len(texts), -1))  # [n, K]
+    steps_taken = traj["steps"].expand(len(texts), -1)  # [n, K]
+    batch = dict(traj, steps=steps_taken, host_steps=steps_taken.cpu())  # the host's copy: Wan 2.2 routes there
+    rows = torch.arange(len(texts))
     policy.optimizer.zero_grad(set_to_none=True)
-    for x_k, sigma, complete in train.reverse_terms(policy, batch, torch.arange(len(texts)), embeds, adv, sigmas, args):
+    for x_k, sigma, complete in train.reverse_terms(policy, batch, rows, embeds, adv, sigmas, args, rows):
         value, _ = loss.fn(complete(policy.velocity(x_k, sigma, embeds, train_guidance)), **vars(args))
         (value / len(steps)).backward()
     grad = torch.cat([q.grad.flatten() for _, q in policy.trainable if q.grad is not None])
