@@ -344,6 +344,18 @@ def run(cmd, *, cwd=ROOT, env=None, timeout=None):
         return subprocess.CompletedProcess(cmd, done["code"], _text(out), _text(err))
 
 
+def two_ranks(script, *args, timeout=300):
+    """`torchrun --standalone --nproc_per_node=2 tests/<script> args...` from the repository root (HF_HUB_OFFLINE, one
+    thread a rank, the repository on PYTHONPATH: the script runs from tests/), forked where it can; asserts it exited
+    0, its output's tails in the message. -> the finished process."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join("tests", script), *map(str, args)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    proc = run(cmd, cwd=ROOT, env=env, timeout=timeout)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
 def start(cmd, *, cwd=ROOT, env=None):
     """subprocess.Popen(cmd, cwd=cwd, env=env, stdout=PIPE, stderr=PIPE, text=True, start_new_session=True), forked
     where it can (a single run, not a torchrun): the handle has Popen's pid, returncode, poll, wait, communicate,

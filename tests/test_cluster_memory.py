@@ -174,11 +174,7 @@ def test_fsdp_rollouts_gather_each_block_once_and_sample_the_same_bits(tmp_path)
     optimizer steps. The evaluation's EMA weights, entered before the gathering, are what it samples; a later
     rollout samples the live weights (no stale gathered copy)."""
     import forkserver
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join("tests", "test_cluster_memory.py"), "rollout", str(tmp_path)]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)  # the script runs from tests/
-    proc = forkserver.run(cmd, cwd=ROOT, env=env, timeout=300)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    forkserver.two_ranks("test_cluster_memory.py", "rollout", tmp_path)
     for rank in (0, 1):
         found = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for precision, f in found.items():

@@ -330,14 +330,8 @@ def test_fsdp_mixed_precision_and_accumulation_and_ddp_options(tmp_path):
     optimizer-step only the last one does (one reduce-scatter per optimizer step, the same gradient). The float32 path
     gives the unsharded gradient to float rounding, bf16 to bf16 rounding; so does DDP, built without buffer
     broadcasts and with its gradients as views of its buckets."""
-    import sys
-
     import forkserver
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join("tests", "test_gpu_perf.py"), "fsdp", str(tmp_path)]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)  # the script runs from tests/
-    proc = forkserver.run(cmd, cwd=ROOT, env=env, timeout=300)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    forkserver.two_ranks("test_gpu_perf.py", "fsdp", tmp_path)
     found = json.loads((tmp_path / "found.json").read_text())
     fp32, bf16 = found["no"], found["bf16"]
     assert (fp32["param_dtype"], fp32["reduce_dtype"], fp32["gathered"]) == ("None", "torch.float32", "torch.float32")

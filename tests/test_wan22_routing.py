@@ -181,11 +181,7 @@ def test_fsdp_shards_both_experts_where_the_ranks_reach_different_ones(tmp_path)
     with each expert gathered once as with a gather per forward. An optimizer step no rank's micro-batch took to the
     low-noise expert leaves it unchanged (no gradient: AdamW skips it, no momentum step), and the replicas agree."""
     import forkserver
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join("tests", "test_wan22_routing.py"), "fsdp", str(tmp_path)]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)  # the script runs from tests/
-    proc = forkserver.run(cmd, cwd=ROOT, env=env, timeout=300)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    forkserver.two_ranks("test_wan22_routing.py", "fsdp", tmp_path)
     found = json.loads((tmp_path / "found.json").read_text())
     assert found["rollout_same"] and found["steps"] == ["ok", "ok"], found
     assert len(found["checksums"]) == 2 and found["checksums"][0] == found["checksums"][1], found
