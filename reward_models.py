@@ -418,8 +418,8 @@ def clap(*, clap_model_path, clap_batch_size, device, **_):
         score = <t / |t|, a / |a|>      in [-1, 1]
 
     with transformers' ClapModel and ClapProcessor from one hub id or folder (laion/clap-htsat-unfused by default;
-    laion/larger_clap_general by --clap-model-path). It hears the sample's soundtrack: build_reward hands a scorer
-    marked `hears` the batch's waveforms (`audio` [B, channels, samples] in [-1, 1] and `sample_rate`, which a sound
+    laion/larger_clap_general by --clap-model-path). It hears the sample's soundtrack: build_reward hands the rewards
+    of rewards.HEARING the batch's waveforms (`audio` [B, channels, samples] in [-1, 1] and `sample_rate`, which a sound
     model's videos carry: families/ltx2.py, WithAudio), made mono and resampled to the processor's rate (mono_at),
     then the processor's own features (48 kHz mel spectrogram, repeat-padded to its 10 s). The frames are not used.
     """
@@ -445,7 +445,6 @@ def clap(*, clap_model_path, clap_batch_size, device, **_):
             scores.append((t * a).sum(-1))  # cos(text, audio)
         return torch.cat(scores).float().cpu()
 
-    score.hears = True  # build_reward passes the waveforms
     return score
 
 

@@ -58,7 +58,7 @@ Conventions shared by every scorer:
   openai_api and unifiedreward take images only; `remote` sends the frames.
 - Sound: videos of a model with audio (ltx2) carry their waveforms (`images.audio` [B, channels, samples],
   `images.sample_rate`); `build_reward` takes them before quantising the frames and passes them, as the keywords
-  `audio` and `sample_rate`, to a scorer marked `hears` (`clap`), the others seeing the frames alone. A frame reward
+  `audio` and `sample_rate`, to the rewards of `HEARING` (`clap`), the others seeing the frames alone. A frame reward
   and `clap` mix as any two components (`--reward pickscore=1,clap=1`).
 - Edits: a sample's source images reach every scorer the same way, in its metadata (data.py):
   `metadata["source_images"]` lists their paths and `data.source_images(metadata)` reads them as uint8
@@ -891,9 +891,9 @@ def _as_scores(out, n, who):
 def _score_part(fn, name, images, prompts, metadata, idx, sound=(None, None)):
     """Component `name` scored by `fn` on the samples idx -> (scores [n], failed [n] bool, extras {key: [n]}), each
     checked: a score must be finite (NaN where it failed), an extra entry may be NaN (does not apply), never inf.
-    sound: the batch's (waveforms [B, channels, samples], sample rate), given to a scorer marked `hears` (clap)."""
+    sound: the batch's (waveforms [B, channels, samples], sample rate), given to the components of HEARING (clap)."""
     kwargs = {}
-    if getattr(fn, "hears", False):
+    if name in HEARING:
         if sound[0] is None:
             raise ValueError(f"reward {name!r} scores the samples' sound and these samples have none; sample with a "
                              f"model that makes audio (--model ltx2) or drop {name!r} from --reward")
@@ -1178,7 +1178,8 @@ def option_defaults():
     return vars(parser.parse_args([]))
 
 
-HEARING = ("clap",)  # the rewards that score the samples' sound: a model that makes none is refused (config.py)
+HEARING = ("clap",)  # the rewards that score the samples' sound (given as audio=, sample_rate=: _score_part); a
+# model that makes none is refused (config.py)
 REWARDS = {
     "pickscore": reward_models.pickscore,
     "hps": reward_models.hps,
