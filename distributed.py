@@ -14,7 +14,7 @@
     barrier(), finish()
     shard_transformer(transformer, device, param_dtype=None)      FSDP2, one unit per transformer block
     sharded(module)                                               whether FSDP2 shards it
-    gathered(transformer)                                         FSDP2 context: each unit gathered once, kept
+    gathered(*transformers)                                       FSDP2 context: each unit gathered once, kept
     gradient_sync(transformer, last, every)                       FSDP2: reduce-scatter after each (or the last) micro-step
     average_gradients(params)                                     the mean gradient over ranks, None counted as 0
     broadcast_parameters(params)                                  rank 0's values everywhere, as DDP starts
@@ -206,25 +206,43 @@ def sharded(module):
 
 
 @contextlib.contextmanager
-def gathered(transformer):
+def gathered(*transformers):
     """FSDP2, for forwards without gradients (a rollout, an evaluation): inside, each unit (block, root) all-gathers
     its weights at its first forward and keeps them, so a rollout of N forwards gathers each block once instead of N
     times; on exit every unit reshards and resharding after each forward is restored, so that the training forwards
     that follow hold one block at a time and named_parameters() are the shards again.
 
     The price is the whole transformer gathered at once (in the MixedPrecisionPolicy's dtype: 2 bytes a parameter
-    under bf16) for the rollout, instead of the block in use and the prefetched one. The gathered weights are those of
-    the first forward: enter it inside any exchange of the weights (policy.Policy.frozen, ema_weights), never around
-    one. A checkpoint inside is safe: FSDP2 reshards before a state_dict, and the next forward gathers again."""
+    under bf16) for the rollout, instead of the block in use and the prefetched one. Of several transformers (Wan
+    2.2's experts, which a rollout calls one after the other as sigma falls) one is held at a time: a forward of one
+    first reshards the others, which gather again if called later, so a rollout holds one 14B expert (28 GB), not
+    both. The gathered weights are those of the first forward: enter it inside any exchange of the weights
+    (policy.Policy.frozen, ema_weights), never around one. A checkpoint inside is safe: FSDP2 reshards before a
+    state_dict, and the next forward gathers again."""
     from torch.distributed.fsdp import FSDPModule
-    units = [m for m in transformer.modules() if isinstance(m, FSDPModule)]
-    transformer.set_reshard_after_forward(False)  # every unit below it too
+    units = {t: [m for m in t.modules() if isinstance(m, FSDPModule)] for t in transformers}
+    held = [None]
+
+    def release_the_others(module, args):
+        if held[0] is not module:
+            for other in transformers:
+                if other is not module:
+                    for unit in units[other]:
+                        unit.reshard()
+            held[0] = module
+    hooks = [t.register_forward_pre_hook(release_the_others, prepend=True) for t in transformers
+             if len(transformers) > 1]
+    for t in transformers:
+        t.set_reshard_after_forward(False)  # every unit below it too
     try:
         yield
     finally:
-        for unit in units:
-            unit.reshard()
-        transformer.set_reshard_after_forward(True)  # as shard_transformer built them (the root: True on purpose)
+        for hook in hooks:
+            hook.remove()
+        for t in transformers:
+            for unit in units[t]:
+                unit.reshard()
+            t.set_reshard_after_forward(True)  # as shard_transformer built them (the root: True on purpose)
 
 
 def gradient_sync(transformer, last, every=True):

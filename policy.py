@@ -163,10 +163,8 @@ class Policy:
         (distributed.gathered): one all-gather per block per rollout batch instead of one per forward. Enter it inside
         frozen() and ema_weights(), whose exchanges of the weights it must see. With --compile the forwards inside run
         compiled (Policy.compiled). Without --fsdp or --compile: nothing."""
-        with contextlib.ExitStack() as stack:
-            for module in self.modules.values() if self.args.fsdp else ():
-                stack.enter_context(distributed.gathered(module))
-            stack.enter_context(self.compiled())
+        with distributed.gathered(*self.modules.values()) if self.args.fsdp else contextlib.nullcontext(), \
+                self.compiled():
             yield
 
     @contextlib.contextmanager

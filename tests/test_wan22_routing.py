@@ -113,6 +113,7 @@ def _fsdp_worker(out):
     import sde
     import train
     from policy import Policy
+    from torch.distributed.tensor import DTensor
     device = distributed.init()
     _, args = train.parse_args(["--model", "tiny-wan2.2", "--lora-rank", "0", "--fsdp", "--resolution", "32"])
     policy = Policy(args, device, old_copy=False)
@@ -126,8 +127,15 @@ def _fsdp_worker(out):
         return models.generate(pipe, _noise(pipe, 9, rank), sigmas, embeds, sde_steps=sde.sde_steps(4), kind="flow",
                                eta=0.7, generator=gen)[0]["latents"]
     plain = rollout()
+    experts, held = (pipe.transformer, pipe.transformer_2), []
+
+    def note(module, args, output):  # after each forward: which experts' first blocks hold gathered (plain) weights
+        held.append([not isinstance(next(e.blocks[0].parameters()), DTensor) for e in experts])
+    hooks = [e.register_forward_hook(note) for e in experts]
     with policy.gathered():
         kept = rollout()
+    for hook in hooks:
+        hook.remove()
     policy.train()
 
     def optimizer_step(micro):
@@ -148,7 +156,7 @@ def _fsdp_worker(out):
 
     def same(a, b, expert):
         return all(torch.equal(a[n], b[n]) for n in a if n.split(".")[0] == expert)
-    found = dict(rollout_same=torch.equal(plain, kept), steps=[first, second],
+    found = dict(rollout_same=torch.equal(plain, kept), held=held, steps=[first, second],
                  checksums=distributed.check_replicas(policy.trainable, True, device),
                  moved_first=[not same(start, after_first, e) for e in ("transformer", "transformer_2")],
                  moved_second=[not same(after_first, after_second, e) for e in ("transformer", "transformer_2")])
@@ -178,12 +186,13 @@ def test_fsdp_shards_both_experts_where_the_ranks_reach_different_ones(tmp_path)
     the low-noise one completes (each rank also runs the expert it lacks on a zero-weight row, so their all-gathers and
     reduce-scatters pair; a hang is cut by the timeout), and the sharded gradient of the optimizer step is the
     unsharded one of both ranks' micro-steps to float rounding. A rollout across the boundary samples the same bits
-    with each expert gathered once as with a gather per forward. An optimizer step no rank's micro-batch took to the
+    with each expert gathered once as with a gather per forward, and holds one expert gathered at a time. An optimizer step no rank's micro-batch took to the
     low-noise expert leaves it unchanged (no gradient: AdamW skips it, no momentum step), and the replicas agree."""
     import forkserver
     forkserver.two_ranks("test_wan22_routing.py", "fsdp", tmp_path)
     found = json.loads((tmp_path / "found.json").read_text())
     assert found["rollout_same"] and found["steps"] == ["ok", "ok"], found
+    assert found["held"] == [[True, False]] * 2 + [[False, True]] * 2, found  # one expert gathered at a time
     assert len(found["checksums"]) == 2 and found["checksums"][0] == found["checksums"][1], found
     assert found["moved_first"] == [True, True] and found["moved_second"] == [True, False], found
     grads, reference = torch.load(tmp_path / "grads.pt"), _reference_grads()
