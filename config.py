@@ -147,6 +147,9 @@ def add_sampling_arguments(p):
     p.add_argument("--guidance-scale-2", type=POSITIVE, default=None,
                    help="Wan 2.2: the CFG scale of the low-noise expert wherever a forward uses CFG (default: "
                         "--guidance-scale, as WanPipeline's guidance_scale_2)")
+    p.add_argument("--audio-guidance-scale", type=POSITIVE, default=None,
+                   help="LTX-2: the CFG scale of the soundtrack wherever a forward uses CFG (default: --guidance-scale; "
+                        "LTX2Pipeline's audio_guidance_scale, 7 in its __call__)")
     p.add_argument("--negative-prompt", default="", help="negative prompt for CFG")
     p.add_argument("--train-cfg", action=argparse.BooleanOptionalAction, default=None,
                    help="use CFG in the training forward too (default: when sampling uses CFG)")
@@ -247,6 +250,8 @@ def _check_model(p, args, world_size):
                 "--nproc_per_node N > 1 (LoRA runs use DDP)")
     if args.guidance_scale_2 is not None and "transformer_2" not in families.MODELS[args.model].trained:
         p.error(f"--guidance-scale-2 is the CFG scale of a second expert, and {args.model} has none: drop it")
+    if args.audio_guidance_scale is not None and not families.MODELS[args.model].sound:
+        p.error(f"--audio-guidance-scale guides a soundtrack, and {args.model} makes none: drop it")
     # Several experts under FSDP: an optimizer step's last micro-step may not reach every expert that an earlier one
     # did, and only its backward would reduce-scatter the gradients accumulated until then (families/wan.py _routes).
     experts = families.MODELS[args.model].trained

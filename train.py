@@ -73,6 +73,7 @@ def main(argv=None, *, on_step=None):
     policy = setup_or_exit(Policy, args, device, old_copy=bool(loss.old_copy and loss.old_copy(vars(args))),
                            sampling_copy=bool(loss.sampling_copy and loss.sampling_copy(vars(args))))
     policy.pipe.guidance_scale_2 = args.guidance_scale_2  # Wan 2.2's low-noise expert (families/wan.py velocity)
+    policy.pipe.guidance_scale_audio = args.audio_guidance_scale  # LTX-2's soundtrack (families/ltx2.py velocity)
     setup_or_exit(models.latent_shape, policy.pipe, args.resolution, num_frames=args.num_frames)  # one line if not
     cache_prompts(policy, args, prompts, held_out)  # each prompt encoded once; --offload-text-encoders
     sigmas = setup_or_exit(models.sigmas, policy.pipe, args.num_steps, args.resolution, shift=args.shift,

@@ -241,7 +241,9 @@ def encode(pipe, prompts, negative_prompt, guidance_scale, tokens):
 
 
 def velocity(pipe, modules, x, sigma, embeds, guidance_scale):
-    """The joint transformer on the packed latent (load's conventions): both modalities' velocities, packed as x."""
+    """The joint transformer on the packed latent (load's conventions): both modalities' velocities, packed as x. A
+    forward with CFG guides the video by guidance_scale and the sound by pipe.guidance_scale_audio where it is set
+    (--audio-guidance-scale, as LTX2Pipeline's audio_guidance_scale; its __call__ defaults to 7), else by the same."""
     keys = ["prompt_embeds", "audio_prompt_embeds", "prompt_mask"]
     text, audio_text, mask = common.cfg_halves(embeds, keys) if guidance_scale > 1 else [embeds[k] for k in keys]
     if guidance_scale > 1:  # both halves in one forward
@@ -254,10 +256,11 @@ def velocity(pipe, modules, x, sigma, embeds, guidance_scale):
         audio_encoder_hidden_states=audio_text.to(dtype), timestep=t, sigma=t, encoder_attention_mask=mask.to(x.device),
         audio_encoder_attention_mask=mask.to(x.device), num_frames=frames, height=height, width=width, fps=FRAME_RATE,
         audio_num_frames=audio_frames, use_cross_timestep=True, return_dict=False)
-    v = pack(v_video, v_audio)
-    if guidance_scale > 1:
-        v, _ = common.guided(v, guidance_scale)
-    return v
+    if guidance_scale <= 1:
+        return pack(v_video, v_audio)
+    audio_scale = getattr(pipe, "guidance_scale_audio", None)
+    return pack(common.guided(v_video, guidance_scale)[0],
+                common.guided(v_audio, guidance_scale if audio_scale is None else audio_scale)[0])
 
 
 @torch.no_grad()

@@ -86,6 +86,17 @@ def test_a_second_guidance_scale_needs_a_second_expert(capsys):
     config.check_args(p, args, 1)
 
 
+def test_an_audio_guidance_scale_needs_a_model_with_sound(capsys):
+    import pytest
+
+    p, args = config.parse_args(["--model", "tiny-wan", "--audio-guidance-scale", "7"])
+    with pytest.raises(SystemExit):
+        config.check_args(p, args, 1)
+    assert "--audio-guidance-scale guides a soundtrack, and tiny-wan makes none" in capsys.readouterr().err
+    p, args = config.parse_args(["--model", "tiny-ltx2", "--guidance-scale", "4", "--audio-guidance-scale", "7"])
+    config.check_args(p, args, 1)
+
+
 def test_a_reward_that_hears_needs_a_model_with_sound(capsys):
     """--reward clap scores the soundtrack: a model that makes none is refused before anything loads, naming the one
     that does; with LTX-2 (its tiny twin) the same spec passes, mixed with a frame reward too."""

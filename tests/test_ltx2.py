@@ -51,13 +51,14 @@ def split(pipe, x):
 
 # ----------------------------------------------------------------------------- against the pipeline
 
-@pytest.mark.parametrize("g", [1.0, 4.0])
-def test_rollout_matches_the_pipeline_for_video_and_audio(pipe, g):
+@pytest.mark.parametrize("g, g_audio", [(1.0, None), (4.0, None), (4.0, 7.0)])
+def test_rollout_matches_the_pipeline_for_video_and_audio(pipe, g, g_audio, monkeypatch):
     """Three Euler steps through models.velocity on models.sigmas from models.initial_noise are __call__'s, for the
-    video latents, the audio latents, the frames and the waveform; CFG on both modalities at one scale, the other
-    guidance terms off."""
+    video latents, the audio latents, the frames and the waveform; CFG on both modalities at one scale or, with
+    --audio-guidance-scale (pipe.guidance_scale_audio), the sound at its own, the other guidance terms off."""
+    monkeypatch.setattr(pipe, "guidance_scale_audio", g_audio, raising=False)
     call = dict(prompt=list(PROMPTS), negative_prompt="", num_inference_steps=3, guidance_scale=g,
-                audio_guidance_scale=g, stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0,
+                audio_guidance_scale=g_audio or g, stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0,
                 audio_modality_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0, height=64, width=64,
                 num_frames=5, max_sequence_length=models.default_tokens(pipe), return_dict=False)
     video_latents, audio_latents = pipe(**call, generator=torch.Generator().manual_seed(3), output_type="latent")
@@ -278,10 +279,12 @@ def test_sample_mp4(pipe, tmp_path):
 @pytest.mark.parametrize("rank", [4, 0])
 def test_train_runs_two_steps_with_sound(rank, tmp_path, monkeypatch, clap_folder):
     """`python train.py --model tiny-ltx2 --steps 2`, shrunk, with LoRA (the reward mixing frames and `clap`) and in
-    full: on-policy ratio 1, finite losses, a GIF per prompt and a WAV per shown sample."""
+    full (guided, the sound at its own scale: the rollouts and the training forwards guide alike): on-policy ratio
+    1, finite losses, a GIF per prompt and a WAV per shown sample."""
     monkeypatch.chdir(ROOT)
     out = tmp_path / "run"
-    reward = ["--reward", "jpeg_compressibility=1,clap=1", "--clap-model-path", clap_folder] if rank else []
+    reward = (["--reward", "jpeg_compressibility=1,clap=1", "--clap-model-path", clap_folder] if rank else
+              ["--guidance-scale", "2", "--audio-guidance-scale", "3"])
     train.main(["--model", NAME, "--steps", "2", "--num-steps", "4", "--prompts-per-step", "2", "--group-size", "2",
                 "--sample-batch-size", "2", "--train-batch-size", "2", "--log-images-every", "2", "--lora-rank",
                 str(rank), "--out", str(out)] + reward)
