@@ -27,15 +27,21 @@ def small_steps(monkeypatch):
     monkeypatch.setattr(league, "COMMON", ["--prompts-per-step", "4"])
 
 
-def eval_row(step, accuracy, tags=None):
+def eval_row(step, accuracy, tags=None, official=None):
+    """eval.jsonl's row; with `official`, GenEval's own rule beside the judge: that overall, each tag as the judge's
+    but counting 0.2 lower."""
     tags = tags or {t: accuracy for t in TAGS}
-    return {"step": step, "geneval_overall": accuracy, **{f"geneval_{t}": v for t, v in tags.items()}}
+    row = {"step": step, "geneval_overall": accuracy, **{f"geneval_{t}": v for t, v in tags.items()}}
+    if official is not None:
+        row.update(geneval_official_overall=official, **{f"geneval_official_{t}": v - 0.2 * (t == "counting")
+                                                        for t, v in tags.items()})
+    return row
 
 
-def fake_run(args, run, seconds, accuracy, *, done=True, tags=None, eval0=None, machine=None):
+def fake_run(args, run, seconds, accuracy, *, done=True, tags=None, eval0=None, machine=None, official=None):
     """A finished league run as train.py and the league leave it: args.json, a metrics row per step (its `seconds`),
-    an eval row every args.eval_every steps from step 0 (`accuracy` per evaluation; `tags` the last one's), and the
-    league's record."""
+    an eval row every args.eval_every steps from step 0 (`accuracy` per evaluation; `tags` the last one's; `official`
+    GenEval's rule per evaluation, eval_row), and the league's record."""
     folder = os.path.join(args.out, league.run_name(*run))
     os.makedirs(folder)
     with open(os.path.join(folder, "args.json"), "w") as f:
@@ -46,7 +52,8 @@ def fake_run(args, run, seconds, accuracy, *, done=True, tags=None, eval0=None, 
     with open(os.path.join(folder, "eval.jsonl"), "w") as f:
         for i, a in enumerate(accuracy):
             if i or eval0 is None:
-                f.write(json.dumps(eval_row(i * args.eval_every, a, tags if i == len(accuracy) - 1 else None)) + "\n")
+                f.write(json.dumps(eval_row(i * args.eval_every, a, tags if i == len(accuracy) - 1 else None,
+                                            official[i] if official else None)) + "\n")
         f.write('{"step": 6, "geneval_ov')  # a torn last line (a killed run) is skipped
     record = dict(flags=league.train_flags(*run, args), done=done, eval0=eval0, load=3.0)
     league.write_record(args.out, run, dict(record, machine=machine) if machine else record)
@@ -216,10 +223,12 @@ def test_report_writes_the_summary_into_the_readme_and_the_tables_into_the_doc(t
     summary = page[page.index(readme_start):page.index(readme_end)]
     # one row per entry, by rise: the rise over seeds +- their standard deviation, the speed-up over flow per sample
     # (per minute) as the full table's "Speed-up over flow" reads it, the samples per second
-    assert "| entry | rise +- sd over seeds | speed-up over flow, per sample (per minute) | samples/s |" in summary
-    rows = summary.splitlines()[3:6]  # the marker line, the head, its rule, then the rows
-    assert rows == ["| nft | +0.350 +- 0.071 | 5.0x (10.0x) | 2.1 |", "| grpo | +0.200 +- 0.000 | 2.4x (2.4x) | 1.1 |",
-                    "| flow | +0.100 +- 0.000 | 1.0x (1.0x) | 1.1 |"]
+    assert ("| entry | rise +- sd over seeds | rise by GenEval's rule | speed-up over flow, per sample (per minute) | "
+            "samples/s |") in summary
+    rows = summary.splitlines()[3:6]  # the marker line, the head, its rule, then the rows (no GenEval's rule logged)
+    assert rows == ["| nft | +0.350 +- 0.071 | - | 5.0x (10.0x) | 2.1 |",
+                    "| grpo | +0.200 +- 0.000 | - | 2.4x (2.4x) | 1.1 |",
+                    "| flow | +0.100 +- 0.000 | - | 1.0x (1.0x) | 1.1 |"]
     assert "**Equal samples**" not in summary and "python shapes/scripts/league.py --samples 128" in summary
     tables = doc.read_text()
     assert "the old tables" not in tables and tables.endswith("More.\n")
@@ -252,9 +261,10 @@ def test_table_has_the_six_tags_the_lr_the_samples_the_minutes_command_and_machi
     fake_run(args, ("guard", 2e-4, 1), [60.0] * 4, [0.32, 0.3, 0.3], tags=dict(final, counting=0.35), machine=where)
     league.report(args)
     table = open(tmp_path / "league.md").read()
-    assert "| entry | lr | samples | before | after | rise | single | two_obj | counting | colors | position | attr " \
-           "| colour diversity after | samples/s | training minutes |" in table
-    row = "| guard | 2e-4 | 128 | 0.310 +- 0.014 | 0.400 +- 0.141 | +0.090 | 0.90 | 0.50 | 0.30 | 0.75 | 0.10 | 0.05 |"
+    assert "| entry | lr | samples | before | after | rise | GenEval's rule after | single | two_obj | counting " \
+           "| colors | position | attr | colour diversity after | samples/s | training minutes |" in table
+    row = ("| guard | 2e-4 | 128 | 0.310 +- 0.014 | 0.400 +- 0.141 | +0.090 | - | 0.90 | 0.50 | 0.30 | 0.75 | 0.10 "
+           "| 0.05 |")
     # before and after over seeds; the tags after, counting the mean of 0.25 and 0.35; no diversity logged; 128
     # samples in a mean 180 s
     assert row + " - | 0.7 | 3.0 |" in table
@@ -265,6 +275,23 @@ def test_table_has_the_six_tags_the_lr_the_samples_the_minutes_command_and_machi
     assert os.path.getsize(tmp_path / "league.png") > 10000
     summary = json.load(open(tmp_path / "league.json"))
     assert summary["entries"]["guard"]["curves"]["1"][-1]["tags"]["counting"] == 0.35
+
+
+def test_tables_give_genevals_own_rule_beside_the_judge(tmp_path):
+    """Runs that logged GenEval's own rule on the same images: the equal-samples table gives its accuracy after, and a
+    tag's in brackets where it differs from the judge's (counting); the README's summary gives the rise by it."""
+    pytest.importorskip("matplotlib")
+    flags = ["--only", "nft", "--lrs", "1e-4", "--sweep-seed", "0", "--seeds", "0", "1"]
+    (_, start, end) = league.MARKERS["readme"]
+    (tmp_path / "README.md").write_text(f"{start}\n{end}\n")
+    args = league_args(tmp_path, *flags, "--readme", str(tmp_path / "README.md"))
+    fake_run(args, ("nft", 1e-4, 0), [30.0] * 4, [0.3, 0.4, 0.5], official=[0.28, 0.36, 0.44])
+    fake_run(args, ("nft", 1e-4, 1), [30.0] * 4, [0.3, 0.4, 0.5], official=[0.26, 0.36, 0.40])
+    league.report(args)
+    row = ("| nft | 1e-4 | 128 | 0.300 +- 0.000 | 0.500 +- 0.000 | +0.200 | 0.420 +- 0.028 | 0.50 | 0.50 | 0.50 (0.30) "
+           "| 0.50 |")
+    assert row in open(tmp_path / "league.md").read()  # counting: 0.50 on the judge, 0.30 by GenEval's rule
+    assert "| nft | +0.200 +- 0.000 | +0.150 | - | 1.1 |" in (tmp_path / "README.md").read_text()  # 0.27 -> 0.42
 
 
 def test_table_reports_the_colour_diversity_after_over_seeds(tmp_path):
@@ -600,7 +627,8 @@ def test_a_league_never_takes_a_run_of_another_judge(tmp_path, fake_train, capsy
     third = tmp_path / "machine3"  # the old ledger's report alone still reads, and says which judge
     league.main(["--out", str(third), "--samples", "128", "--evals", "3", "--only", "grpo", "--lrs", "1e-4",
                  "--sweep-seed", "0", "--seeds", "0", "--ledger", str(old_ledger), "--report"])
-    assert "trained and judged by the shapes judge, counting above 0.9." in (third / "league.md").read_text()
+    assert ("trained and judged by the shapes judge, counting above 0.9; GenEval's own rule"
+            in (third / "league.md").read_text())
     second = tmp_path / "machine2"
     run_league(second, "--only", "grpo", "--lrs", "1e-4", "--sweep-seed", "0", "--seeds", "0", "--ledger",
                str(old_ledger))

@@ -186,8 +186,9 @@ def test_fsdp_shards_both_experts_where_the_ranks_reach_different_ones(tmp_path)
     the low-noise one completes (each rank also runs the expert it lacks on a zero-weight row, so their all-gathers and
     reduce-scatters pair; a hang is cut by the timeout), and the sharded gradient of the optimizer step is the
     unsharded one of both ranks' micro-steps to float rounding. A rollout across the boundary samples the same bits
-    with each expert gathered once as with a gather per forward, and holds one expert gathered at a time. An optimizer step no rank's micro-batch took to the
-    low-noise expert leaves it unchanged (no gradient: AdamW skips it, no momentum step), and the replicas agree."""
+    with each expert gathered once as with a gather per forward, and holds one expert gathered at a time. An
+    optimizer step no rank's micro-batch took to the low-noise expert leaves it unchanged (no gradient: AdamW skips
+    it, no momentum step), and the replicas agree."""
     import forkserver
     forkserver.two_ranks("test_wan22_routing.py", "fsdp", tmp_path)
     found = json.loads((tmp_path / "found.json").read_text())

@@ -223,8 +223,10 @@ def last_rows(path):
 
 
 def read_curve(folder, eval0=None, steps=None):
-    """The held-out curve of a run folder: [{step, samples, seconds, accuracy, tags, diversity}] at every evaluation
-    (diversity: the free-colour entropy of under-specified prompts, eval.py's `diversity_color`), seconds the
+    """The held-out curve of a run folder: [{step, samples, seconds, accuracy, tags, official, official_tags,
+    diversity}] at every evaluation (official, official_tags: GenEval's own rule on the same images, eval.jsonl's
+    `geneval_official_*`, None where not logged; diversity: the free-colour entropy of under-specified prompts,
+    eval.py's `diversity_color`), seconds the
     training wall-clock up to that step (the sum of the per-step `seconds` of metrics.jsonl). With `steps`: None
     unless the run is complete (an evaluation at step 0 and at `steps`, a metrics row for every step in between).
     eval0 stands in for a step-0 evaluation that eval.jsonl lost (train.py's resume keeps rows of steps 1..N)."""
@@ -248,6 +250,8 @@ def read_curve(folder, eval0=None, steps=None):
         seconds = sum(metrics[s].get("seconds", 0.0) for s in metrics if s <= step)
         points.append(dict(step=step, samples=step * per_step, seconds=seconds, accuracy=row["geneval_overall"],
                            tags={tag: row.get(f"geneval_{tag}") for tag in geneval.TAGS},
+                           official=row.get("geneval_official_overall"),
+                           official_tags={tag: row.get(f"geneval_official_{tag}") for tag in geneval.TAGS},
                            diversity=row.get("diversity_color")))  # of under-specified prompts; None if not logged
     return points
 
@@ -545,6 +549,22 @@ def mean_std(values):
     return f"{values.mean():.3f} +- {values.std(ddof=1):.3f}"
 
 
+def official(curves, at=-1):
+    """GenEval's own rule at evaluation `at` of every curve ([value per seed]), or None where a curve lacks it (a run
+    of the judge before it was logged, or a judge that is GenEval's rule)."""
+    values = [c[at].get("official") for c in curves]
+    return values if all(number(v) for v in values) else None
+
+
+def official_tag(curves, tag):
+    """A tag's accuracy after, mean over seeds, with GenEval's rule beside it in brackets where it differs."""
+    value = np.mean([c[-1]["tags"][tag] for c in curves])
+    theirs = [(c[-1].get("official_tags") or {}).get(tag) for c in curves]
+    if not all(number(v) for v in theirs) or f"{np.mean(theirs):.2f}" == f"{value:.2f}":
+        return f"{value:.2f}"
+    return f"{value:.2f} ({np.mean(theirs):.2f})"
+
+
 def collect(args):
     """{entry: {lr, finals, curves, speed}} of every entry with a finished run at its chosen lr on a table seed. When
     --speeds holds every such entry, the curves are timed by it (speed: its seconds per step); else by the league's
@@ -644,16 +664,17 @@ def tables(results, args):
     lines = [f"**Equal samples**: {args.samples:,} samples per run ({args.steps} steps of {args.per_step}), held-out "
              f"GenEval accuracy (360 prompts, ODE) before and after, mean +- standard deviation over seeds "
              f"({' '.join(map(str, args.seeds))}); per tag after, mean over seeds; trained and judged by the "
-             f"{getattr(args, 'judge', JUDGE)}.", "",
-             "| entry | lr | samples | before | after | rise | " + " | ".join(tags)
+             f"{getattr(args, 'judge', JUDGE)}; GenEval's own rule on the same images beside it (after, and in "
+             f"brackets where a tag differs).", "",
+             "| entry | lr | samples | before | after | rise | GenEval's rule after | " + " | ".join(tags)
              + " | colour diversity after | samples/s | training minutes |",
-             "| --- | --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in tags)
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in tags)
              + " | ---: | ---: | ---: |"]
     for name, r in results.items():
         curves = list(r["curves"].values())
         before = [c[0]["accuracy"] for c in curves]
         after = [c[-1]["accuracy"] for c in curves]
-        per_tag = [np.mean([c[-1]["tags"][t] for c in curves]) for t in geneval.TAGS]
+        theirs = official(curves)
         seeds = "" if len(curves) == n else f" ({len(curves)} of {n} seeds)"
         seeds += "" if len(r["finals"]) == len(args.lrs) else " (lr sweep unfinished)"
         diversity = [d for c in curves if isinstance(d := c[-1].get("diversity"), (int, float))]  # where logged
@@ -662,7 +683,8 @@ def tables(results, args):
         seconds = np.mean([c[-1]["seconds"] for c in curves])
         lines.append(f"| {name}{seeds} | {lr_text(r['lr'])} | {curves[0][-1]['samples']:,} | {mean_std(before)} | "
                      f"{mean_std(after)} | {np.mean(after) - np.mean(before):+.3f} | "
-                     + " | ".join(f"{v:.2f}" for v in per_tag)
+                     f"{'-' if theirs is None else mean_std(theirs)} | "
+                     + " | ".join(official_tag(curves, t) for t in geneval.TAGS)
                      + f" | {diversity} | {curves[0][-1]['samples'] / seconds:.1f} | {seconds / 60:.1f} |")
     budget, how = wall_clock_budget(results, args.minutes)
     timing = (f"training seconds: each entry's seconds per step measured alone ({args.speeds}: "
@@ -720,22 +742,27 @@ def summary_table(results, args):
         curves = list(r["curves"].values())
         rises = [c[-1]["accuracy"] - c[0]["accuracy"] for c in curves]
         rise = f"{np.mean(rises):+.3f}" + (f" +- {np.std(rises, ddof=1):.3f}" if len(rises) > 1 else " (1 seed)")
+        after, before = official(curves), official(curves, 0)
+        theirs = "-" if after is None or before is None else f"{np.mean(after) - np.mean(before):+.3f}"
         speedup = "-"
         if target is not None and (reached := first_reach(mean_curve(curves), target)) is not None:
             speedup = f"{times(ref_samples, reached[0])} ({times(ref_seconds, reached[1])})"
         elif target is not None:
             speedup = "not reached"
         seconds = np.mean([c[-1]["seconds"] for c in curves])
-        rows.append((np.mean(rises), f"| {name} | {rise} | {speedup} | {curves[0][-1]['samples'] / seconds:.1f} |"))
+        rows.append((np.mean(rises), f"| {name} | {rise} | {theirs} | {speedup} | "
+                                     f"{curves[0][-1]['samples'] / seconds:.1f} |"))
     over = f"over {reference}" if reference else "(no reference)"
-    lines = [f"| entry | rise +- sd over seeds | speed-up {over}, per sample (per minute) | samples/s |",
-             "| --- | ---: | ---: | ---: |"]
+    lines = [f"| entry | rise +- sd over seeds | rise by GenEval's rule | speed-up {over}, per sample (per minute) | "
+             "samples/s |",
+             "| --- | ---: | ---: | ---: | ---: |"]
     lines += [row for _, row in sorted(rows, key=lambda row: -row[0])]
     read = (f"; speed-up: the samples (minutes) to first reach {reference}'s final accuracy against "
             f"{reference}'s" if reference else "")
     lines += ["", f"{args.samples:,} samples per run, held-out GenEval accuracy (360 prompts, ODE) from before "
                   f"training to the end, seeds {' '.join(map(str, args.seeds))}, each entry at its best of "
-                  f"{len(args.lrs)} learning rates{read}; `{command_line(args, timed_alone(results))}`."]
+                  f"{len(args.lrs)} learning rates{read}; GenEval's rule: the rise on the same images under GenEval's "
+                  f"own counting rule; `{command_line(args, timed_alone(results))}`."]
     return "\n".join(lines)
 
 
