@@ -758,6 +758,10 @@ def parse_args(argv=None):
                    help="text tokens (default: the family's)")
     p.add_argument("--eval-steps", type=flags.POSITIVE_INT, default=None, help="ODE steps")
     p.add_argument("--guidance-scale", type=flags.POSITIVE, default=None, help="CFG scale (1 or less: no CFG)")
+    p.add_argument("--guidance-scale-2", type=flags.POSITIVE, default=None,
+                   help="Wan 2.2: the low-noise expert's CFG scale, as train.py's (default: --guidance-scale)")
+    p.add_argument("--audio-guidance-scale", type=flags.POSITIVE, default=None,
+                   help="LTX-2: the soundtrack's CFG scale, as train.py's (default: --guidance-scale)")
     p.add_argument("--batch-size", type=flags.POSITIVE_INT, default=8, help="images per forward")
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"],
                    help="autocast dtype of the forwards and the decode: the training run's, to score what it sampled")
@@ -865,6 +869,11 @@ def main(argv=None):
     p, args = parse_args(argv)
     args.model = args.model or trained_model(args.checkpoints) or "tiny"
     fill_from_preset(args)
+    record = families.MODELS[args.model]
+    if args.guidance_scale_2 is not None and "transformer_2" not in record.trained:
+        p.error(f"--guidance-scale-2 is the CFG scale of a second expert, and {args.model} has none: drop it")
+    if args.audio_guidance_scale is not None and not record.sound:
+        p.error(f"--audio-guidance-scale guides a soundtrack, and {args.model} makes none: drop it")
     if args.out is not None:  # a file where the results' folder goes: found now, not after the sampling
         existing = os.path.abspath(args.out)
         while not os.path.exists(existing):
@@ -890,6 +899,7 @@ def main(argv=None):
         diversity.featurizer(args.diversity, args.diversity_path, device)
         pipe = models.load_pipeline(args.model, args.model_path, device=device)
         models.latent_shape(pipe, args.resolution, num_frames=args.num_frames)  # a size the model cannot take
+        pipe.guidance_scale_2, pipe.guidance_scale_audio = args.guidance_scale_2, args.audio_guidance_scale
     except (ValueError, OSError, RuntimeError, ImportError) as e:
         raise SystemExit(f"error: {e}")
     models.add_lora(pipe, rank, alpha)

@@ -12,6 +12,7 @@ from PIL import Image
 
 import eval as evaluation
 import geneval
+import models
 import train as train_module
 from test_train import ROOT
 
@@ -348,6 +349,23 @@ def test_eval_of_a_video_model_writes_frames_and_gifs(tmp_path, monkeypatch):
                      "--max-prompts", "2", "--out", str(out)])
     still = Image.open(out / "grid.png")
     assert still.size[0] == 220 + 3 * 128 + 2 * 4 + 4 and Image.open(out / "grid.gif").n_frames == 5
+
+
+def test_eval_guides_a_second_expert_and_a_soundtrack_as_train_py(tmp_path, monkeypatch, capsys):
+    """--guidance-scale-2 and --audio-guidance-scale reach the pipeline as train.py sets them (the families' velocity
+    reads them there: tests/test_families.py, tests/test_ltx2.py); a model without the expert or the sound refuses
+    each in one line."""
+    monkeypatch.chdir(ROOT)
+    for flag, needle in (("--guidance-scale-2", "has none"), ("--audio-guidance-scale", "makes none")):
+        with pytest.raises(SystemExit) as stop:
+            evaluation.main(["--model", "tiny-wan", flag, "3", "--out", str(tmp_path / "no")])
+        assert stop.value.code == 2 and needle in capsys.readouterr().err
+    loaded, load = [], models.load_pipeline
+    monkeypatch.setattr(models, "load_pipeline", lambda *a, **k: loaded.append(load(*a, **k)) or loaded[-1])
+    evaluation.main(["--model", "tiny-wan2.2", "--num-frames", "5", "--resolution", "32", "--eval-steps", "2",
+                     "--guidance-scale", "3", "--guidance-scale-2", "1.5", "--max-prompts", "1",
+                     "--out", str(tmp_path / "wan22")])
+    assert [(p.guidance_scale_2, p.guidance_scale_audio) for p in loaded] == [(1.5, None)]
 
 
 def test_diversity_groups_prefer_free_colours_spread_over_tags():
