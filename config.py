@@ -248,10 +248,8 @@ def _check_model(p, args, world_size):
     if args.fsdp and (args.lora_rank > 0 or world_size == 1):
         p.error("--fsdp shards a full fine-tune over processes: use it with --lora-rank 0 under torchrun "
                 "--nproc_per_node N > 1 (LoRA runs use DDP)")
-    if args.guidance_scale_2 is not None and "transformer_2" not in families.MODELS[args.model].trained:
-        p.error(f"--guidance-scale-2 is the CFG scale of a second expert, and {args.model} has none: drop it")
-    if args.audio_guidance_scale is not None and not families.MODELS[args.model].sound:
-        p.error(f"--audio-guidance-scale guides a soundtrack, and {args.model} makes none: drop it")
+    if problem := families.guidance_mismatch(args.model, args.guidance_scale_2, args.audio_guidance_scale):
+        p.error(problem)
     # Several experts under FSDP: an optimizer step's last micro-step may not reach every expert that an earlier one
     # did, and only its backward would reduce-scatter the gradients accumulated until then (families/wan.py _routes).
     experts = families.MODELS[args.model].trained

@@ -869,11 +869,8 @@ def main(argv=None):
     p, args = parse_args(argv)
     args.model = args.model or trained_model(args.checkpoints) or "tiny"
     fill_from_preset(args)
-    record = families.MODELS[args.model]
-    if args.guidance_scale_2 is not None and "transformer_2" not in record.trained:
-        p.error(f"--guidance-scale-2 is the CFG scale of a second expert, and {args.model} has none: drop it")
-    if args.audio_guidance_scale is not None and not record.sound:
-        p.error(f"--audio-guidance-scale guides a soundtrack, and {args.model} makes none: drop it")
+    if problem := families.guidance_mismatch(args.model, args.guidance_scale_2, args.audio_guidance_scale):
+        p.error(problem)
     if args.out is not None:  # a file where the results' folder goes: found now, not after the sampling
         existing = os.path.abspath(args.out)
         while not os.path.exists(existing):

@@ -99,6 +99,16 @@ PUBLISHED = {**sd3.PUBLISHED, **wan.PUBLISHED, **qwen_image.PUBLISHED, **flux2_k
              **hunyuan_video.PUBLISHED, **qwen_image21.PUBLISHED, **ltx2.PUBLISHED}
 
 
+def guidance_mismatch(name, guidance_scale_2=None, audio_guidance_scale=None):
+    """The line refusing a CFG scale for what model `name` lacks (a second expert, a soundtrack), or None: train.py's
+    and eval.py's --guidance-scale-2 and --audio-guidance-scale."""
+    if guidance_scale_2 is not None and "transformer_2" not in MODELS[name].trained:
+        return f"--guidance-scale-2 is the CFG scale of a second expert, and {name} has none: drop it"
+    if audio_guidance_scale is not None and not MODELS[name].sound:
+        return f"--audio-guidance-scale guides a soundtrack, and {name} makes none: drop it"
+    return None
+
+
 def build_published(name, component, device="meta"):
     """One component of a PUBLISHED model with random (or, on "meta", no) weights."""
     return common.build_published(*PUBLISHED[name][component], device)
