@@ -9,8 +9,8 @@ The action is both latents. One flat vector a sample holds the video's latent to
 order the pipeline packs them (_pack_latents, _pack_audio_latents), so sde.py's step and its log-prob (a mean over the
 latent's dimensions) cover the picture and the sound without knowing there are two; velocity unpacks the vector, runs
 the joint transformer and packs both velocities back. A flat vector does not say which grid it came from (a 64 x 128
-video has as many values as a 128 x 64 one), so shape() records on the pipeline each grid it hands out (_handed_out)
-and velocity and decode look it up by the vector's length.
+video has as many values as a 128 x 64 one), so shape() records each grid it hands out (_GRIDS) and velocity and
+decode look it up by the vector's length and the model's sizes.
 """
 
 import math
@@ -134,13 +134,8 @@ def tiny(model_path=None, dtype=torch.float32, device="cpu"):
 
 # ----------------------------------------------------------------------------- the packed latent
 
-def _handed_out(pipe):
-    """What shape() has handed out for this pipeline (the module docstring): "grids", packed length -> {grid}, and
-    "frames", (H', W') -> the latent frames it last handed out at that size (sigmas). Kept on the pipeline, whose
-    sizes the packed length depends on, so that two pipelines never read each other's grids."""
-    if not hasattr(pipe, "_ltx2_handed_out"):
-        pipe._ltx2_handed_out = dict(grids={}, frames={})
-    return pipe._ltx2_handed_out
+_GRIDS = {}  # (length, sizes) -> {grid}: every grid shape() has handed out (the module docstring)
+_FRAMES = {}  # (sizes, H', W') -> the latent frames shape() last handed out at that size (sigmas)
 
 
 def _sizes(pipe):
@@ -166,13 +161,13 @@ def shape(pipe, height, width, num_frames):
     grid = _grid(pipe, height, width, num_frames)
     video, audio = _sizes(pipe)
     length = video * math.prod(grid[:3]) + audio * grid[3]
-    _handed_out(pipe)["grids"].setdefault(length, set()).add(grid)
-    _handed_out(pipe)["frames"][grid[1:3]] = grid[0]
+    _GRIDS.setdefault((length, video, audio), set()).add(grid)
+    _FRAMES[(video, audio, *grid[1:3])] = grid[0]
     return (length,)
 
 
 def _lookup(pipe, length):
-    grids = _handed_out(pipe)["grids"].get(length, set())
+    grids = _GRIDS.get((length, *_sizes(pipe)), set())
     if len(grids) != 1:
         why = "no grid" if not grids else f"several grids ({sorted(grids)})"
         raise ValueError(f"ltx2: {why} for a packed latent of {length} values; draw it with models.initial_noise at "
@@ -185,7 +180,7 @@ def _frames_for(pipe, height, width):
     family's sigmas is not given; the frames shape() last handed out at this size (models.sigmas(num_frames=...) asks
     for the latent shape first, as train.py and eval.py call it), else __call__'s default 121."""
     _, h, w, _ = _grid(pipe, height, width, None)
-    frames = _handed_out(pipe)["frames"].get((h, w))
+    frames = _FRAMES.get((*_sizes(pipe), h, w))
     return (frames if frames is not None else _grid(pipe, height, width, None)[0]), h, w
 
 
