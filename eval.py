@@ -8,9 +8,11 @@
         --reward geneval --checkpoints ...                  # GenEval per tag and overall, at SD3's 512 px and CFG 4.5
     python eval.py --checkpoints runs/default/checkpoints/100       # the shapes world's held-out file, before / after
 
---model defaults to the model the checkpoints were trained from (their state.json). Unset flags take --model's
-preset (its families.MODELS record, as train.py reads it): its resolution, ODE steps (its --eval-steps) and CFG scale; and where the
-preset names a held-out file (`eval_prompts`: the shapes worlds), that file, its input key, reward and detector.
+--model defaults to the model the checkpoints were trained from (their state.json). Unset sampling flags take the
+checkpoints' run's, as its held-out evaluation sampled (SAMPLING, from state.json's args; printed), else --model's
+preset (its families.MODELS record, as train.py reads it): its resolution, ODE steps (its --eval-steps) and CFG scale;
+and where the preset names a held-out file (`eval_prompts`: the shapes worlds), that file, its input key, reward and
+detector.
 Every prompt of the file is sampled unless --max-prompts.
 
 Every prompt gets the same initial noise in every column (seeded by --seed and the prompt's index), so
@@ -710,6 +712,38 @@ def trained_model(paths):
     return names.pop() if names else None
 
 
+# eval.py's sampling flags -> how the run's held-out evaluation set each (train.py's args; run.eval_guidance)
+SAMPLING = dict(resolution=lambda a: a.get("resolution"), eval_steps=lambda a: a.get("eval_steps"),
+                guidance_scale=lambda a: a.get("guidance_scale") if a.get("eval_guidance_scale") is None
+                else a["eval_guidance_scale"], guidance_scale_2=lambda a: a.get("guidance_scale_2"),
+                audio_guidance_scale=lambda a: a.get("audio_guidance_scale"), num_frames=lambda a: a.get("num_frames"),
+                shift=lambda a: a.get("shift"), max_sequence_length=lambda a: a.get("max_sequence_length"))
+
+
+def fill_from_run(args):
+    """Unset sampling flags from the run the checkpoints come from (state.json's args), so that a checkpoint is
+    sampled as its run evaluated it; one line says what was taken. Checkpoints of runs that sampled differently are
+    refused in one line, naming the flag to pass."""
+    runs = []
+    for path in args.checkpoints:
+        with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+            with open(os.path.join(path, "state.json")) as f:
+                runs.append((path, json.load(f)["args"]))
+    taken = {}
+    for key, read in SAMPLING.items():
+        values = {json.dumps(read(saved)) for _, saved in runs}
+        if getattr(args, key) is not None or not runs:
+            continue
+        if len(values) > 1:
+            raise SystemExit(f"error: the checkpoints' runs sampled at different {key} ({', '.join(sorted(values))}): "
+                             f"pass --{key.replace('_', '-')}, or evaluate them in separate calls")
+        if (value := read(runs[0][1])) is not None:
+            setattr(args, key, value)
+            taken[key] = value
+    if taken:
+        print(f"sampling as {runs[0][0]}'s run evaluated: " + ", ".join(f"{k} {v}" for k, v in taken.items()))
+
+
 def fill_from_preset(args):
     """Unset flags from --model's preset, as train.py fills its own: the sampling always; the prompt file, its key,
     reward and detector only where the preset names a held-out file (a hub preset's training prompts are not one)."""
@@ -835,6 +869,7 @@ def write_outputs(names, columns, results, weights, kw, prompts, metadata, args,
     labels = ["base"] + [f"{s} ({weights[n]})" for s, n in zip(short_names(names[1:]), names[1:])]
     print("\n".join(summary_table(labels, tables)))
     summary = {"prompts": args.prompts, "num_prompts": len(prompts), "eval_steps": args.eval_steps,
+               "sampling": {key: getattr(args, key) for key in SAMPLING},
                "results": {name: table for name, table in zip(names, tables)}, "weights": weights}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -868,6 +903,8 @@ def write_outputs(names, columns, results, weights, kw, prompts, metadata, args,
 def main(argv=None):
     p, args = parse_args(argv)
     args.model = args.model or trained_model(args.checkpoints) or "tiny"
+    if not args.plot:
+        fill_from_run(args)
     fill_from_preset(args)
     if problem := families.guidance_mismatch(args.model, args.guidance_scale_2, args.audio_guidance_scale):
         p.error(problem)

@@ -342,6 +342,28 @@ def test_eval_takes_the_models_preset_where_the_command_line_is_silent(shapes_ch
     assert evaluation.trained_model([str(tmp_path / "nothing")]) is None  # refused later, as an incomplete checkpoint
 
 
+def test_eval_samples_a_checkpoint_as_its_run_evaluated(shapes_checkpoint, tmp_path, capsys, monkeypatch):
+    """Unset sampling flags come from the checkpoint's run (its held-out ODE steps and CFG scale, here not the
+    preset's), and say so; checkpoints of runs that sampled differently are refused until the flag is given."""
+    monkeypatch.chdir(ROOT)
+    run = tmp_path / "guided"
+    train_module.main(["--prompts-per-step", "2", "--group-size", "4", "--sample-batch-size", "8", "--train-batch-size",
+                       "8", "--num-steps", "4", "--eval-every", "0", "--log-images-every", "0", "--steps", "1",
+                       "--eval-steps", "3", "--eval-guidance-scale", "2", "--out", str(run)])
+    guided = str(run / "checkpoints" / "1")
+    capsys.readouterr()
+    summary = evaluation.main(["--checkpoints", guided, "--max-prompts", "2", "--grid-rows", "2",
+                               "--out", str(tmp_path / "eval")])
+    assert (summary["eval_steps"], summary["sampling"]["guidance_scale"]) == (3, 2.0)  # the preset: 10 and 1
+    assert f"sampling as {guided}'s run evaluated: resolution 32, eval_steps 3, guidance_scale 2.0" in \
+        capsys.readouterr().out
+    with pytest.raises(SystemExit, match="runs sampled at different eval_steps \\(10, 3\\): pass --eval-steps"):
+        evaluation.main(["--checkpoints", shapes_checkpoint, guided, "--out", str(tmp_path / "both")])
+    summary = evaluation.main(["--checkpoints", shapes_checkpoint, guided, "--eval-steps", "2", "--guidance-scale",
+                               "1", "--max-prompts", "2", "--grid-rows", "2", "--out", str(tmp_path / "both")])
+    assert (summary["eval_steps"], summary["sampling"]["guidance_scale"]) == (2, 1.0)
+
+
 def test_eval_of_a_video_model_writes_frames_and_gifs(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     out = tmp_path / "wan"
