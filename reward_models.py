@@ -695,14 +695,12 @@ def hpsv3(*, hpsv3_checkpoint_path, hpsv3_base_path, hpsv3_batch_size, hpsv3_num
     h is the last hidden state (after the final norm) of Qwen2-VL reading the chat-templated message [image,
     `hpsv3_text(prompt)`], taken at the <|Reward|> token (added to the tokenizer, id len(tokenizer)); rm_head is
     `_hpsv3_head`, in float32. The image is resized (bicubic) to 256 * 28 * 28 pixels (448 x 448 when square: 256
-    visual tokens). Positions are 1-D (0, 1, 2, ... over the valid tokens), not Qwen2-VL's 3-D M-RoPE positions for
-    the image: the authors' Qwen2VLRewardModelBT.forward (qwen2vl_trainer.py, MizzenAI/HPSv3 d232ff8) embeds the
-    image itself and calls the language model with inputs_embeds alone, without input_ids or image_grid_thw, so
-    transformers' get_rope_index falls back to the attention mask's running count, the same in all three sections. Weights: the
-    whole model from `hpsv3_checkpoint_path` (the hub file MizzenAI/HPSv3/HPSv3.safetensors by default, read by
-    `hpsv3_state`); config and processor from `hpsv3_base_path`. bfloat16 on a GPU (as the authors), float32 on
-    the CPU. Video: `hpsv3_num_frames` evenly spaced frames (default every frame), averaged.
-    """
+    visual tokens). Positions are 1-D (0, 1, 2, ... over the valid tokens), not Qwen2-VL's 3-D M-RoPE, as the authors'
+    Qwen2VLRewardModelBT.forward (qwen2vl_trainer.py, MizzenAI/HPSv3 d232ff8) passes its language model no
+    image_grid_thw: get_rope_index falls back to the attention mask's running count. Weights: the whole model from
+    `hpsv3_checkpoint_path` (the hub file MizzenAI/HPSv3/HPSv3.safetensors by default, read by `hpsv3_state`);
+    config and processor from `hpsv3_base_path`. bfloat16 on a GPU (as the authors), float32 on the CPU. Video:
+    `hpsv3_num_frames` evenly spaced frames (default every frame), averaged."""
     from transformers import AutoConfig, AutoProcessor, Qwen2VLModel
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
