@@ -724,17 +724,18 @@ def fill_from_run(args):
     """Unset sampling flags from the run the checkpoints come from (state.json's args), so that a checkpoint is
     sampled as its run evaluated it; one line says what was taken. Checkpoints of runs that sampled differently are
     refused in one line, naming the flag to pass."""
-    runs = []
+    runs = []  # (checkpoint, its run's args); an unreadable state.json is refused later (lora_shape)
     for path in args.checkpoints:
         with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
             with open(os.path.join(path, "state.json")) as f:
-                runs.append((path, json.load(f)["args"]))
+                saved = json.load(f)["args"]
+            if isinstance(saved, dict):
+                runs.append((path, saved))
     taken = {}
     for key, read in SAMPLING.items():
-        values = {json.dumps(read(saved)) for _, saved in runs}
         if getattr(args, key) is not None or not runs:
             continue
-        if len(values) > 1:
+        if len(values := {json.dumps(read(saved)) for _, saved in runs}) > 1:
             raise SystemExit(f"error: the checkpoints' runs sampled at different {key} ({', '.join(sorted(values))}): "
                              f"pass --{key.replace('_', '-')}, or evaluate them in separate calls")
         if (value := read(runs[0][1])) is not None:
