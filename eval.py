@@ -712,12 +712,17 @@ def trained_model(paths):
     return names.pop() if names else None
 
 
-# eval.py's sampling flags -> how the run's held-out evaluation set each (train.py's args; run.eval_guidance)
-SAMPLING = dict(resolution=lambda a: a.get("resolution"), eval_steps=lambda a: a.get("eval_steps"),
-                guidance_scale=lambda a: a.get("guidance_scale") if a.get("eval_guidance_scale") is None
-                else a["eval_guidance_scale"], guidance_scale_2=lambda a: a.get("guidance_scale_2"),
-                audio_guidance_scale=lambda a: a.get("audio_guidance_scale"), num_frames=lambda a: a.get("num_frames"),
-                shift=lambda a: a.get("shift"), max_sequence_length=lambda a: a.get("max_sequence_length"))
+# eval.py's sampling flags, each as the run's held-out evaluation set it (run_value)
+SAMPLING = ("resolution", "eval_steps", "guidance_scale", "guidance_scale_2", "audio_guidance_scale", "num_frames",
+            "shift", "max_sequence_length")
+
+
+def run_value(saved, key):
+    """A sampling flag's value in a run's args (state.json): its own, but the CFG scale its held-out images were
+    sampled at (run.eval_guidance: --eval-guidance-scale where given)."""
+    if key == "guidance_scale" and saved.get("eval_guidance_scale") is not None:
+        return saved["eval_guidance_scale"]
+    return saved.get(key)
 
 
 def fill_from_run(args):
@@ -732,13 +737,13 @@ def fill_from_run(args):
             if isinstance(saved, dict):
                 runs.append((path, saved))
     taken = {}
-    for key, read in SAMPLING.items():
+    for key in SAMPLING:
         if getattr(args, key) is not None or not runs:
             continue
-        if len(values := {json.dumps(read(saved)) for _, saved in runs}) > 1:
+        if len(values := {json.dumps(run_value(saved, key)) for _, saved in runs}) > 1:
             raise SystemExit(f"error: the checkpoints' runs sampled at different {key} ({', '.join(sorted(values))}): "
                              f"pass --{key.replace('_', '-')}, or evaluate them in separate calls")
-        if (value := read(runs[0][1])) is not None:
+        if (value := run_value(runs[0][1], key)) is not None:
             setattr(args, key, value)
             taken[key] = value
     if taken:
