@@ -228,7 +228,8 @@ def read_curve(folder, eval0=None, steps=None):
     `geneval_official_*`, None where not logged; diversity: the free-colour entropy of under-specified prompts,
     eval.py's `diversity_color`), seconds the training wall-clock up to that step (the sum of the per-step `seconds`
     of metrics.jsonl). With `steps`: None unless the run is complete (an evaluation at step 0 and at `steps`, a
-    metrics row for every step in between). eval0 stands in for a step-0 evaluation that eval.jsonl lost (train.py's resume keeps rows of steps 1..N)."""
+    metrics row for every step in between). eval0 stands in for a step-0 evaluation that eval.jsonl lost (train.py's
+    resume keeps rows of steps 1..N)."""
     try:
         with open(os.path.join(folder, "args.json")) as f:
             saved = json.load(f)["args"]
