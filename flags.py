@@ -13,6 +13,7 @@ Every refusal is argparse's own one-line `error:`, before anything is loaded. Th
 keywords (rewards.build_reward, whose options may come from code rather than the command line):
 
     integer(value, low, name), real(value, name, minimum=, positive=), show(value)   one-line ValueErrors
+    import_object(path, flag)             what a flag names as module.name or file.py:name (runs that code)
 """
 import argparse
 import math
@@ -188,3 +189,28 @@ def real(value, name, *, minimum=None, positive=False):
         bound = " > 0" if positive else f" >= {minimum:g}" if minimum is not None else ""
         raise ValueError(f"{name} must be a finite number{bound}, got {show(value)}")
     return float(value)
+
+
+def import_object(path, flag):
+    """`package.module.name`, or `path/to/file.py:name`. Imports (so runs) that code."""
+    import importlib
+    import importlib.util
+
+    try:
+        if ":" in path:
+            file, name = path.rsplit(":", 1)
+            spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(file))[0], file)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module_name, name = path.rsplit(".", 1)
+            module = importlib.import_module(module_name)
+        return getattr(module, name)
+    except (ImportError, AttributeError, ValueError, OSError) as err:
+        raise ValueError(f"{flag} {path!r}: cannot import it ({type(err).__name__}: {err}); "
+                         f"give module.name importable from the working directory, or path/to/file.py:name") from err
+    except SystemExit as err:  # the module calls sys.exit when imported: the run would end there, with its code
+        if isinstance(err.code, str):  # an exit with its own message (run.py's one line for a Ctrl-C meanwhile)
+            raise
+        raise ValueError(f"{flag} {path!r}: importing it called sys.exit({err.code!r}); remove that call (or put it "
+                         "under `if __name__ == '__main__':`)") from None

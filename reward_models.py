@@ -10,8 +10,8 @@
 Each factory takes its flags (declared in rewards.add_arguments) as keywords, loads its model once by hub id or local
 path (offline: one sentence naming the flag), and returns score(images uint8 [B, H, W, 3], prompts, metadata) -> [B];
 video [B, F, H, W, 3] is scored on `--<name>-num-frames` evenly spaced frames and averaged. The image helpers shared
-with the other scorers (to_uint8, frames, png_base64) live here too. rewards.py holds the registry, the mixtures,
-the light scorers (OCR, JPEG, GenEval) and the services.
+with the other scorers (to_uint8, frames, png_base64) live here too. rewards.py holds the registry, the mixtures and
+the light scorers (OCR, JPEG, GenEval); reward_services.py the scorers that ask a service.
 """
 import base64
 import functools

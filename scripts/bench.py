@@ -80,6 +80,7 @@ import flags  # noqa: E402
 import models  # noqa: E402
 import reward_models  # noqa: E402
 import rewards  # noqa: E402
+import reward_services  # noqa: E402
 import train  # noqa: E402
 from tests import reward_fixtures  # noqa: E402
 
@@ -713,7 +714,7 @@ def reward_throughput(args):
     server = _unifiedreward_stub()
     try:
         bench("unifiedreward (client, instant local server)",
-              rewards.unifiedreward(**dict(options, unifiedreward_url=f"http://127.0.0.1:{server.server_port}/v1")))
+              reward_services.unifiedreward(**dict(options, unifiedreward_url=f"http://127.0.0.1:{server.server_port}/v1")))
     finally:
         server.shutdown()
         server.server_close()

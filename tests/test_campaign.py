@@ -20,6 +20,7 @@ import data
 import eval as evaluation
 import losses
 import rewards
+import reward_services
 import run as run_module
 import train as train_module
 from test_faults import start
@@ -195,7 +196,7 @@ def test_a_group_spread_beyond_float32_still_gives_advantages():
 @pytest.mark.parametrize("reply,value", [("Final Score: 4.9e10", None), ("**Final Score:** 4.5", 4.5),
                                          ("Final Score: 3. Done", 3.0), ("Final Score: 2e0", 2.0)])
 def test_unifiedreward_reads_the_whole_number(reply, value):
-    judge = rewards.UnifiedRewardJudge(model="UnifiedReward", base_url="http://127.0.0.1:1/v1")
+    judge = reward_services.UnifiedRewardJudge(model="UnifiedReward", base_url="http://127.0.0.1:1/v1")
     response = {"choices": [{"message": {"content": "element (object): 1\n" + reply}}]}
     if value is None:
         with pytest.raises(rewards.BadReply, match="outside"):

@@ -299,8 +299,8 @@ def test_a_float32_tiff_source_image_keeps_its_grey_levels(tmp_path):
 @pytest.mark.parametrize("reply,value", [("Final Score: 4,5", 4.5), ("Final Score: **3,25**", 3.25),
                                          ("Final Score: 4, as the caption asks", 4.0)])
 def test_unifiedreward_reads_a_decimal_comma(reply, value):
-    import rewards
-    judge = rewards.UnifiedRewardJudge(model="UnifiedReward", base_url="http://127.0.0.1:1/v1")
+    import reward_services
+    judge = reward_services.UnifiedRewardJudge(model="UnifiedReward", base_url="http://127.0.0.1:1/v1")
     assert judge.parse_response({"choices": [{"message": {"content": "element: 1\n" + reply}}]}) == value
 
 

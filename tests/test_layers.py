@@ -11,7 +11,8 @@ LAYERS = [
     ("losses", "checkpoints", "prompt_store", "shapes", "services", "reward_models"),  # losses and their registry; run
     # folders; the prompt-embedding store's files; the shapes world (the world, the edit world, the learned proxy of its
     # GenEval judge); reward-service HTTP; the neural reward models
-    ("families",),  # the model families, a file each, and their registry (above the shapes world, whose models two are)
+    ("families", "reward_services"),  # the model families, a file each, and their registry (above the shapes world,
+    # whose models two are); the rewards that ask a service
     ("models", "rewards", "diversity"),  # the model interface over every family; REWARDS; diversity
     ("policy", "eval", "regularizers"),  # the trained weights, their optimizer and copies; ODE evaluation, grids,
     # curves; what acts on every loss (GARDO's rules, the adaptive KL weight) and where train.py calls it

@@ -18,6 +18,7 @@ from PIL import Image
 import reward_fixtures
 import reward_models
 import rewards
+import reward_services
 import train
 from reward_server import JsonServer, chat_reply
 from rewards import RewardServiceError, build_reward
@@ -385,7 +386,7 @@ def test_unifiedreward_request_and_scores():
     assert body["model"] == "UnifiedReward" and body["temperature"] == 0 and body["max_tokens"] == 4096
     assert len(body["messages"]) == 1 and body["messages"][0]["role"] == "user"  # no system turn
     image, text = body["messages"][0]["content"]
-    assert text == {"type": "text", "text": rewards.UNIFIEDREWARD_PROMPT.replace("{prompt}", "two dogs on a mat")}
+    assert text == {"type": "text", "text": reward_services.UNIFIEDREWARD_PROMPT.replace("{prompt}", "two dogs on a mat")}
     assert text["text"].startswith("You are given a text caption and a generated image")
     assert text["text"].endswith("assign a score from 1 to 5 after 'Final Score:'.\nYour task is provided as "
                                  "follows:\nText Caption: [two dogs on a mat]")

@@ -17,6 +17,7 @@ from PIL import Image, ImageDraw, ImageFont
 import data
 import reward_fixtures
 import rewards
+import reward_services
 from reward_server import JsonServer, chat_reply
 from rewards import NonFiniteReward, RewardServiceError, build_reward, ocr_score
 
@@ -437,9 +438,9 @@ def test_openai_api_shows_the_judge_the_source_first(tmp_path, monkeypatch):
     assert content[1]["text"] == "Source image 1:" and content[3]["text"] == "Edited image:"
     assert np.array_equal(decode_png(content[2]["image_url"]["url"]), sources[1])
     assert np.array_equal(decode_png(content[4]["image_url"]["url"]), images[1])
-    assert edit["messages"][0]["content"] == rewards.EDIT_RUBRIC
+    assert edit["messages"][0]["content"] == reward_services.EDIT_RUBRIC
     text_only = next(b for b in server.bodies if b["messages"][1]["content"][0]["text"] == "Prompt: a cat")
-    assert text_only["messages"][0]["content"] == rewards.DEFAULT_RUBRIC
+    assert text_only["messages"][0]["content"] == reward_services.DEFAULT_RUBRIC
     assert len(text_only["messages"][1]["content"]) == 2
     with judge_server() as server:  # a rubric of the config serves edits too
         reward = build_reward("openai_api", openai_api_rm_config=api_config(tmp_path, server.url), **FAST)
