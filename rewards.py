@@ -75,7 +75,7 @@ in-process judge are in reward_models.py, the server in reward_services.py), mix
 detectors at the end. The neural reward models (PickScore, HPSv2 / v3, ImageReward, CLIPScore, aesthetic) are in
 reward_models.py.
 
-Run `python bench.py --rewards` for the images/s of the offline scorers on this machine.
+Run `python scripts/bench.py --rewards` for the images/s of the offline scorers on this machine.
 """
 
 import argparse
