@@ -79,8 +79,8 @@ import families  # noqa: E402
 import flags  # noqa: E402
 import models  # noqa: E402
 import reward_models  # noqa: E402
-import rewards  # noqa: E402
 import reward_services  # noqa: E402
+import rewards  # noqa: E402
 import train  # noqa: E402
 from tests import reward_fixtures  # noqa: E402
 
@@ -713,8 +713,9 @@ def reward_throughput(args):
               reward_models.aesthetic(**dict(options, aesthetic_clip_path=clip, aesthetic_mlp_path=mlp)))
     server = _unifiedreward_stub()
     try:
+        url = f"http://127.0.0.1:{server.server_port}/v1"
         bench("unifiedreward (client, instant local server)",
-              reward_services.unifiedreward(**dict(options, unifiedreward_url=f"http://127.0.0.1:{server.server_port}/v1")))
+              reward_services.unifiedreward(**dict(options, unifiedreward_url=url)))
     finally:
         server.shutdown()
         server.server_close()
