@@ -96,3 +96,9 @@ def test_a_stopped_queue_stops_its_runs_which_save_and_exits_130(tmp_path, fake_
     assert queue.wait(timeout=60) == 130
     assert (out / "whole.stopped").exists() and (out / "stopped.stopped").exists()
     assert "continues whole stopped from their checkpoints" in queue.stderr.read()
+
+
+def test_a_line_still_being_written_is_not_read(tmp_path):
+    (tmp_path / "eval.jsonl").write_text('{"step": 0}\n{"step": 25}\n{"step": 5')
+    assert long_runs.evaluated(tmp_path) == [0, 25] and long_runs.evaluated(tmp_path / "missing") == []
+    assert long_runs.finished(tmp_path, 25) and not long_runs.finished(tmp_path, 50)

@@ -78,12 +78,12 @@ def last_step(flags):
 
 
 def evaluated(folder):
-    """The steps evaluated in folder/eval.jsonl (none when it is missing)."""
+    """The steps evaluated in folder/eval.jsonl (none when it is missing); a line still being written is not read."""
     path = os.path.join(folder, "eval.jsonl")
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line)["step"] for line in f if line.strip()]
+        return [json.loads(line)["step"] for line in f if line.endswith("\n") and line.strip()]
 
 
 def finished(folder, stop):
