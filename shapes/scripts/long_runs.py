@@ -23,6 +23,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+import config  # noqa: E402
+
 TRAIN = [sys.executable, os.path.join(ROOT, "train.py")]  # the command each run starts with
 RECIPE = ["@recipes/shapes_long.args"]
 LEVER = ["--seed", "0", "--steps", "200", "--eval-every", "25", "--log-images-every", "0"]
@@ -65,8 +68,6 @@ RECORD = ["args.json", "eval.jsonl", "metrics.jsonl"]
 
 def last_step(flags):
     """The run's --steps, read and checked as train.py reads them (the recipe file included)."""
-    sys.path.insert(0, ROOT)
-    import config
     cwd = os.getcwd()
     os.chdir(ROOT)  # the recipes' and prompt files' paths are the repository's
     try:
