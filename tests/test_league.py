@@ -571,6 +571,23 @@ def test_the_windows_cover_the_share_of_the_schedule_the_authors_recipes_do(tmp_
     assert share <= 0.7
 
 
+def test_the_first_settings_windows_are_entries_outside_the_default_league(tmp_path):
+    """fast-any and mix-end keep the first setting's placements (docs/league.md, "Where the windows sit") to measure
+    what the recipes' placement is worth: Flow-GRPO-Fast's window past the first half, MixGRPO's reaching the clean
+    end; the league runs them only when asked."""
+    args = league.parse_args(["--out", str(tmp_path)])
+    assert args.only == [n for n in league.ENTRIES if n not in league.PLACEMENTS] and "fast" in args.only
+    assert "--only" not in league.command_line(args)
+    shares = {}
+    for name in ("fast", "fast-any", "mix", "mix-end"):
+        _, targs = train.parse_args(["--out", str(tmp_path / "x"), *league.train_flags(name, 1e-4, 0, args)])
+        shares[name] = covered_share(targs)
+    assert shares["fast"] == 0.5 and shares["fast-any"] == 0.9  # steps 0 .. 4 of 10, against 0 .. 8
+    assert shares["mix"] == 0.6 and shares["mix-end"] == 0.9  # never the last trainable steps, against parked there
+    picked = league.parse_args(["--out", str(tmp_path), "--only", "fast-any", "mix-end", "--lrs", "1e-4"])
+    assert "--only fast-any mix-end" in league.command_line(picked)
+
+
 def test_flowdppo_takes_the_off_policy_step_its_mask_acts_on(tmp_path):
     """FlowDPPO's KL-ADV mask drops a term only when the policy has moved from the one that sampled it: the entry
     takes its recipe's optimizer steps per batch, so that the second is off-policy (with one it is grpo)."""
