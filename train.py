@@ -118,12 +118,13 @@ def sample(policy, loss, args, prompts, sigmas, step, reward_fn, run):
     row = torch.tensor([unique.index(i) for i in my_ids])
     embeds = {k: v[row.to(v.device)] for k, v in embeds.items()}  # [n, ...]
     batch = dict(embeds=embeds, prompts=[texts[i] for i in my_ids], trajectories=[])
-    pending, size = [], args.sample_batch_size
+    pending, size, preempted = [], args.sample_batch_size, False
     policy.train(False)
     with rollout_weights(policy, loss, step, args), policy.gathered():  # NFT: train_nft_sd3.py L640; FSDP: one gather
         for b in range(len(my_ids) // size):
             if run.signalled():  # preempted: the step is redone on resume, nothing of it is kept
-                run.stop_in_sampling(step)
+                preempted = True
+                break
             idx = slice(b * size, (b + 1) * size)
             gen = data.seeded(args.seed, step, RANK, b)  # resumable noise
             x = starting_noise(policy.pipe, args, step, my_groups[idx], gen).to(policy.device)
@@ -140,6 +141,8 @@ def sample(policy, loss, args, prompts, sigmas, step, reward_fn, run):
             pending.append((run.submit(reward_fn, images, batch["prompts"][idx], [metadata[i] for i in my_ids[idx]]),
                             batch["prompts"][idx]))
             batch.setdefault("images", []).append(images)  # for the sample grid
+    if preempted:  # saved once the rollouts' copy (exchanged in place with the trained weights) is back in its place
+        run.stop_in_sampling(step)
     trajs, batch["images"] = batch.pop("trajectories"), torch.cat(batch["images"])  # uint8 [n, H, W, 3]
     batch.update({k: torch.cat([t[k] for t in trajs]) for k in ("latents", "log_probs", "means", "stds")
                   if k in trajs[0]})

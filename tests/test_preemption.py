@@ -63,7 +63,8 @@ def weights(out, step, name):
 
 
 @pytest.mark.parametrize("when, flags", [("after_step", ["--minibatches", "2", "--train-batch-size", "2"]),
-                                         ("before_step", []), ("sampling", [])])
+                                         ("before_step", []), ("sampling", []),
+                                         ("sampling", ["--loss", "nft", "--old-decay", "copy"])])
 def test_sigterm_in_training_keeps_the_step_start_and_resumes_exactly(tmp_path, when, flags):
     common = [*FAST, "--steps", "3", "--save-every", "0", "--ema-decay", "0.9", *flags]
     reference = str(tmp_path / "reference")
