@@ -453,12 +453,18 @@ def swapped(trainable, weights):
     of small kernels on a GPU. It is exact when both are float32, as the trained weights are (a LoRA adapter is
     float32, a full fine-tune loads in float32). It works alike for a LoRA adapter, a full fine-tune and FSDP shards
     (each rank exchanges its own). trainable: [(name, parameter or tensor)]."""
+    global _exchanged
     pairs = [(distributed.local(param.detach()), distributed.local(weights[name])) for name, param in trainable]
     _exchange(pairs)
+    _exchanged += 1
     try:
         yield
     finally:
+        _exchanged -= 1
         _exchange(pairs)
+
+
+_exchanged = 0  # swapped contexts open; write refuses to save inside one
 
 
 SWAP_CHUNK = 1 << 26  # elements of swapped's scratch buffer (256 MB in float32)
@@ -506,6 +512,9 @@ def _write_json(path, obj):
 def write(args, step, transformer, trainable, optimizer, copies, device, extra, export=None):
     """Called on every rank: checks that replicas agree, gathers FSDP shards, and rank 0 writes the checkpoint
     (export: see save)."""
+    if _exchanged:  # the trained parameters hold another copy now: it would be saved as the trained weights
+        raise RuntimeError("a checkpoint written inside checkpoints.swapped would save the exchanged copy as the "
+                           "trained weights: write it after the context")
     sums = distributed.check_replicas(trainable, args.fsdp, device)
     if args.fsdp:  # every rank takes part in the gathers; rank 0 gets the full tensors
         full_state = distributed.fsdp_full_state(transformer, optimizer, trainable, copies)

@@ -12,6 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import checkpoints
+
 from test_faults import FAST, start
 from test_train import ROOT, metrics, run
 
@@ -84,6 +86,17 @@ def test_sigterm_in_training_keeps_the_step_start_and_resumes_exactly(tmp_path, 
     for name in ("trainable", "ema"):  # bit for bit
         mine, theirs = weights(out, 3, name), weights(reference, 3, name)
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), name
+
+
+def test_a_checkpoint_inside_an_exchange_of_weights_is_refused():
+    """Inside checkpoints.swapped the trained parameters hold another copy (the EMA, the old policy): a save there
+    would keep that copy as the trained weights, so write refuses it; on exit the weights are back."""
+    param, other = torch.nn.Parameter(torch.zeros(3)), {"w": torch.ones(3)}
+    with checkpoints.swapped([("w", param)], other):
+        with pytest.raises(RuntimeError, match="inside checkpoints.swapped"):
+            checkpoints.write(None, 1, None, [("w", param)], None, {}, "cpu", {})
+    assert torch.equal(param.detach(), torch.zeros(3)) and torch.equal(other["w"], torch.ones(3))
+    assert checkpoints._exchanged == 0
 
 
 def test_sigterm_in_the_held_out_evaluation_keeps_the_step_and_evaluates_it_on_resume(tmp_path):
