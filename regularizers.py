@@ -131,9 +131,9 @@ def adaptive_kl_beta(beta, kl, *, target, rate, floor=0.0):
         e = clip(KL / target - 1, -0.2, 0.2),   beta <- max(floor, beta (1 + rate e))
 
     train.py floors it at the starting weight (--kl-beta), where Ziegler et al. let it fall: in the shapes world's
-    long run the KL stays under target for the first hundred steps, the unfloored weight fell from 0.1 to 0.005, and
-    when the drift came (the KL 0.02 -> 0.125 in 40 steps) it could not grow back in time (docs/shapes.md, "The long
-    run"). A KL that is not finite (a skipped step) leaves beta as it is."""
+    long run the KL stays under target for the first hundred steps, the unfloored weight fell from 0.1 to 0.002, and
+    when the drift came (the KL 0.027 -> 0.11 in 40 steps) it could not grow back in time (docs/long_run.md, "A KL
+    weight that grows with the KL"). A KL that is not finite (a skipped step) leaves beta as it is."""
     if not math.isfinite(kl):
         return beta
     error = min(max(kl / target - 1, -0.2), 0.2)
