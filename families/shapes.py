@@ -232,11 +232,12 @@ PRESET = dict(common.TINY, loss="nft", resolution=32, prompts="prompts/shapes_tr
               eval_prompts="prompts/shapes_test.jsonl", input_key="prompt", reward="geneval", geneval_detector="shapes",
               sde="cps", prompts_per_step=16, sample_batch_size=32, train_batch_size=32, lr=1e-4, ema_decay=0.95,
               steps=100, eval_every=25, eval_steps=10, log_images_every=25)
-# Its editing task (shapes/edit.py): the same recipe on the edit prompts, judged by the exact edit judge (0/1),
-# with groups of 16 (8 edits a step): an "add" or "count" edit succeeds about 1 time in 10, so a group of 8 often
-# holds no success and teaches nothing (docs/shapes.md, "editing": +0.07 in 40 steps on seed 2, against +0.045
-# with 16 edits x 8), and 100 steps: the rise builds over all of them (+0.115 to +0.148 on 3 seeds, +0.055 to +0.090
-# at step 60). 2 images per held-out edit (200 of them: one image each would leave a standard error of 0.035).
+# Its editing task (shapes/edit.py): the same recipe on the edit prompts, judged by the exact edit judge (0/1), with
+# groups of 16 (8 edits a step): an "add" or "count" edit succeeds about 1 time in 10, so a group of 8 often holds
+# no success and teaches nothing (docs/editing.md, "How the preset was chosen": +0.07 in 40 steps on seed 2, against
+# +0.045 with 16 edits x 8), and 100 steps: the rise builds over all of them (+0.115 to +0.148 on 3 seeds, +0.055 to
+# +0.090 at step 60). 2 images per held-out edit (200 of them: one image each would leave a standard error of
+# 0.035).
 EDIT_PRESET = dict(PRESET, prompts="prompts/shapes_edit_train.jsonl", eval_prompts="prompts/shapes_edit_test.jsonl",
                    reward="shapes_edit", group_size=16, prompts_per_step=8, steps=100, eval_every=10, lr=2e-4,
                    eval_samples_per_prompt=2, log_images_every=10)
