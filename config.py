@@ -265,6 +265,11 @@ def _check_model(p, args, world_size):
     if _given(args, "kl_rate") and not args.kl_target:
         p.error("--kl-rate is the step of the KL weight's controller toward --kl-target, which is off: give "
                 "--kl-target > 0, or drop --kl-rate")
+    if _given(args, "kl_floor") and not args.kl_target:
+        p.error("--kl-floor bounds the KL weight's controller, which is off: give --kl-target > 0, or drop --kl-floor")
+    if args.kl_target > 0 and args.kl_floor is not None and args.kl_floor > args.kl_beta:
+        p.error(f"--kl-floor {args.kl_floor:g} is above the starting weight --kl-beta {args.kl_beta:g}: the weight "
+                f"would jump to the floor at the first step; give --kl-floor <= --kl-beta")
     if (_given(args, "gardo_reset_freq") or _given(args, "gardo_kl_thres")) and not args.gardo_reference and \
             not getattr(args, "sources", {}).get("gardo_reference", "").startswith("derived"):  # not off by --kl-beta 0
         p.error("--gardo-reset-freq / --gardo-kl-thres say when GARDO's reference is renewed: add "

@@ -1020,10 +1020,14 @@ def add_arguments(parser):
                         "mean squared velocity difference, 1e-4 / 1e-3 on hub models)")
     g.add_argument("--kl-target", type=flags.NONNEG, default=0.0,
                    help="adaptive KL weight (Ziegler et al. 2019): after each step the weight (from --kl-beta) is "
-                        "multiplied by 1 + --kl-rate x clip(KL / target - 1, -0.2, 0.2), never below --kl-beta, "
+                        "multiplied by 1 + --kl-rate x clip(KL / target - 1, -0.2, 0.2), never below --kl-floor, "
                         "carried across checkpoints (0: --kl-beta fixed)")
     g.add_argument("--kl-rate", type=flags.POSITIVE, default=0.1,
                    help="--kl-target: the controller's gain K (0.1 in Ziegler et al.: at most 2 %% a step)")
+    g.add_argument("--kl-floor", type=flags.NONNEG, default=None,
+                   help="--kl-target: the weight never falls below this (default: --kl-beta; 0: Ziegler et al.'s "
+                        "controller, free to fall, which let the shapes world's long run drift: docs/long_run.md, "
+                        "\"Two brakes that act on the drift\")")
     g.add_argument("--kl-reference", default="base", choices=["base", "start"],
                    help="the KL's anchor: base = the base model, the LoRA adapter off (a full fine-tune has none); "
                         "start = a float32 snapshot of the starting weights, never renewed (a full fine-tune's base, "

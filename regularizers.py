@@ -130,10 +130,11 @@ def adaptive_kl_beta(beta, kl, *, target, rate, floor=0.0):
 
         e = clip(KL / target - 1, -0.2, 0.2),   beta <- max(floor, beta (1 + rate e))
 
-    train.py floors it at the starting weight (--kl-beta), where Ziegler et al. let it fall: in the shapes world's
-    long run the KL stays under target for the first hundred steps, the unfloored weight fell from 0.1 to 0.002, and
-    when the drift came (the KL 0.027 -> 0.11 in 40 steps) it could not grow back in time (docs/long_run.md, "A KL
-    weight that grows with the KL"). A KL that is not finite (a skipped step) leaves beta as it is."""
+    train.py floors it at the starting weight (--kl-beta; --kl-floor sets another), where Ziegler et al. let it fall:
+    in the shapes world's long run the KL stays under target for the first hundred steps, the unfloored weight fell
+    from 0.1 to 0.002, and when the drift came (the KL 0.027 -> 0.11 in 40 steps) it could not grow back in time
+    (docs/long_run.md, "A KL weight that grows with the KL"). A KL that is not finite (a skipped step) leaves beta as
+    it is."""
     if not math.isfinite(kl):
         return beta
     error = min(max(kl / target - 1, -0.2), 0.2)
@@ -256,8 +257,9 @@ def after_training(info, hyper, state, args, carry, device):
     if args.kl_target > 0 and "kl" in info:
         kl = distributed.all_gather_cat(torch.tensor([info["kl"]], device=device)).mean().item()
         info["kl_beta"] = hyper["kl_beta"]  # the weight this step trained with
+        floor = args.kl_beta if args.kl_floor is None else args.kl_floor
         carry["kl_beta"] = adaptive_kl_beta(hyper["kl_beta"], kl, target=args.kl_target, rate=args.kl_rate,
-                                            floor=args.kl_beta)
+                                            floor=floor)
     return info
 
 

@@ -249,6 +249,7 @@ def test_the_league_never_chooses_a_nan_accuracy_and_reports_damaged_records_in_
     (["--lora-rank", "4", "--kl-beta", "0.1", "--gardo-reset-freq", "3"], "--gardo-reset-freq"),
     (["--lora-rank", "4", "--kl-beta", "0.1", "--gardo-kl-thres", "0.5"], "--gardo-kl-thres"),
     (["--kl-rate", "0.5"], "--kl-rate"),
+    (["--kl-beta", "0.1", "--lora-rank", "4", "--kl-floor", "0"], "--kl-floor"),
     (["--lr-final", "0.2"], "--lr-final"),
 ])
 def test_flags_that_would_be_silently_ignored_are_refused(flags, needle, capsys):
@@ -264,6 +265,7 @@ def test_flags_that_are_read_still_parse():
                   ["--loss", "dpo", "--old-decay", "copy", "--ref-update-every", "5", "--lora-rank", "4"],
                   ["--lora-rank", "4", "--kl-beta", "0.1", "--gardo-reference", "--gardo-reset-freq", "3"],
                   ["--kl-beta", "0.1", "--lora-rank", "4", "--kl-target", "0.1", "--kl-rate", "0.5"],
+                  ["--kl-beta", "0.1", "--lora-rank", "4", "--kl-target", "0.1", "--kl-floor", "0"],
                   ["--lr-schedule", "cosine", "--lr-final", "0.2"],
                   ["--lora-rank", "4", "--gardo-reference", "--gardo-reset-freq", "3", "--kl-beta", "0"]):
         p, args = train.parse_args(["--model", "tiny", *flags])  # (the last: GARDO turned off by --kl-beta 0)

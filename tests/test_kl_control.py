@@ -44,8 +44,20 @@ def test_the_adapted_weight_trains_is_carried_and_resumes_exactly(tmp_path):
     assert "kl_beta" not in fixed[0] and "nft_fm" not in fixed[0]
 
 
+def test_kl_floor_0_lets_the_weight_fall_as_ziegler_et_al(tmp_path):
+    """--kl-floor 0: every KL is under a huge target, so the weight falls by 20 % x K a step from --kl-beta, past it
+    (the default floor holds it at --kl-beta: the test above); a floor between stops it there."""
+    flags = ["--loss", "nft", "--steps", "3", *LORA_KL, "--kl-target", "1e9", "--kl-rate", "0.5"]
+    free = train_in_process(tmp_path / "free", *flags, "--kl-floor", "0")
+    assert [r["kl_beta"] for r in free] == pytest.approx([0.1, 0.09, 0.081])
+    held = train_in_process(tmp_path / "held", *flags, "--kl-floor", "0.085")
+    assert [r["kl_beta"] for r in held] == pytest.approx([0.1, 0.09, 0.085])
+
+
 @pytest.mark.parametrize("flags, says", [
     (["--kl-target", "0.02"], "--kl-target adapts the weight of a KL term"),
+    (["--kl-beta", "0.1", "--lora-rank", "4", "--kl-target", "0.02", "--kl-floor", "0.2"],
+     "give --kl-floor <= --kl-beta"),
     (["--loss", "grpo", "--nft-fm", "0.3"], "--nft-fm adds a flow-matching term"),
 ])
 def test_a_brake_without_what_it_acts_on_is_refused(flags, says, capsys):

@@ -42,6 +42,9 @@ P24 = ["--prompts-per-step", "24", "--steps", "200"]
 # The long recipe without GARDO's advantage, with the batch-wide std (the cosine schedule, the floored controller).
 NOGARDO_GSTD = COSINE + ["--steps", "300", "--kl-target", "0.1", "--kl-rate", "1", "--global-std"]
 
+# Ziegler et al.'s controller as first run: free to fall below --kl-beta, towards a lower target at half the gain.
+UNFLOORED = ["--kl-target", "0.03", "--kl-rate", "0.5", "--kl-floor", "0"]
+
 
 def seeded(flags, seed):
     """`flags` with the value of its --seed replaced by `seed`."""
@@ -73,6 +76,8 @@ RUNS = {
     "prompts24-hard-s1": ("The plateau", RECIPE + ["--seed", "1"] + P24 + HARD, 175),
     "prompts24-cfg3-s1": ("The plateau", RECIPE + ["--seed", "1"] + P24 + ["--guidance-scale", "3", "--no-train-cfg",
                                                                         "--eval-guidance-scale", "1"], 150),
+    "unfloored-s0": ("Two brakes", RECIPE + ["--seed", "0"] + UNFLOORED, 175),
+    "unfloored-s1": ("Two brakes", RECIPE + ["--seed", "1"] + UNFLOORED, 150),
     "nogardo-gstd-s1": ("Where that leaves the bar", seeded(NOGARDO_GSTD, 1), None),
     "nogardo-gstd-s2": ("Where that leaves the bar", seeded(NOGARDO_GSTD, 2), None),
 }
