@@ -1026,8 +1026,7 @@ def add_arguments(parser):
                    help="--kl-target: the controller's gain K (0.1 in Ziegler et al.: at most 2 %% a step)")
     g.add_argument("--kl-floor", type=flags.NONNEG, default=None,
                    help="--kl-target: the weight never falls below this (default: --kl-beta; 0: Ziegler et al.'s "
-                        "controller, free to fall, which let the shapes world's long run drift: docs/long_run.md, "
-                        "\"Two brakes that act on the drift\")")
+                        "controller, free to fall: docs/long_run.md, \"A KL weight that grows with the KL\")")
     g.add_argument("--kl-reference", default="base", choices=["base", "start"],
                    help="the KL's anchor: base = the base model, the LoRA adapter off (a full fine-tune has none); "
                         "start = a float32 snapshot of the starting weights, never renewed (a full fine-tune's base, "
