@@ -132,7 +132,7 @@ def adaptive_kl_beta(beta, kl, *, target, rate, floor=0.0):
 
     train.py floors it at the starting weight (--kl-beta; --kl-floor sets another), where Ziegler et al. let it fall:
     in the shapes world's long run the unfloored weight falls from 0.1 to 0.001-0.004 while the KL is under target,
-    the KL to the start then runs 2-4 times the floored run's, and on GenEval's 0.9 rule the drift that came (the KL
+    the KL to the start then runs 2-5 times the floored run's, and on GenEval's 0.9 rule the drift that came (the KL
     0.027 -> 0.11 in 40 steps) outran a weight that could not grow back in time (docs/long_run.md, "A KL weight that
     grows with the KL"). A KL that is not finite (a skipped step) leaves beta as it is."""
     if not math.isfinite(kl):

@@ -76,8 +76,8 @@ RUNS = {
     "prompts24-hard-s1": ("The plateau", RECIPE + ["--seed", "1"] + P24 + HARD, 175),
     "prompts24-cfg3-s1": ("The plateau", RECIPE + ["--seed", "1"] + P24 + ["--guidance-scale", "3", "--no-train-cfg",
                                                                         "--eval-guidance-scale", "1"], 150),
-    "unfloored-s0": ("Two brakes", RECIPE + ["--seed", "0"] + UNFLOORED, 175),
-    "unfloored-s1": ("Two brakes", RECIPE + ["--seed", "1"] + UNFLOORED, 150),
+    "unfloored-s0": ("Two brakes", RECIPE + ["--seed", "0"] + UNFLOORED, None),
+    "unfloored-s1": ("Two brakes", RECIPE + ["--seed", "1"] + UNFLOORED, None),
     "nogardo-gstd-s1": ("Where that leaves the bar", seeded(NOGARDO_GSTD, 1), None),
     "nogardo-gstd-s2": ("Where that leaves the bar", seeded(NOGARDO_GSTD, 2), None),
 }
