@@ -11,8 +11,8 @@ A value comes from the first of these that sets it (args.sources and args.json s
     4. the model's preset, in its record (families.MODELS; the full-size models start from the hub preset);
     5. argparse's default, declared beside the code that reads the flag (models.py, policy.py, data.py, rewards.py,
        losses.py, regularizers.py, run.py; the sampling and batching here);
-then a few derived values (--lora-alpha from --lora-rank, --train-cfg from --guidance-scale, GARDO's rules off at
---kl-beta 0). Flag types and @recipe files: flags.py.
+then a few derived values (--lora-alpha from --lora-rank, --train-cfg from --guidance-scale, --kl-floor from
+--kl-beta, GARDO's rules off at --kl-beta 0). Flag types and @recipe files: flags.py.
 """
 import argparse
 import inspect
@@ -83,6 +83,8 @@ def parse_args(argv=None):
         print0("warning: --kl-beta 0 leaves no KL term for --gardo-gate / --gardo-reference to shape: both are off")
         args.gardo_gate, args.gardo_reference = None, False  # fine-tune without a snapshot): nothing to gate or renew
         sources["gardo_gate"] = sources["gardo_reference"] = "derived: off at --kl-beta 0"
+    if args.kl_floor is None:  # the KL controller only tightens, unless told it may fall
+        args.kl_floor, sources["kl_floor"] = args.kl_beta, "derived: --kl-beta"
     if args.kl_beta == 0 and args.kl_reference == "start":  # no KL term: no snapshot to keep
         args.kl_reference, sources["kl_reference"] = "base", "derived: base at --kl-beta 0"
     args.sources = {action.dest: sources.get(action.dest, "default") for action in p._actions
@@ -267,7 +269,7 @@ def _check_model(p, args, world_size):
                 "--kl-target > 0, or drop --kl-rate")
     if _given(args, "kl_floor") and not args.kl_target:
         p.error("--kl-floor bounds the KL weight's controller, which is off: give --kl-target > 0, or drop --kl-floor")
-    if args.kl_target > 0 and args.kl_floor is not None and args.kl_floor > args.kl_beta:
+    if args.kl_target > 0 and args.kl_floor > args.kl_beta:
         p.error(f"--kl-floor {args.kl_floor:g} is above the starting weight --kl-beta {args.kl_beta:g}: the weight "
                 f"would jump to the floor at the first step; give --kl-floor <= --kl-beta")
     if (_given(args, "gardo_reset_freq") or _given(args, "gardo_kl_thres")) and not args.gardo_reference and \

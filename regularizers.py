@@ -257,9 +257,8 @@ def after_training(info, hyper, state, args, carry, device):
     if args.kl_target > 0 and "kl" in info:
         kl = distributed.all_gather_cat(torch.tensor([info["kl"]], device=device)).mean().item()
         info["kl_beta"] = hyper["kl_beta"]  # the weight this step trained with
-        floor = args.kl_beta if args.kl_floor is None else args.kl_floor
         carry["kl_beta"] = adaptive_kl_beta(hyper["kl_beta"], kl, target=args.kl_target, rate=args.kl_rate,
-                                            floor=floor)
+                                            floor=args.kl_floor)
     return info
 
 
