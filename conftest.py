@@ -1,12 +1,11 @@
-# Lets tests import the flat modules at the repository root (sde, losses, rewards, ...) and the scripts (bench from
-# scripts/; league, hacking from shapes/scripts/).
+# Lets tests import the flat modules at the repository root (sde, losses, rewards, ...) and the scripts (bench, league,
+# hacking from scripts/).
 import os
 import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(ROOT, "shapes", "scripts"))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub

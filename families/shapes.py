@@ -1,7 +1,7 @@
 """The shapes world's models (the shapes/ package holds the world, its architectures and weight file names): `shapes`,
-an SD3 pipeline in pixel space at 32 px pretrained in this repository (shapes/scripts/pretrain_shapes.py, weights
+an SD3 pipeline in pixel space at 32 px pretrained in this repository (scripts/pretrain_shapes.py, weights
 shipped in weights/), and `shapes-edit`, its edit model, FLUX.1 Kontext's pipeline in pixel space pretrained on
-rendered edit pairs (shapes/scripts/pretrain_shapes_edit.py). They run through the SD3 and FLUX.1 Kontext adapters
+rendered edit pairs (scripts/pretrain_shapes_edit.py). They run through the SD3 and FLUX.1 Kontext adapters
 (families/sd3.py, families/flux_kontext.py); here are their builders, their pretrained weights' files and their presets.
 """
 
@@ -126,14 +126,14 @@ def save_ema(pipe, params, ema, path):
             q.copy_(t)
 
 
-def load_weights(pipe, path, *, script="shapes/scripts/pretrain_shapes.py"):
+def load_weights(pipe, path, *, script="scripts/pretrain_shapes.py"):
     """Copy weights written by save_weights into a pipeline from build (or build_edit, whose
     weights `script` writes; same seed)."""
     from safetensors.torch import load_file
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no shapes weights there; the repository ships {world.WEIGHTS} "
-                                f"(git checkout it) and shapes/scripts/pretrain_shapes.py writes new ones")
+                                f"(git checkout it) and scripts/pretrain_shapes.py writes new ones")
     state = load_file(path)
     expected = trained_state(pipe)
     if set(state) != set(expected):
@@ -149,7 +149,7 @@ def load_weights(pipe, path, *, script="shapes/scripts/pretrain_shapes.py"):
 def load(model_path=None, dtype=torch.float32, device="cpu"):
     """The pretrained model of the shapes world (shapes/world.py): SD3 architecture in pixel space at 32 px,
     built from shapes.TRANSFORMER / TEXT_ENCODER with the shipped weights/shapes.safetensors, or the
-    safetensors file given as --model-path (written by shapes/scripts/pretrain_shapes.py)."""
+    safetensors file given as --model-path (written by scripts/pretrain_shapes.py)."""
     pipe = load_weights(build(device=device), flags.shipped(model_path or world.WEIGHTS))
     return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
 
@@ -212,12 +212,12 @@ def build_edit(*, seed=0, device="cpu"):
 def load_edit(model_path=None, dtype=torch.float32, device="cpu"):
     """The edit model of the shapes world (shapes/edit.py): FLUX.1 Kontext's pipeline in pixel space at 32 px,
     built by build_edit with the weights of weights/shapes_edit.safetensors, or the safetensors file given as
-    --model-path (written by shapes/scripts/pretrain_shapes_edit.py)."""
+    --model-path (written by scripts/pretrain_shapes_edit.py)."""
     weights = flags.shipped(model_path or edit.EDIT_WEIGHTS)
     if not os.path.isfile(weights):
-        raise FileNotFoundError(f"{weights}: no shapes-edit weights there; shapes/scripts/pretrain_shapes_edit.py "
+        raise FileNotFoundError(f"{weights}: no shapes-edit weights there; scripts/pretrain_shapes_edit.py "
                                 f"writes them (to {edit.EDIT_WEIGHTS}, or to --out, then pass --model-path)")
-    pipe = load_weights(build_edit(device=device), weights, script="shapes/scripts/pretrain_shapes_edit.py")
+    pipe = load_weights(build_edit(device=device), weights, script="scripts/pretrain_shapes_edit.py")
     return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
 
 

@@ -8,8 +8,9 @@ each other, world <- edit, and proxy on its own.
     proxy.py     a learned proxy of the GenEval judge (the `shapes_proxy` rewards; docs/hacking.md); it loads torch,
                  so `import shapes` leaves it out: `from shapes import proxy`
     __main__.py  python -m shapes --write-prompts | --write-edit-prompts
-    scripts/     pretrain_shapes.py, pretrain_shapes_edit.py, train_shapes_proxy.py, hacking.py, league.py,
-                 loopholes.py: run as `python shapes/scripts/<name>.py` from the repository root
+
+The scripts that train in this world (pretrain_shapes.py, pretrain_shapes_edit.py, train_shapes_proxy.py, league.py,
+long_runs.py, hacking.py, loopholes.py) drive train.py, so they live above it, in scripts/.
 
 The models (`shapes`, `shapes-edit`) are built in families/shapes.py, their family record. The names of world.py and
 edit.py are re-exported here (`shapes.detect`, `shapes.judge_edit`); a module's state (the detection record,

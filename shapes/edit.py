@@ -295,7 +295,7 @@ def _write_edit_rows(folder, split_name, rows):
 # the pipeline packs 2 x 2 of those into a token: 8 x 8 tokens of 4 x 4 pixels, as the shapes model's patches.
 # Source image tokens follow the target's (Kontext's position ids); text: two CLIP encoders (pooled and sequence,
 # in the CLIP and T5 slots). No guidance embedding: the model is sampled without guidance. Trained from scratch by
-# shapes/scripts/pretrain_shapes_edit.py into weights/shapes_edit.safetensors (families/shapes.py builds it).
+# scripts/pretrain_shapes_edit.py into weights/shapes_edit.safetensors (families/shapes.py builds it).
 
 EDIT_WEIGHTS = "weights/shapes_edit.safetensors"
 EDIT_TRANSFORMER = dict(  # FLUX MMDiT: 4 double- and 2 single-stream blocks of width 128 (4 heads x 32)

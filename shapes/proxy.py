@@ -4,7 +4,7 @@ judge is exact, so that RL on the proxy can be watched hacking it (the exact jud
 
     nets = load("weights/shapes_proxy.safetensors")      # the ensemble's members, ProxyNet each, in eval mode
     p = probability(nets[0], images, metadata)          # images uint8 [B, H, W, 3] -> [B] float in [0, 1]
-    save(nets, path, note="...")                        # what shapes/scripts/train_shapes_proxy.py writes
+    save(nets, path, note="...")                        # what scripts/train_shapes_proxy.py writes
 
 The prompt enters as its metadata, not its text (a bag of words could not tell "a red circle and a blue square" from
 "a blue circle and a red square", nor which shape is left of which). `encode` gives each of the (at most two)
@@ -101,7 +101,7 @@ class ProxyNet(nn.Module):
     sum n (the matching objects), the sum without the colour, their differences from the clause's count, and the
     matching density's centroid. The head (an MLP) reads these, the offset between the two clauses' centroids, the
     total density and the code itself. The maps are trained beside the verdict on the exact detector's masks
-    (shapes/scripts/train_shapes_proxy.py), which is what makes a few thousand images enough; the head learns the
+    (scripts/train_shapes_proxy.py), which is what makes a few thousand images enough; the head learns the
     rules from the verdicts alone."""
 
     def __init__(self, classes, colors, *, resolution=32, width=32, hidden=64):
@@ -215,16 +215,16 @@ def load(path, *, device="cpu", flag="--shapes-proxy-path"):
     path = flags.shipped(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{flag} {path}: no proxy weights there; the repository ships {WEIGHTS} (git checkout "
-                                f"it) and shapes/scripts/train_shapes_proxy.py writes new ones")
+                                f"it) and scripts/train_shapes_proxy.py writes new ones")
     try:
         with safe_open(path, "pt") as f:
             meta = f.metadata() or {}
     except Exception as err:  # not a safetensors file at all
         raise ValueError(f"{flag} {path} is not a safetensors file ({type(err).__name__}); write one with "
-                         "shapes/scripts/train_shapes_proxy.py") from None
+                         "scripts/train_shapes_proxy.py") from None
     if meta.get("format") != FORMAT:
         raise ValueError(f"{flag} {path} holds no proxy weights (its format is {meta.get('format')!r}, not "
-                         f"{FORMAT!r}); write them with shapes/scripts/train_shapes_proxy.py")
+                         f"{FORMAT!r}); write them with scripts/train_shapes_proxy.py")
     state, config = load_file(path), json.loads(meta["config"])
     nets = []
     for k in range(int(meta["members"])):
@@ -241,7 +241,7 @@ def add_arguments(parser):
     """The options of the `shapes_proxy` rewards (rewards.add_arguments wires them in)."""
     group = parser.add_argument_group("shapes_proxy reward")
     group.add_argument("--shapes-proxy-path", default=WEIGHTS,
-                       help="safetensors file of the learned proxy (shapes/scripts/train_shapes_proxy.py): the reward "
+                       help="safetensors file of the learned proxy (scripts/train_shapes_proxy.py): the reward "
                             "shapes_proxy scores with its member 0, shapes_proxy_<k> with member k "
                             "(default: %(default)s)")
     return group
@@ -260,7 +260,7 @@ def member_reward(member):
         nets = load(shapes_proxy_path, device=device)
         if member >= len(nets):
             raise ValueError(f"reward {name} scores with member {member} of --shapes-proxy-path {shapes_proxy_path}, "
-                             f"which holds {len(nets)}: train more with shapes/scripts/train_shapes_proxy.py "
+                             f"which holds {len(nets)}: train more with scripts/train_shapes_proxy.py "
                              f"--ensemble {member + 1}, or name fewer members")
         net = nets[member]
         return lambda images, prompts, metadata: probability(net, images, list(metadata))

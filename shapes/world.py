@@ -466,7 +466,7 @@ def _detect(images):
 # ----------------------------------------------------------------------------- the pretrained model's shape
 # A StableDiffusion3Pipeline at toy size that works in pixel space (built by families/shapes.py): the "latent"
 # is the 32 x 32 RGB image itself (in [-1, 1]), so the VAE slot holds an identity. Trained from scratch by
-# shapes/scripts/pretrain_shapes.py; the weights ship in weights/shapes.safetensors.
+# scripts/pretrain_shapes.py; the weights ship in weights/shapes.safetensors.
 
 WEIGHTS = "weights/shapes.safetensors"
 RESOLUTION = 32

@@ -299,7 +299,7 @@ def test_eval_refuses_an_out_that_is_a_file_before_sampling(tmp_path, capsys, mo
 
 # ----------------------------------------------------------------------------- the pretraining scripts
 def pretrain(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "shapes", "scripts", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.main

@@ -131,7 +131,7 @@ def sha256(path):
 
 
 def test_pretraining_refuses_to_overwrite_the_shipped_weights_without_its_flag(tmp_path, monkeypatch, capsys):
-    """Before: `python shapes/scripts/pretrain_shapes.py --steps 2` wrote a 2-step model over
+    """Before: `python scripts/pretrain_shapes.py --steps 2` wrote a 2-step model over
     weights/shapes.safetensors, which every later `python train.py` trained. Run from a folder holding a copy (its
     default --out), and at the repository's own file (save_ema must not be reached)."""
     from test_campaign import pretrain
@@ -213,7 +213,7 @@ def test_eval_refuses_the_values_train_refuses_before_any_model(flags, name, cap
 
 
 def league_module():
-    sys.path.insert(0, os.path.join(ROOT, "shapes", "scripts"))
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import league
     return league
 
@@ -366,7 +366,7 @@ def test_rows_mixing_none_and_one_source_image_are_refused_when_the_prompts_load
 
 
 def hacking_module():
-    sys.path.insert(0, os.path.join(ROOT, "shapes", "scripts"))
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import hacking
     return hacking
 

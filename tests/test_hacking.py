@@ -1,4 +1,4 @@
-"""shapes/scripts/hacking.py: its runs are valid train.py command lines; with a stand-in for train.py that writes
+"""scripts/hacking.py: its runs are valid train.py command lines; with a stand-in for train.py that writes
 eval.jsonl in a moment, its table (peaks, ends, means over seeds), its resume and its refusal of changed flags."""
 import json
 import os
@@ -10,7 +10,7 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "shapes", "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 sys.path.insert(0, ROOT)
 import hacking  # noqa: E402
 import train  # noqa: E402
@@ -108,7 +108,7 @@ def test_a_terminated_study_stops_its_run_at_a_checkpoint_and_exits(tmp_path, fa
     monkeypatch.setenv("FAKE_SLOW", "1")
     out = tmp_path / "hacking"
     argv = ["--out", str(out), "--brakes", "none", "--seeds", "0", "--steps", "6", "--eval-every", "2"]
-    code = (f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'shapes', 'scripts')!r}); import hacking; "
+    code = (f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'scripts')!r}); import hacking; "
             f"hacking.TRAIN = {hacking.TRAIN!r}; hacking.main({argv!r})")
     process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240

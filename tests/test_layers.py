@@ -1,9 +1,13 @@
 """The modules stand in strict layers (DESIGN.md, "Layout"): each imports only modules of lower layers, every project
 import sits at the top of its module, and nothing imports in a circle. A new module must be given a layer here. A
 package (families/, shapes/) is one module of its layer: each of its files imports only lower layers and its own files,
-and those in no circle. The scripts (scripts/, shapes/scripts/) import project modules at their top."""
+and those in no circle; a package's sub-folders are its files too, so nothing inside a package points up. The scripts
+(scripts/) import project modules at their top."""
 import ast
 import os
+import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
@@ -34,7 +38,8 @@ def files(name):
     folder = os.path.join(ROOT, name)
     if not os.path.isdir(folder):
         return [(os.path.join(ROOT, f"{name}.py"), f"{name}.py")]
-    return [(os.path.join(folder, f), f"{name}/{f}") for f in sorted(os.listdir(folder)) if f.endswith(".py")]
+    return [(os.path.join(where, f), os.path.relpath(os.path.join(where, f), ROOT)) for where, _, names
+            in sorted(os.walk(folder)) for f in sorted(names) if f.endswith(".py")]
 
 
 def project_imports(path):
@@ -120,7 +125,7 @@ def test_a_package_imports_its_own_files_in_no_circle():
 
 def test_scripts_import_project_modules_at_the_top():
     problems = [f"{where}/{f}:{line} imports {imported} inside a function or block"
-                for where in ("scripts", "shapes/scripts") for f in sorted(os.listdir(os.path.join(ROOT, where)))
+                for where in ("scripts",) for f in sorted(os.listdir(os.path.join(ROOT, where)))
                 if f.endswith(".py")
                 for line, imported, at_top in project_imports(os.path.join(ROOT, where, f)) if not at_top]
     assert not problems, "\n".join(problems)
@@ -154,3 +159,16 @@ def test_no_function_of_the_root_modules_is_longer_than_80_lines():
                 if node.end_lineno - node.lineno + 1 > 80:
                     long.append(f"{os.path.basename(path)}:{node.lineno} {node.name}")
     assert not long, long
+
+
+def test_a_package_sub_folder_is_checked(tmp_path, monkeypatch):
+    """A script in a package's sub-folder (shapes/scripts/ once held seven that import train.py) is one of the
+    package's files, so an upward import there is found."""
+    (tmp_path / "shapes" / "scripts").mkdir(parents=True)
+    (tmp_path / "shapes" / "__init__.py").write_text("")
+    (tmp_path / "shapes" / "scripts" / "league.py").write_text("import train\n")
+    (tmp_path / "train.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
+    assert [shown for _, shown in files("shapes")] == ["shapes/__init__.py", "shapes/scripts/league.py"]
+    with pytest.raises(AssertionError, match=r"shapes/scripts/league.py:1 imports train \(layer \d+\) from layer 1"):
+        test_imports_point_down_and_sit_at_the_top()

@@ -1,4 +1,4 @@
-"""shapes/scripts/league.py: its bookkeeping (samples, lr choice, curves, the tables) on run folders written here, and
+"""scripts/league.py: its bookkeeping (samples, lr choice, curves, the tables) on run folders written here, and
 its scheduling and failures with a stand-in for train.py that writes such folders in a moment."""
 import json
 import os
@@ -10,7 +10,7 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "shapes", "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 sys.path.insert(0, ROOT)
 import league  # noqa: E402
 import forkserver  # noqa: E402
@@ -229,7 +229,7 @@ def test_report_writes_the_summary_into_the_readme_and_the_tables_into_the_doc(t
     assert rows == ["| nft | +0.350 +- 0.071 | - | 5.0x (10.0x) | 2.1 |",
                     "| grpo | +0.200 +- 0.000 | - | 2.4x (2.4x) | 1.1 |",
                     "| flow | +0.100 +- 0.000 | - | 1.0x (1.0x) | 1.1 |"]
-    assert "**Equal samples**" not in summary and "python shapes/scripts/league.py --samples 128" in summary
+    assert "**Equal samples**" not in summary and "python scripts/league.py --samples 128" in summary
     tables = doc.read_text()
     assert "the old tables" not in tables and tables.endswith("More.\n")
     assert f"{doc_start}\n{open(tmp_path / 'out' / 'league.md').read()}{doc_end}\n" in tables
@@ -268,7 +268,7 @@ def test_table_has_the_six_tags_the_lr_the_samples_the_minutes_command_and_machi
     # before and after over seeds; the tags after, counting the mean of 0.25 and 0.35; no diversity logged; 128
     # samples in a mean 180 s
     assert row + " - | 0.7 | 3.0 |" in table
-    assert "`python shapes/scripts/league.py --samples 128 --evals 3 --lrs 2e-4 --sweep-seed 0 --seeds 0 1 --jobs 4 " \
+    assert "`python scripts/league.py --samples 128 --evals 3 --lrs 2e-4 --sweep-seed 0 --seeds 0 1 --jobs 4 " \
            f"--threads 16 --only guard --out {tmp_path}`" in table
     assert "Machine: Some CPU, 64 CPU threads; 4 run(s) at a time, 16 torch thread(s) each" in table
     assert "median 3.0" in table
@@ -338,11 +338,11 @@ def test_speeds_measured_alone_time_the_curves_and_the_wall_clock_table(tmp_path
 
 def test_report_of_a_missing_folder_is_one_error_line(tmp_path):
     missing = tmp_path / "nothing"
-    done = forkserver.run([sys.executable, os.path.join(ROOT, "shapes", "scripts", "league.py"), "--report", "--out",
+    done = forkserver.run([sys.executable, os.path.join(ROOT, "scripts", "league.py"), "--report", "--out",
                            str(missing)], timeout=300)
     assert done.returncode != 0
     assert done.stderr.strip().splitlines() == [f"error: {missing} is not a folder: run the league first "
-                                                "(python shapes/scripts/league.py), or give the --out it wrote"]
+                                                "(python scripts/league.py), or give the --out it wrote"]
     with pytest.raises(SystemExit) as stop:  # an empty folder, or runs of another league
         league.main(["--report", "--out", str(tmp_path)])
     assert str(stop.value.code).startswith(f"error: {tmp_path} holds no finished run of this league")
@@ -519,7 +519,7 @@ def test_a_terminated_league_stops_its_runs_and_exits_130(tmp_path, fake_train, 
     out = tmp_path / "league"
     argv = ["--out", str(out), "--samples", "128", "--poll", "0.05", "--only", "grpo", "--lrs", "1e-4", "2e-4",
             "--sweep-seed", "3"]
-    code = (f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'shapes', 'scripts')!r}); import league; "
+    code = (f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'scripts')!r}); import league; "
             f"league.TRAIN = {league.TRAIN!r}; league.COMMON = {league.COMMON!r}; league.main({argv!r})")
     process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240

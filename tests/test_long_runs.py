@@ -1,4 +1,4 @@
-"""shapes/scripts/long_runs.py: every run of docs/long_run.md is a train.py command line train.py accepts, and the queue
+"""scripts/long_runs.py: every run of docs/long_run.md is a train.py command line train.py accepts, and the queue
 stops each run after its stop step's evaluation, copies its record, never reruns a recorded run and reports a failed
 one, with a stand-in for train.py that writes a run folder in a moment."""
 import json
@@ -11,7 +11,7 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "shapes", "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import long_runs  # noqa: E402
 
 FAKE_TRAIN = textwrap.dedent('''
@@ -83,7 +83,7 @@ def test_a_failed_run_exits_non_zero_and_copies_nothing(tmp_path, fake_train, mo
 def test_a_stopped_queue_stops_its_runs_which_save_and_exits_130(tmp_path, fake_train, monkeypatch):
     monkeypatch.setenv("FAKE_SLEEP", "5")
     out = tmp_path / "runs"
-    code = (f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'shapes', 'scripts')!r}); import long_runs; "
+    code = (f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'scripts')!r}); import long_runs; "
             f"long_runs.TRAIN = {long_runs.TRAIN!r}; long_runs.RUNS = {long_runs.RUNS!r}; "
             f"long_runs.last_step = lambda flags: 200; "
             f"sys.exit(long_runs.main(['--out', {str(out)!r}, '--poll', '0.05']))")

@@ -1,4 +1,4 @@
-"""The learned proxy of the shapes world's judge (shapes/proxy.py, shapes/scripts/train_shapes_proxy.py): the shipped
+"""The learned proxy of the shapes world's judge (shapes/proxy.py, scripts/train_shapes_proxy.py): the shipped
 weights agree with the exact judge on held-out scenes, the reward's values and refusals, the training script end to
 end, and a train.py step on it (with two members watched by GARDO's gate)."""
 import importlib.util
@@ -17,7 +17,7 @@ from test_train import metrics, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The shipped weights on every 4th held-out row (15 per tag), one rendered scene of the row's own metadata and two
-# perturbed ones (shapes/scripts/train_shapes_proxy.py's held-out mix), seed 0: 270 scenes, 0.563 of them judged
+# perturbed ones (scripts/train_shapes_proxy.py's held-out mix), seed 0: 270 scenes, 0.563 of them judged
 # correct; the members agree with the judge on 0.896, 0.896 and 0.881 of them (measured on one thread).
 AGREEMENT_FLOOR = 0.85
 
@@ -25,7 +25,7 @@ AGREEMENT_FLOOR = 0.85
 @pytest.fixture(scope="module")
 def script():
     spec = importlib.util.spec_from_file_location("train_shapes_proxy",
-                                                  os.path.join(ROOT, "shapes", "scripts", "train_shapes_proxy.py"))
+                                                  os.path.join(ROOT, "scripts", "train_shapes_proxy.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -30,7 +30,7 @@ import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "recipes", "*.args")))
-SCRIPTS = ("train.py", "eval.py")  # and scripts/*.py, shapes/scripts/*.py
+SCRIPTS = ("train.py", "eval.py")  # and scripts/*.py
 MODULES = {"shapes": "shapes.__main__"}  # `python -m <name>`: the module whose main parses
 PLACEHOLDERS = {"N": "0", "R": "0", "$s": "0"}  # --seed N, --node-rank R, the seed loop's $s
 # Commands shown for something other than running as written, each with the reason; every one must still be found.
@@ -73,7 +73,7 @@ def prose_commands(text):
 def script_of(words):
     """(index of the script's word, its path) for a python / torchrun command of this project, or None."""
     for i, w in enumerate(words):
-        if w in SCRIPTS or re.fullmatch(r"(shapes/)?scripts/\w+\.py", w):
+        if w in SCRIPTS or re.fullmatch(r"scripts/\w+\.py", w):
             return i, w
         if w == "-m" and words[i + 1:i + 2] and words[i + 1] in MODULES:
             return i + 1, f"-m {words[i + 1]}"
@@ -205,13 +205,13 @@ def test_commands_are_found():
     """The extraction finds the commands it should, so that a change of the README's layout cannot empty the test."""
     labels = [label for label, *_ in COMMANDS]
     for shown in ["python train.py --loss grpo", "python eval.py --plot runs/default",
-                  "python shapes/scripts/league.py", "train.py @recipes/sd3_pickscore_grpo.args --lora-rank 0",
+                  "python scripts/league.py", "train.py @recipes/sd3_pickscore_grpo.args --lora-rank 0",
                   "train.py --seed $s --out runs/seed$s",
                   "--rdzv-endpoint HOST:29500 train.py @recipes/sd3_pickscore_grpo.args"]:
         assert any(shown in label for label in labels), shown
     for shown in NOT_RUN:
         assert any(label.endswith(": " + shown) for label in labels), f"{shown!r} is no longer in the README: drop it"
-    assert {s for _, s, *_ in COMMANDS} >= {"train.py", "eval.py", "scripts/bench.py", "shapes/scripts/league.py"}
+    assert {s for _, s, *_ in COMMANDS} >= {"train.py", "eval.py", "scripts/bench.py", "scripts/league.py"}
     worlds = {label: w for label, _, argv, w in COMMANDS if argv is not None}
     assert max(worlds.values()) == 16 and min(worlds.values()) == 1  # two nodes of 8; python
     # the Launch section's two @recipes/... lines, each on every recipe but the one-GPU ones

@@ -474,7 +474,7 @@ def test_pretraining_is_reproducible_and_loads(tmp_path):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("pretrain_shapes",
-                                                  os.path.join(ROOT, "shapes", "scripts", "pretrain_shapes.py"))
+                                                  os.path.join(ROOT, "scripts", "pretrain_shapes.py"))
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     paths = [str(tmp_path / f"w{i}.safetensors") for i in range(2)]

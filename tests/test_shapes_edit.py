@@ -223,7 +223,7 @@ def test_trained_state_of_the_edit_model():
 def test_pretraining_is_reproducible_and_loads(tmp_path):
     import importlib.util
 
-    path = os.path.join(ROOT, "shapes", "scripts", "pretrain_shapes_edit.py")
+    path = os.path.join(ROOT, "scripts", "pretrain_shapes_edit.py")
     spec = importlib.util.spec_from_file_location("pretrain_shapes_edit", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
@@ -241,7 +241,7 @@ def test_pretraining_is_reproducible_and_loads(tmp_path):
 
 
 def test_shipped_edit_model_edits_some_held_out_scenes_right():
-    """weights/shapes_edit.safetensors (shapes/scripts/pretrain_shapes_edit.py, 4,000 steps): its 10-step ODE edits of
+    """weights/shapes_edit.safetensors (scripts/pretrain_shapes_edit.py, 4,000 steps): its 10-step ODE edits of
     the 200 held-out scenes are right about 0.40 of the time, every kind above the floor: room for RL in both
     directions."""
     import eval as evaluation

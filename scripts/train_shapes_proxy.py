@@ -2,8 +2,8 @@
 32 px image and its prompt's metadata, whether the exact judge (`--reward geneval --geneval-detector shapes`, its
 official 0/1 `geneval_correct`, the held-out accuracy of docs/shapes.md) calls the image correct.
 
-    python shapes/scripts/train_shapes_proxy.py           # writes weights/shapes_proxy.safetensors (3 members)
-    python shapes/scripts/train_shapes_proxy.py --renders 1000 --samples 0 --held-out-samples 0 --steps 300 \\
+    python scripts/train_shapes_proxy.py           # writes weights/shapes_proxy.safetensors (3 members)
+    python scripts/train_shapes_proxy.py --renders 1000 --samples 0 --held-out-samples 0 --steps 300 \\
         --ensemble 1 --out /tmp/proxy.safetensors         # a quick look (about 2 minutes)
 
 The training set comes from the training prompts (prompts/shapes_train.jsonl) only:
@@ -32,7 +32,7 @@ share the judge calls correct (the accuracy of always answering "wrong" is one m
 
 The shipped weights/shapes_proxy.safetensors (3 members of 28,045 parameters, float16: 0.17 MB) was written by
 
-    env OMP_NUM_THREADS=1 python shapes/scripts/train_shapes_proxy.py
+    env OMP_NUM_THREADS=1 python scripts/train_shapes_proxy.py
 
 on this repository's 2-core machine beside two training runs: 4.8 min wall, 4.6 min of CPU. Its held-out agreement
 with the judge (mean of the members' probabilities; members 0 / 1 / 2):
@@ -56,13 +56,13 @@ import os
 import sys
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # waiting threads sleep (shapes/scripts/pretrain_shapes.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # waiting threads sleep (scripts/pretrain_shapes.py)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import eval as evaluation  # noqa: E402
 import flags  # noqa: E402
 import geneval  # noqa: E402
@@ -310,7 +310,7 @@ def main(argv=None):
             results[f"{set_name}, member {k}"] = agreement(prob, truth, tags)
         results[f"{set_name}, mean"] = agreement(torch.stack(probs).mean(0), truth, tags)
     size = os.path.getsize(args.out) / 1e6
-    note = (f"shapes/scripts/train_shapes_proxy.py {' '.join(argv if argv is not None else sys.argv[1:])}".strip()
+    note = (f"scripts/train_shapes_proxy.py {' '.join(argv if argv is not None else sys.argv[1:])}".strip()
             + f"; {clock()}; held-out agreement: " + json.dumps({k: round(v["accuracy"], 4) for k, v in results.items()}))
     proxy.save(nets, args.out, note=note)  # again, with the measurements in its metadata (the same tensors)
     print("held-out agreement with the exact judge (P > 0.5 against its 0/1 verdict):")

@@ -1,8 +1,8 @@
 """Reward hacking in the shapes world: RL on a learned proxy of the exact judge, with and without brakes.
 
-    python shapes/scripts/hacking.py                   # 3 brakes x seeds 0 1 2 -> runs/hacking/ (hacking.md, .png)
-    python shapes/scripts/hacking.py --brakes none kl --seeds 0 --steps 40  # a quick look
-    python shapes/scripts/hacking.py --report          # the tables and the plot again from the finished runs
+    python scripts/hacking.py                   # 3 brakes x seeds 0 1 2 -> runs/hacking/ (hacking.md, .png)
+    python scripts/hacking.py --brakes none kl --seeds 0 --steps 40  # a quick look
+    python scripts/hacking.py --report          # the tables and the plot again from the finished runs
 
 Every run is `python train.py` on the shapes defaults (DiffusionNFT, 100 steps of 16 prompts x 8 samples) trained on
 member 0 of the proxy (shapes/proxy.py, weights/shapes_proxy.safetensors), with the exact GenEval judge and the other
@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import checkpoints  # noqa: E402
 import flags  # noqa: E402
@@ -183,7 +183,7 @@ def report(args):
     evals = {run: read_evals(args.out, run) for run in runs}
     rows = {run: summary(evals[run], args.steps) for run in runs}
     lines = [f"Held-out figures at step 0 and step {args.steps} (360 prompts, ODE, fixed noise), mean +- standard "
-             f"deviation over seeds; `python shapes/scripts/hacking.py {shlex.join(args.argv)}`:", "",
+             f"deviation over seeds; `python scripts/hacking.py {shlex.join(args.argv)}`:", "",
              "| brake | seeds | proxy, step 0 -> end | exact accuracy, step 0 | peak (step) | end | end - peak | "
              "colour diversity, step 0 -> end |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for brake in args.brakes:

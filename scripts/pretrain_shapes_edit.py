@@ -1,7 +1,7 @@
 """Pretrain the `shapes-edit` model: conditional flow matching on rendered edit pairs of the shapes world.
 
-    python shapes/scripts/pretrain_shapes_edit.py   # writes weights/shapes_edit.safetensors (2 CPU threads)
-    python shapes/scripts/pretrain_shapes_edit.py --steps 200 --out /tmp/edit.safetensors  # a quick look
+    python scripts/pretrain_shapes_edit.py   # writes weights/shapes_edit.safetensors (2 CPU threads)
+    python scripts/pretrain_shapes_edit.py --steps 200 --out /tmp/edit.safetensors  # a quick look
 
 Each step draws a batch of edit tasks (shapes.edit_example: the four kinds equally often), renders their source and
 target scenes, noises the target along the rectified-flow path and regresses the velocity given the instruction
@@ -25,7 +25,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # waiting threads sleep: sa
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import families  # noqa: E402
 import flags  # noqa: E402
 import models  # noqa: E402
@@ -109,7 +109,7 @@ def main(argv=None):
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         opt.step()
-        decay = min(args.ema, (1 + step) / (10 + step))  # EMA warm-up, as shapes/scripts/pretrain_shapes.py
+        decay = min(args.ema, (1 + step) / (10 + step))  # EMA warm-up, as scripts/pretrain_shapes.py
         with torch.no_grad():
             for e, q in zip(ema, params):
                 e.lerp_(q, 1 - decay)

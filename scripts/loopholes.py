@@ -13,7 +13,7 @@ a person could object to:
 and writes loopholes.json (counts per weights, tag and kind, out of the images judged correct) and a grid per kind
 (loopholes-<kind>.png: examples from the last checkpoint, each captioned with its prompt and what was found).
 
-    python shapes/scripts/loopholes.py runs/default/checkpoints/100 [more checkpoints] --out docs/judge
+    python scripts/loopholes.py runs/default/checkpoints/100 [more checkpoints] --out docs/judge
 """
 import argparse
 import json
@@ -23,7 +23,7 @@ import sys
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
 import eval as evaluation  # noqa: E402
 import families  # noqa: E402

@@ -2,10 +2,10 @@
 
 Every entry (algorithm or sampler) runs at its own learning rate, chosen on one seed, then on 3 seeds:
 
-    python shapes/scripts/league.py               # 14 entries: 3-lr sweep on seed 0, then seeds 1 2 -> runs/league/
-    python shapes/scripts/league.py --only grpo nft --lrs 1e-4 --sweep-seed 0 --seeds 0 --samples 64  # a quick look
-    python shapes/scripts/league.py --report      # the tables and the plot again from the finished runs
-    python shapes/scripts/league.py --report --readme README.md --doc docs/league.md --copy-to docs/runs/league
+    python scripts/league.py               # 14 entries: 3-lr sweep on seed 0, then seeds 1 2 -> runs/league/
+    python scripts/league.py --only grpo nft --lrs 1e-4 --sweep-seed 0 --seeds 0 --samples 64  # a quick look
+    python scripts/league.py --report      # the tables and the plot again from the finished runs
+    python scripts/league.py --report --readme README.md --doc docs/league.md --copy-to docs/runs/league
                                                   # and the one-table summary into the README, the full tables into
                                                   # docs/league.md (each between its markers), the plot and JSON there
 
@@ -70,7 +70,7 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import checkpoints  # noqa: E402
 import eval as evaluation  # noqa: E402
@@ -780,7 +780,7 @@ def summary_table(results, args):
 
 def command_line(args, speeds=False):
     """The command that reproduces the league, every setting explicit."""
-    parts = ["python shapes/scripts/league.py", f"--samples {args.samples}", f"--evals {args.evals}",
+    parts = ["python scripts/league.py", f"--samples {args.samples}", f"--evals {args.evals}",
              "--lrs " + " ".join(lr_text(lr) for lr in args.lrs), f"--sweep-seed {args.sweep_seed}",
              "--seeds " + " ".join(map(str, args.seeds)), f"--jobs {args.jobs}", f"--threads {args.threads}"]
     if args.only != DEFAULT_ONLY:
@@ -881,7 +881,7 @@ def report(args):
     """league.md (printed too), league.png and league.json from the finished runs; one error line when there are
     none."""
     if not os.path.isdir(args.out):
-        raise SystemExit(f"error: {args.out} is not a folder: run the league first (python shapes/scripts/league.py), "
+        raise SystemExit(f"error: {args.out} is not a folder: run the league first (python scripts/league.py), "
                          "or give the --out it wrote")
     results = collect(args)
     if not results:
@@ -918,9 +918,9 @@ def report(args):
 
 # Where --readme and --doc write, in their files: (flag, first line, last line); what was between them goes.
 MARKERS = {
-    "readme": ("--readme", "<!-- league: written by shapes/scripts/league.py --report --readme -->",
+    "readme": ("--readme", "<!-- league: written by scripts/league.py --report --readme -->",
                "<!-- league end -->"),
-    "doc": ("--doc", "<!-- league.md: written by shapes/scripts/league.py --report --doc -->",
+    "doc": ("--doc", "<!-- league.md: written by scripts/league.py --report --doc -->",
             "<!-- league.md end -->"),
 }
 

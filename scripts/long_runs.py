@@ -2,9 +2,9 @@
 step where the page stops it, and its record (the command, args.json, eval.jsonl, metrics.jsonl) copied to
 `--copy-to FOLDER/<name>` when it ends, which the page's tables are read from.
 
-    python shapes/scripts/long_runs.py --list                 # the runs, their flags and where each stops
-    python shapes/scripts/long_runs.py --jobs 2 --out runs/long_runs --copy-to docs/runs/long_run/judge
-    python shapes/scripts/long_runs.py --only div300-s0 floored04-s0 --jobs 2 --out runs/long_runs
+    python scripts/long_runs.py --list                 # the runs, their flags and where each stops
+    python scripts/long_runs.py --jobs 2 --out runs/long_runs --copy-to docs/runs/long_run/judge
+    python scripts/long_runs.py --only div300-s0 floored04-s0 --jobs 2 --out runs/long_runs
 
 A run whose record in --copy-to reached its stop (or its last step) is not run again; one interrupted in --out
 continues from its last checkpoint (`--resume auto`, checkpoints every 5 steps, the last one kept), as a league run
@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import config  # noqa: E402
 
@@ -119,7 +119,7 @@ def copy_record(name, flags, stop, out, copy_to, threads):
     for file in RECORD:
         shutil.copyfile(os.path.join(source, file), os.path.join(target, file))
     with open(os.path.join(target, "command.txt"), "w") as f:
-        f.write(f"# shapes/scripts/long_runs.py's run {name}, stopped after the evaluation of step {stop}; "
+        f.write(f"# scripts/long_runs.py's run {name}, stopped after the evaluation of step {stop}; "
                 f"{threads} thread(s) each, beside the queue's other runs\n")
         f.write(f"OMP_NUM_THREADS={threads} {shlex.join(['python', 'train.py', *run_flags(name, flags, out)])}\n")
 

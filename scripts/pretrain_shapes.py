@@ -1,7 +1,7 @@
 """Pretrain the `shapes` model: conditional flow matching on rendered scenes of coloured shapes.
 
-    python shapes/scripts/pretrain_shapes.py --replace-shipped  # reproduces weights/shapes.safetensors (2 CPU threads)
-    python shapes/scripts/pretrain_shapes.py --steps 300 --out /tmp/shapes.safetensors  # a quick look
+    python scripts/pretrain_shapes.py --replace-shipped  # reproduces weights/shapes.safetensors (2 CPU threads)
+    python scripts/pretrain_shapes.py --steps 300 --out /tmp/shapes.safetensors  # a quick look
 
 Each step renders a batch of scenes for captions drawn from GenEval's six templates over this world
 (shapes.prompt_rows, all tags equally often, then a uniform prompt of the tag), noises them along
@@ -29,7 +29,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import families  # noqa: E402
 import flags  # noqa: E402
