@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import re
+import warnings
 
 import numpy as np
 import torch
@@ -83,6 +84,30 @@ def hub_error(name, path, flag, err):
     first_line = str(err).splitlines()[0] if str(err) else ""
     return RuntimeError(f"{name}: cannot load {path!r} ({type(err).__name__}: {first_line}); "
                         f"download it where the hub is reachable and point {flag} at the local copy")
+
+
+def load_tensors(path, name, flag):
+    """The tensors of a checkpoint file a user names: safetensors, or torch.load(weights_only=True), which reads
+    tensors, containers and numbers and refuses any other object. A pickle of other objects is refused in one line and
+    never unpickled: unpickling runs whatever code the file names."""
+    import pickle
+
+    try:
+        if path.endswith(".safetensors"):
+            import safetensors.torch
+
+            return safetensors.torch.load_file(path)
+        with warnings.catch_warnings():  # a pickle protocol above 2 draws a UserWarning before the refusal
+            warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        if "weights only" not in str(err).lower():  # not a refusal: a damaged or foreign file
+            raise hub_error(name, path, flag, err) from None
+        raise RuntimeError(f"{name}: {path} is not a file of tensors: torch.load(weights_only=True) refused it, and "
+                           f"loading it otherwise would run any code it holds; point {flag} at a file of tensors only "
+                           "(a .safetensors file, or a state dict saved by torch.save)") from None
+    except Exception as err:
+        raise hub_error(name, path, flag, err) from err
 
 
 # ----------------------------------------------------------------------------- PickScore
@@ -182,17 +207,7 @@ def hps(*, hps_version, hps_checkpoint_path, hps_batch_size, hps_model_name, hps
             path = hf_hub_download("xswu/HPSv2", HPS_FILES[hps_version])
         except Exception as err:
             raise hub_error("hps", f"xswu/HPSv2/{HPS_FILES[hps_version]}", "--hps-checkpoint-path", err) from err
-    try:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:
-            if not os.path.exists(path):
-                raise
-            log.warning("hps: %s holds more than tensors (%s); loading it with weights_only=False",
-                        path, type(err).__name__)
-            state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:
-        raise hub_error("hps", path, "--hps-checkpoint-path", err) from err
+    state = load_tensors(path, "hps", "--hps-checkpoint-path")
     state = state.get("state_dict", state)
     state = {k.removeprefix("module."): v for k, v in state.items()}  # checkpoints saved from DDP
     # the architecture only (pretrained=None): the HPS checkpoint overwrites every weight, so no base CLIP download
@@ -374,7 +389,7 @@ def aesthetic(*, aesthetic_clip_path, aesthetic_mlp_path, aesthetic_batch_size, 
     source = aesthetic_mlp_path or AESTHETIC_URL
     try:  # the published file holds CUDA tensors: map_location is needed on a machine without a GPU
         if aesthetic_mlp_path:
-            state = torch.load(aesthetic_mlp_path, map_location="cpu", weights_only=True)
+            state = load_tensors(aesthetic_mlp_path, "aesthetic", "--aesthetic-mlp-path")
         else:
             state = torch.hub.load_state_dict_from_url(AESTHETIC_URL, map_location="cpu", weights_only=True)
     except Exception as err:
@@ -555,11 +570,11 @@ def imagereward(*, imagereward_model_path, imagereward_tokenizer_path, imagerewa
     flag = "--imagereward-model-path"
     try:
         weights, med_config = _imagereward_files(imagereward_model_path)
-        state = torch.load(weights, map_location="cpu", weights_only=True)
         with open(med_config) as f:
             text_config = json.load(f)
     except Exception as err:
         raise hub_error("imagereward", imagereward_model_path, flag, err) from err
+    state = load_tensors(weights, "imagereward", flag)
     try:
         tokenizer = AutoTokenizer.from_pretrained(imagereward_tokenizer_path)
     except Exception as err:
