@@ -49,7 +49,7 @@ class RecipeParser(argparse.ArgumentParser):
             if os.path.exists(arg[1:]):
                 self._check_recipe(arg[1:])
             try:
-                with open(arg[1:]) as f:
+                with open(arg[1:], encoding="utf-8-sig") as f:  # UTF-8, less the byte-order mark some editors write
                     lines = f.read().splitlines()
             except OSError as err:
                 self.error(str(err))
@@ -192,7 +192,8 @@ def real(value, name, *, minimum=None, positive=False):
 
 
 def import_object(path, flag):
-    """`package.module.name`, or `path/to/file.py:name`. Imports (so runs) that code."""
+    """`package.module.name`, searched in the working directory first, or `path/to/file.py:name`. Imports (so runs)
+    that code, and says which file it came from."""
     import importlib
     import importlib.util
 
@@ -204,9 +205,11 @@ def import_object(path, flag):
             spec.loader.exec_module(module)
         else:
             module_name, name = path.rsplit(".", 1)
-            module = importlib.import_module(module_name)
-        return getattr(module, name)
+            module = _import_here_first(module_name, flag, path)
+        found = getattr(module, name)
     except (ImportError, AttributeError, ValueError, OSError) as err:
+        if str(err).startswith(flag):  # already one line naming the flag
+            raise
         raise ValueError(f"{flag} {path!r}: cannot import it ({type(err).__name__}: {err}); "
                          f"give module.name importable from the working directory, or path/to/file.py:name") from err
     except SystemExit as err:  # the module calls sys.exit when imported: the run would end there, with its code
@@ -214,3 +217,27 @@ def import_object(path, flag):
             raise
         raise ValueError(f"{flag} {path!r}: importing it called sys.exit({err.code!r}); remove that call (or put it "
                          "under `if __name__ == '__main__':`)") from None
+    if os.environ.get("RANK", "0") == "0":  # the run's log names the code it runs
+        print(f"{flag} {path}: {os.path.abspath(getattr(module, '__file__', None) or module.__name__)}", flush=True)
+    return found
+
+
+def _import_here_first(module_name, flag, path):
+    """import_module(module_name) with the working directory searched first: `python train.py` puts the script's
+    folder, not the working directory, at the head of sys.path, so a file there of the same name would win. A
+    module of that name that this program imported already (one of its own, say data.py) cannot be replaced: refused."""
+    import importlib
+    import sys
+
+    here, top = os.getcwd(), module_name.split(".")[0]
+    local = [f for f in (os.path.join(here, top + ".py"), os.path.join(here, top)) if os.path.exists(f)]
+    loaded = getattr(sys.modules.get(top), "__file__", None)
+    if local and loaded and os.path.dirname(os.path.abspath(loaded)) not in (here, os.path.join(here, top)):
+        raise ValueError(f"{flag} {path!r}: {local[0]} has the name of a module already imported from {loaded}; "
+                         f"rename your file")
+    sys.path.insert(0, here)
+    importlib.invalidate_caches()  # a file written since the start of the program
+    try:
+        return importlib.import_module(module_name)
+    finally:
+        sys.path.remove(here)  # the first occurrence: ours

@@ -98,3 +98,83 @@ def test_train_refuses_a_hostile_hps_checkpoint_in_one_line(tmp_path):
                "--out", tmp_path / "run")
     one_line(proc, "--hps-checkpoint-path")
     assert not marker.exists()
+
+
+# ----------------------------------------------------------------------------- user code from the working folder
+
+CUSTOM = "import torch\n\ndef score(images, prompts, metadata, args):\n    return torch.full((len(prompts),), {value})\n"
+
+
+def reward_means(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line)["reward_mean"] for line in f if line.strip()]
+
+
+def test_custom_reward_module_is_imported_from_the_working_folder_and_named(tmp_path):
+    """Before: `python <repo>/train.py` searched the script's folder, not the working one, for module.name: a module
+    beside the command was not found, though the message says it should be, and one of the same name in the
+    repository's folder was taken silently. Here the repository's conftest.py stands for that one."""
+    here = tmp_path / "work"
+    here.mkdir()
+    (here / "myrm.py").write_text(CUSTOM.format(value=0.25))
+    (here / "conftest.py").write_text(CUSTOM.format(value=0.75))
+    for module, value in (("myrm", 0.25), ("conftest", 0.75)):
+        out = tmp_path / f"run-{module}"
+        proc = cli("train.py", *FAST, "--steps", "1", "--eval-every", "0", "--reward", "custom", "--custom-rm-path",
+                   f"{module}.score", "--out", out, cwd=here)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert reward_means(out) == [pytest.approx(value)]
+        assert f"--custom-rm-path {module}.score: {here / (module + '.py')}" in proc.stdout
+
+
+def test_a_custom_module_named_as_a_module_of_the_program_is_refused(tmp_path):
+    (tmp_path / "data.py").write_text(CUSTOM.format(value=0.5))
+    proc = cli("train.py", *FAST, "--steps", "1", "--reward", "custom", "--custom-rm-path", "data.score",
+               "--out", tmp_path / "run", cwd=tmp_path)
+    line = one_line(proc, "--custom-rm-path 'data.score'")
+    assert str(tmp_path / "data.py") in line and "rename your file" in line
+
+
+def test_import_object_names_the_file_it_imported(tmp_path, monkeypatch, capsys):
+    (tmp_path / "hooks_here.py").write_text("def f():\n    return 3\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert flags.import_object("hooks_here.f", "--flag")() == 3
+    assert f"--flag hooks_here.f: {tmp_path / 'hooks_here.py'}" in capsys.readouterr().out
+    assert str(tmp_path) not in sys.path  # searched for this import only
+    sys.modules.pop("hooks_here", None)
+
+
+# ----------------------------------------------------------------------------- credentials in the settings
+
+def test_url_credentials_are_redacted():
+    assert services.redact_urls("http://user:pa%40ss@host:8/x?q=1") == "http://***@host:8/x?q=1"
+    assert services.redact_urls("see https://tok@h/x and http://h/y") == "see https://***@h/x and http://h/y"
+    assert services.redacted({"a": "ftp://u:p@h", "b": ["http://u:p@h/"], "c": 3, "d": "me@example.org"}) == \
+        {"a": "ftp://***@h", "b": ["http://***@h/"], "c": 3, "d": "me@example.org"}
+    mask = services.mask_secrets(services.url_secrets("http://alice:hunter2secret@host/x"))
+    import base64
+    assert "hunter2secret" not in mask("echo: hunter2secret " + base64.b64encode(b"alice:hunter2secret").decode())
+
+
+def test_a_password_in_a_url_flag_is_written_nowhere(tmp_path):
+    """Before: `--rm-url http://user:pass@host/x` put the password into args.json, each checkpoint's state.json and
+    --print-config."""
+    secret, out = "hunter2secret", tmp_path / "run"
+    url = f"http://alice:{secret}@127.0.0.1:9/score"
+    printed = cli("train.py", *FAST, "--steps", "1", "--rm-url", url, "--print-config")
+    assert printed.returncode == 0 and "--rm-url http://***@127.0.0.1:9/score" in printed.stdout
+    proc = cli("train.py", *FAST, "--steps", "1", "--rm-url", url, "--soft-tifa-url", url, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = cli("train.py", *FAST, "--steps", "2", "--rm-url", url, "--soft-tifa-url", url, "--resume", "auto",
+                  "--out", out)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout and "warning: resuming" not in resumed.stdout
+    for proc in (printed, proc, resumed):
+        assert secret not in proc.stdout + proc.stderr
+    files = [os.path.join(folder, name) for folder, _, names in os.walk(out) for name in names]
+    assert any(f.endswith("state.json") for f in files)
+    for file in files:
+        with open(file, "rb") as f:
+            assert secret.encode() not in f.read(), file
+    with open(out / "args.json") as f:
+        assert json.load(f)["args"]["rm_url"] == "http://***@127.0.0.1:9/score"
