@@ -94,9 +94,9 @@ def parse_args(argv=None):
 
 def report(p, args):
     """Every resolved setting with its source, one per line, grouped as --help groups them (--print-config)."""
-    lines = []
+    lines, settings = [], rewards.redacted(vars(args))  # URLs without their user:password
     for group in p._action_groups:
-        rows = [(a.option_strings[0], getattr(args, a.dest), args.sources[a.dest]) for a in group._group_actions
+        rows = [(a.option_strings[0], settings[a.dest], args.sources[a.dest]) for a in group._group_actions
                 if a.dest in args.sources]
         if rows:
             lines.append(f"# {'sampling, batching and the run' if group.title == 'options' else group.title}")

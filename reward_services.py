@@ -107,10 +107,10 @@ class OpenAIJudge:
         self._headers = None if self._key else {"Authorization": openai.Omit()}
 
     def __repr__(self):
-        return f"{type(self).__name__}(model={self.model!r}, url={self.url!r})"
+        return f"{type(self).__name__}(model={self.model!r}, url={services.redact_urls(self.url)!r})"
 
     def redact(self, text):
-        return services.mask_secrets([self._key])(text)
+        return services.mask_secrets([self._key, *services.url_secrets(self.url)])(services.redact_urls(text))
 
     def build_request(self, image, prompt, metadata):
         if image.ndim != 3:
@@ -261,7 +261,8 @@ def remote(*, rm_url, rm_auth_env, remote_batch_size, remote_max_concurrency, re
     loop = _service_loop(reward_timeout, "--reward-timeout", remote_max_concurrency, "--remote-max-concurrency",
                          reward_retries, reward_backoff, reward_on_error, reward_max_bytes)
     headers, redact = _secret_header(rm_auth_env, "--rm-auth-env", lambda token: token,
-                                     f"export the Authorization header value in it, e.g. {rm_auth_env}='Bearer <token>'")
+                                     f"export the Authorization header value in it, e.g. {rm_auth_env}='Bearer <token>'",
+                                     url=rm_url)
     client = http_client(headers)  # the header lives in the client only: not in args, logs or errors
 
     def send(body):
@@ -400,15 +401,18 @@ def soft_tifa_logprob(reply, answers):
     return min(found, 1.0)
 
 
-def _secret_header(env, flag, header, hint):
-    """({"Authorization": header(secret)}, a redactor of the secret) from the environment variable `env`, or no
-    header without one; an unset or empty variable is refused in one line naming `flag` and `hint`."""
+def _secret_header(env, flag, header, hint, url=None):
+    """({"Authorization": header(secret)}, a redactor of the secret and of `url`'s user:password) from the environment
+    variable `env`, or no header without one; an unset or empty variable is refused in one line naming `flag` and
+    `hint`."""
+    mask = services.mask_secrets(services.url_secrets(url))
     if not env:
-        return {}, (lambda s: s)
+        return {}, (lambda s: mask(services.redact_urls(s)))
     secret = os.environ.get(env)
     if not secret:
         raise ValueError(f"{flag} {env}: that environment variable is unset or empty; {hint}")
-    return {"Authorization": header(secret)}, services.mask_secrets([secret])
+    mask = services.mask_secrets([secret, *services.url_secrets(url)])
+    return {"Authorization": header(secret)}, lambda s: mask(services.redact_urls(s))
 
 
 def soft_tifa_server(*, url, model, api_key_env, top_logprobs, loop):
@@ -419,7 +423,7 @@ def soft_tifa_server(*, url, model, api_key_env, top_logprobs, loop):
     in flight); a question that fails for good fails its sample (--reward-on-error)."""
     _http_url(url, "--soft-tifa-url")
     headers, redact = _secret_header(api_key_env, "--soft-tifa-api-key-env", lambda key: f"Bearer {key}",
-                                     "export the server's API key in it")
+                                     "export the server's API key in it", url=url)
     client, endpoint = http_client(headers), url.rstrip("/") + "/chat/completions"
 
     def ask(images, vqa):

@@ -103,6 +103,7 @@ from reward_models import to_uint8
 from reward_services import OpenAIJudge  # noqa: F401  (rewards.OpenAIJudge: custom_api's default class)
 from services import (  # noqa: F401  (rewards.post_json, http_client, BadReply: the names hooks use)
     BadReply, RewardServiceError, _service_loop, http_client, post_json)
+from services import redacted  # noqa: F401  (settings as recorded and printed: URLs without their user:password)
 from shapes import proxy  # the learned proxy of the shapes world's judge
 
 log = logging.getLogger(__name__)

@@ -80,7 +80,9 @@ def add_arguments(parser):
     g.add_argument("--log-images-every", type=flags.NONNEG_INT, default=None,
                    help="steps between saved sample grids (0: never)")
     g.add_argument("--max-bad-steps", type=flags.POSITIVE_INT, default=5,
-                   help="stop after this many consecutive skipped (non-finite) steps")
+                   help="stop after this many consecutive skipped steps (a non-finite reward or gradient); "
+                        "non-finite gradients stop the run after 3 in a row, or this many if fewer, with the checkpoint "
+                        "of the last finite update")
     g.add_argument("--fps", type=flags.POSITIVE_INT, default=16,
                    help="video models: frames per second of the saved sample GIFs")
     g.add_argument("--log-to", action="append", default=[], choices=["wandb", "tensorboard"],
@@ -103,17 +105,34 @@ class Run:
         """Before any model loads: refuse a used or unwritable --out, find the checkpoint to resume (all ranks agree).
         on_step(info) is called after each step's line, its timings logged (bench.py measures between steps)."""
         self.args, self.device, self.on_step = args, device, on_step
+        # First: a signal while the folder is prepared and the models load stops the run in one line, not in a
+        # KeyboardInterrupt traceback from inside a library (nothing has trained yet). The signal is also kept, so that
+        # start() stops the run even where a library swallowed the exit; start() takes both signals over for the
+        # steps, finish() gives back the handlers from before these.
+        self.signal = None
+        self.handlers = {signum: signal.signal(signum, self._interrupted_in_set_up)
+                         for signum in (signal.SIGINT, signal.SIGTERM)}
         if is_main:
             check_loggers(args)  # before prepare: --overwrite must not delete a run that then fails to log
-        self.resume_from, self.stale = checkpoints.prepare(args)  # verified, or None; the old run's files
+        self.resume_from, self.stale = checkpoints.prepare(self.recorded)  # verified, or None; the old run's files
         self.step = self.bad_in_a_row = self.trained = 0  # trained: steps of this process that updated the weights
+        self.nonfinite_in_a_row = 0  # consecutive steps whose gradient was not finite (nonfinite_stop)
         self.carry = {}  # train.py's state across steps (JSON values), checkpointed
-        self.signal, self.policy, self.wandb, self.tensorboard, self.ratio_warned = None, None, None, None, False
+        self.policy, self.wandb, self.tensorboard, self.ratio_warned = None, None, None, False
         self.pool = ThreadPoolExecutor(max_workers=1)  # scores batch b while batch b + 1 is sampled
         self.bar, self.marks, self.last_skip = None, {}, None
-        # Ctrl-C while the models load: one line, not a KeyboardInterrupt traceback from inside a library (nothing has
-        # trained yet; start() takes SIGINT over for the steps, finish() gives back the handler from before this one)
-        self.handlers = {signal.SIGINT: signal.signal(signal.SIGINT, interrupted_in_set_up)}
+
+    def _interrupted_in_set_up(self, signum, frame):
+        self.signal = signal.Signals(signum).name
+        raise SystemExit(set_up_stop(self.signal))
+
+    @property
+    def recorded(self):
+        """The settings as written (args.json, each checkpoint's state.json) and compared on resume: URLs without their
+        user:password (rewards.redacted)."""
+        shown = copy.copy(self.args)
+        vars(shown).update(rewards.redacted(vars(self.args)))
+        return shown
 
     def lap(self, phase=None):
         """The step's clock: lap() starts it, lap(phase) books the seconds since the last mark to that phase."""
@@ -129,9 +148,12 @@ class Run:
         evaluate the model before training on held_out (texts, metadata), as Flow-GRPO evaluates at epoch 0.
         Returns False when a resumed run has nothing left to do."""
         self.policy, self.held_out, self.reward_fn, args = policy, held_out, reward_fn, self.args
+        if self.signal is not None:  # a set-up signal whose exit a library caught (a bare except, a __del__)
+            raise SystemExit(set_up_stop(self.signal))
         if self.resume_from:
-            state = policy.resume(self.resume_from, args)
+            state = policy.resume(self.resume_from, self.recorded)
             self.step, self.bad_in_a_row = state["step"], state.get("bad_in_a_row", 0)
+            self.nonfinite_in_a_row = state.get("nonfinite_in_a_row", 0)
             self.carry = state.get("carry", {})
             print0(f"resumed from {self.resume_from} at step {self.step}")
             if self.step >= args.steps:
@@ -139,7 +161,7 @@ class Run:
                        "raise --steps to continue it")
                 return False
         self.first_step = self.step
-        checkpoints.start_run(args, self.stale)
+        checkpoints.start_run(self.recorded, self.stale)
         fork = self.resume_from and checkpoints.fork_source(self.resume_from, args.out)
         if fork:  # a new --out
             print0(f"forked {fork} at step {self.step} into {args.out}: its files start at step {self.step + 1} "
@@ -148,7 +170,7 @@ class Run:
             checkpoints.trim_metrics(args.out, self.step)  # a killed run's rows after the checkpoint are redone
         if is_main and (args.wandb or "wandb" in args.log_to):
             import wandb  # optional, heavy: only when asked for
-            self.wandb = wandb.init(config=vars(args), dir=args.out, resume="allow")
+            self.wandb = wandb.init(config=rewards.redacted(vars(args)), dir=args.out, resume="allow")
         if is_main and "tensorboard" in args.log_to:
             from torch.utils.tensorboard import SummaryWriter  # optional: only when asked for
             self.tensorboard = SummaryWriter(os.path.join(args.out, "tensorboard"), purge_step=self.step + 1)
@@ -273,7 +295,7 @@ class Run:
         during: the step the message names (default step + 1, the one being made)."""
         saved = os.path.isfile(os.path.join(self.args.out, "checkpoints", str(step), "state.json"))
         if not distributed.broadcast(saved):  # rank 0 wrote it: its view decides the collective save for every rank
-            self.policy.checkpoint(self.args, step, self._state())  # (another node may see the file late, or never)
+            self.policy.checkpoint(self.recorded, step, self._state())  # (another node may see the file late, or never)
         during = step + 1 if during is None else during
         print0(f"stopped by {self.signal or 'a signal on another rank'} {where} step {during}; checkpoint {step} "
                f"saved, continue with --resume auto --out {self.args.out}")
@@ -296,7 +318,7 @@ class Run:
 
     # ------------------------------------------------------------------------- LOG / SAVE
     def _state(self):  # what a checkpoint's state.json carries besides the step
-        return dict(bad_in_a_row=self.bad_in_a_row, carry=self.carry)
+        return dict(bad_in_a_row=self.bad_in_a_row, nonfinite_in_a_row=self.nonfinite_in_a_row, carry=self.carry)
 
     def log(self, step, info, batch, got):
         """The step's metrics (a row of metrics.jsonl, wandb) and line; a skipped step (info has a skip_reason) is
@@ -311,6 +333,10 @@ class Run:
                 info["dropped_groups"] = int(got.dropped.sum())
         else:
             self.bad_in_a_row = 0
+        if info.get("skipped_updates"):  # an optimizer step of this step met a non-finite gradient
+            self.nonfinite_in_a_row += 1
+        elif "updates" in info:  # trained on finite gradients (a step whose rewards were skipped is neither)
+            self.nonfinite_in_a_row = 0
         self.trained += info.get("updates", 0) > 0
         info = dict(step=step, **info, bad_in_a_row=self.bad_in_a_row, seconds=time.time() - self.marks["start"],
                     **{f"seconds_{k}": v for k, v in self.marks.items() if k not in ("start", "last")})
@@ -456,12 +482,15 @@ class Run:
     def checkpoint_or_stop(self, step):
         """Stop on too many bad steps; save when due, at the end or when signalled. True ends the run."""
         args = self.args
+        if self.nonfinite_in_a_row >= min(NONFINITE_STEPS, args.max_bad_steps):  # the weights are the last good ones
+            self.policy.checkpoint(self.recorded, step, self._state())  # (a skipped step leaves them), kept
+            raise SystemExit(nonfinite_stop(args, self.nonfinite_in_a_row, step, self.carry))
         if self.bad_in_a_row >= args.max_bad_steps:
             raise SystemExit(f"error: {self.bad_in_a_row} consecutive steps were skipped (last: {self.last_skip}); "
                              "fix the reward, or lower --lr for non-finite gradients (see --max-bad-steps)")
         stopping = distributed.any_rank(self.signal is not None, self.device)
         if (args.save_every and step % args.save_every == 0) or step == args.steps or stopping:
-            self.policy.checkpoint(args, step, self._state())
+            self.policy.checkpoint(self.recorded, step, self._state())
         if stopping:
             print0(f"stopped by {self.signal or 'a signal on another rank'} after step {step}; "
                    f"checkpoint saved, continue with --resume auto --out {args.out}")
@@ -487,10 +516,31 @@ class Run:
                              "it started from")
 
 
-def interrupted_in_set_up(signum, frame):
-    """SIGINT (Ctrl-C) before the first step, while the prompts, rewards and models load."""
-    raise SystemExit("error: interrupted (Ctrl-C) during start-up, before the first step: nothing was trained; rerun "
-                     "the same command to start (or continue) the run")
+def set_up_stop(name):
+    """The line of a SIGINT (Ctrl-C) or SIGTERM before the first step, while the folder is prepared and the prompts,
+    rewards and models load."""
+    what = "interrupted (Ctrl-C)" if name == "SIGINT" else f"stopped by {name}"
+    return (f"error: {what} during start-up, before the first step: nothing was trained; rerun the same command to "
+            "start (or continue) the run")
+
+
+NONFINITE_STEPS = 3  # consecutive steps with a non-finite gradient that stop the run (or --max-bad-steps, if fewer)
+
+
+def nonfinite_stop(args, count, step, carry):
+    """The line that stops a run whose gradient was not finite in `count` consecutive steps up to `step`: none of them
+    moved the weights (policy.step skips such an update), and what follows would not either. It names the settings
+    that make a gradient overflow, the learning rate always, the KL controller's weight and fp16 where the run has
+    them, and the checkpoint saved with the last good weights."""
+    causes = [f"a learning rate too high for these weights (--lr {args.lr:g}: lower it)"]
+    if getattr(args, "kl_target", 0) > 0:  # the adaptive KL weight (regularizers) may have run away
+        weight = carry.get("kl_beta", args.kl_beta)
+        causes.append(f"the KL controller's weight, now {weight:.3g} (lower --kl-rate {args.kl_rate:g})")
+    if args.mixed_precision == "fp16":
+        causes.append("fp16 overflow in the forward (use --mixed-precision bf16)")
+    return (f"error: the gradient was not finite in {count} consecutive steps (steps {step - count + 1}-{step}), so "
+            f"none of them trained; likely cause: {'; or '.join(causes)}. Checkpoint {step} holds the weights as the "
+            f"last finite update left them: continue with --resume auto --out {args.out} after the change")
 
 
 EVAL_FLAGS = ("model", "resolution", "eval_steps", "guidance_scale", "seed", "negative_prompt", "shift", "num_frames",

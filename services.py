@@ -31,10 +31,12 @@ import json
 import logging
 import math
 import os
+import re
 import reprlib
 import socket
 import threading
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import httpcore
@@ -93,6 +95,39 @@ def mask_secrets(secrets):
     return redact
 
 
+URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s?#]*@")  # scheme://user:password@ (RFC 3986 3.2.1)
+
+
+def redact_urls(text):
+    """`text` with the user:password of every URL in it shown as ***: what a setting may show of a URL."""
+    return URL_USERINFO.sub(r"\1***@", text)
+
+
+def redacted(settings):
+    """{name: value} as recorded or printed (args.json, --print-config, a logger's config): the credentials of every
+    URL in a string value, or in a list of strings, shown as ***. API keys never reach the settings: the flags name
+    the environment variables that hold them."""
+    def hide(value):
+        if isinstance(value, str):
+            return redact_urls(value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(hide(v) for v in value)
+        return value
+    return {name: hide(value) for name, value in settings.items()}
+
+
+def url_secrets(url):
+    """The secrets a URL carries in its user:password, for `mask_secrets`: the userinfo, the password, and the Basic
+    Authorization value httpx sends for them (which a server may echo)."""
+    found = URL_USERINFO.match(url or "")
+    if not found:
+        return []
+    userinfo = url[len(found.group(1)):found.end() - 1]
+    user, _, password = userinfo.partition(":")
+    basic = base64.b64encode(urllib.parse.unquote(userinfo).encode()).decode("ascii")
+    return [userinfo, password, basic]
+
+
 # ----------------------------------------------------------------------------- reward services: configs
 
 def load_config(value, flag):
@@ -137,7 +172,8 @@ def load_config(value, flag):
 
 def _http_url(url, name):
     if not isinstance(url, str) or not url.lower().startswith(("http://", "https://")):
-        raise ValueError(f"{name} must be an http:// or https:// URL, got {flags.show(url)}")
+        raise ValueError(f"{name} must be an http:// or https:// URL, got "
+                         f"{flags.show(redact_urls(url) if isinstance(url, str) else url)}")
     return url
 
 
