@@ -7,7 +7,8 @@ Prompt files come in two formats:
                     {"input": "A photo of a cat wearing sunglasses"}
                     {"input": "A logo saying \\"Miles\\"", "metadata": {"rm_type": "ocr"}}
 
-`metadata` is optional; its `rm_type` picks the reward for that one prompt (see rewards.py).
+`metadata` is optional; its `rm_type` picks the reward for that one prompt (see rewards.py). A relative path that
+is not found from the working folder is read from the repository's (`prompts/tiny.txt` from any folder).
 With `metadata_key=""` the whole row is the metadata: GenEval's own files (evaluation_metadata.jsonl,
 Flow-GRPO's train_metadata.jsonl: {"tag": ..., "include": [...], "prompt": ...}) load as they are
 with `input_key="prompt", metadata_key=""`.
@@ -50,6 +51,15 @@ SOURCE_KEY = "source_images"  # the metadata key under which a sample's source i
 FLAT_ROWS = ({"tag", "include"}, {"edit", "source", "target"})
 
 
+def shipped(path):
+    """`path`, or the repository's file of that relative name (prompts/tiny.txt) when the path is not here: the prompt
+    sets the repository ships are found from any working folder."""
+    if os.path.isabs(path) or os.path.exists(path):
+        return path
+    ours = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
+    return ours if os.path.exists(ours) else path
+
+
 def load_prompts(path, *, input_key="input", metadata_key="metadata", check=None, image_key="image"):
     """Read a `.jsonl` or `.txt` prompt file -> (prompts: list[str], metadata: list[dict]).
 
@@ -71,7 +81,7 @@ def load_prompts(path, *, input_key="input", metadata_key="metadata", check=None
     that is missing, unreadable or not an image) or FileNotFoundError (missing file), each with a
     one-line message that names the path (and line) and the fix.
     """
-    path = os.fspath(path)
+    path = shipped(os.fspath(path))
     ext = os.path.splitext(path)[1].lower()
     if ext not in FORMATS:
         raise ValueError(f"{path}: unknown prompt file type {ext or '(no extension)'!r}; "
