@@ -43,6 +43,7 @@ import torch
 
 import flags
 import sde
+from advantages import best_of_group, group_advantages, preference_pairs
 
 
 def _dims(x):
@@ -83,125 +84,6 @@ def _ratio_stats(ratio, log_ratio):
 def _sq_dist(a, b):
     """mean_dims((a - b)^2) per sample, float32 -> [B]."""
     return ((a.float() - b.float()) ** 2).mean(_dims(a))
-
-
-def group_advantages(rewards, group_ids, *, global_std=False, eps=1e-4, clip=5.0, dtype=torch.float32):
-    """A_i = (r_i - mean of i's group) / (std + eps), clipped to +-clip.
-
-    GRPO (DeepSeekMath arXiv:2402.03300, Sec. 4.1.2; as used by Flow-GRPO arXiv:2505.05470): the std
-    is that of i's group (population std), or with global_std one std over the whole batch (as
-    Flow-GRPO's and FlowDPPO's recipes do). A group whose rewards are all equal gets advantages of exactly 0.
-    rewards [N]; group_ids: N ints (list or tensor), equal for samples of the same prompt. The arithmetic is in
-    `dtype`; where a group's spread overflows float32 (finite rewards near 1e38) it is redone in float64.
-    """
-    rewards, group, groups = _groups(rewards, group_ids, dtype)  # group: 0 .. G-1
-    n = torch.zeros(groups, device=rewards.device, dtype=dtype).index_add_(0, group, torch.ones_like(rewards))
-    group_mean = torch.zeros_like(n).index_add_(0, group, rewards) / n
-    centred = rewards - group_mean[group]
-    # A group of equal rewards gets exactly 0, not the rounding residue of its mean (~1e-9 / (std + eps) ~ 1e-5):
-    # train.py recognises saturated groups by advantage == 0 and leaves them out of the update.
-    top = torch.full_like(n, -torch.inf).scatter_reduce(0, group, rewards, "amax")
-    bottom = torch.full_like(n, torch.inf).scatter_reduce(0, group, rewards, "amin")
-    centred = torch.where((top == bottom)[group], torch.zeros_like(centred), centred)
-    if global_std:
-        std = rewards.std(unbiased=False)
-    else:
-        std = (torch.zeros_like(n).index_add_(0, group, centred**2) / n).sqrt()[group]
-    if not (torch.isfinite(centred).all() and torch.isfinite(std).all()) and dtype != torch.float64:
-        # a spread beyond float32 (finite rewards near 1e38): the std is inf and every advantage would be 0
-        return group_advantages(rewards, group, global_std=global_std, eps=eps, clip=clip, dtype=torch.float64).float()
-    return (centred / (std + eps)).clamp(-clip, clip)
-
-
-def combined_advantages(components, weights, group_ids, *, global_std=False, eps=1e-4, clip=5.0):
-    """Several rewards combined by their advantages, as MixGRPO does (arXiv:2507.21802; its code,
-    Tencent-Hunyuan/MixGRPO fastvideo/train_grpo_flux.py, `multi_reward_mix == "advantage_aggr"`, lines 429-456):
-
-        A_k = group_advantages(r_k) without its clip            each reward normalised in its group on its own
-        A   = clip(sum_k (w_k / sum_j w_j) A_k, -clip, clip)    the weights normalised by their sum; the clip acts
-                                                                on the sum
-
-    (MixGRPO divides its reward weights by their sum, "Normalize weights", lines 765-767, so "a=2,b=1" and
-    "a=0.67,b=0.33" train alike; it clips the summed advantage in the loss, `adv_clip_max`, line 567.) The weights
-    must sum to a positive number (train.py refuses others). Each A_k follows `group_advantages`:
-    the same std rule (per group, or one batch-wide std of that reward with global_std), the same eps, and exactly
-    0 for a group whose rewards are all equal. MixGRPO itself divides by the sample std + 1e-8. Unlike a weighted
-    sum of raw scores, A does not change when one reward is rescaled or shifted (a w_k r_k + b: up to eps), so a
-    reward with a wide range does not drown the others.
-
-    components: {name: [N] tensor}; a NaN marks a sample that reward does not score (a per-sample rm_type): it gets
-    A_k = 0 there, and its group is normalised over the samples it scores. weights: {name: float} for the same
-    names. Returns (A [N], info): info[f"{name}_mean"], [f"{name}_std"] are the reward's mean and population std
-    over the samples it scores, and info[f"{name}_share"] its share of the final advantage,
-
-        share_k = mean_i |w_k A_k,i| / sum_j mean_i |w_j A_j,i|      (the shares sum to 1; all 0 if every A_k is 0)
-
-    measured before the clip.
-    """
-    if not components or set(components) != set(weights):
-        raise ValueError(f"components {sorted(components)} and weights {sorted(weights)} must name the same rewards")
-    weight_sum = sum(float(w) for w in weights.values())
-    if not weight_sum > 0:  # all 0: every advantage 0, nothing would train
-        raise ValueError(f"the reward weights {dict(weights)} must sum to a positive number")
-    total, info, size = 0.0, {}, {}
-    for name, rewards in components.items():
-        rewards = torch.as_tensor(rewards).float()
-        ids = torch.as_tensor(group_ids, device=rewards.device).long()
-        if rewards.ndim != 1 or rewards.shape != ids.shape:
-            raise ValueError(f"reward {name!r} must be [N] like group_ids, got {tuple(rewards.shape)} and "
-                             f"{tuple(ids.shape)}")
-        scored = ~torch.isnan(rewards)
-        adv = torch.zeros_like(rewards)  # a reward that scores no sample of the batch adds nothing to it
-        if scored.any():
-            adv[scored] = group_advantages(rewards[scored], ids[scored], global_std=global_std, eps=eps, clip=math.inf)
-        weighted = float(weights[name]) / weight_sum * adv
-        total = total + weighted
-        size[name] = weighted.abs().mean().item()
-        info[f"{name}_mean"] = rewards[scored].mean().item() if scored.any() else math.nan
-        info[f"{name}_std"] = rewards[scored].std(unbiased=False).item() if scored.any() else math.nan
-    scale = sum(size.values())
-    for name in components:
-        info[f"{name}_share"] = size[name] / scale if scale > 0 else 0.0
-    return total.clamp(-clip, clip), info
-
-
-def _groups(rewards, group_ids, dtype=torch.float32):
-    """rewards [N] in dtype, group index 0 .. G-1 of each sample [N], G; one line for mismatched or non-finite input."""
-    rewards = torch.as_tensor(rewards).to(dtype)
-    ids = torch.as_tensor(group_ids, device=rewards.device).long()
-    if rewards.ndim != 1 or ids.shape != rewards.shape:
-        raise ValueError(f"rewards and group_ids must be [N] of one length, got {tuple(rewards.shape)} "
-                         f"and {tuple(ids.shape)}")
-    if not torch.isfinite(rewards).all():
-        raise ValueError(f"non-finite reward at sample(s) {torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()}")
-    _, group = torch.unique(ids, return_inverse=True)
-    return rewards, group, int(group.max()) + 1
-
-
-def best_of_group(rewards, group_ids, **_):
-    """Online SFT's sample weights (flow_grpo flow_grpo/stat_tracking.py L39-40, type 'sft'): 1 for every sample whose
-    reward equals its group's maximum, 0 for the rest. A group of equal rewards is all "best": each of its samples
-    is a target (as there). Returns [N] float."""
-    rewards, group, n = _groups(rewards, group_ids)
-    top = torch.full((n,), -torch.inf, device=rewards.device).scatter_reduce(0, group, rewards, "amax")
-    return (rewards == top[group]).float()
-
-
-def preference_pairs(rewards, group_ids, **_):
-    """Online DPO's pairs (flow_grpo flow_grpo/stat_tracking.py L41-55, type 'dpo'): in each group +1 for the first
-    sample of the highest reward (chosen), -1 for the first of the lowest (rejected), 0 for the rest. Returns [N]
-    float with exactly one +1 and one -1 per group whose rewards differ.
-
-    Departure: a group of equal rewards gets no pair (all 0) and leaves the update, as a saturated group leaves every
-    loss here; flow_grpo pairs its samples 1 (chosen) and 0 (rejected) there, a preference between equals."""
-    rewards, group, n = _groups(rewards, group_ids)
-    out = torch.zeros_like(rewards)
-    for g in range(n):
-        members = torch.nonzero(group == g).flatten()
-        r = rewards[members]
-        if r.max() > r.min():  # argmax / argmin return the first of equal values, as torch.argmax there
-            out[members[torch.argmax(r)]], out[members[torch.argmin(r)]] = 1.0, -1.0
-    return out
 
 
 def grpo_loss(log_prob, old_log_prob, adv, *, clip_range, adv_clip=None, step_weight=None, dtype=torch.float32):
@@ -248,6 +130,23 @@ def kl_penalty(mean, ref_mean, std, *, dt=None, gate=None):
         kl = kl * -dt
     value = kl.mean() if gate is None else gated_kl(kl, gate, empty="zero")
     return value, {"kl_mean": kl.detach().mean(), "kl_max": kl.detach().max()}
+
+
+def adaptive_kl_beta(beta, kl, *, target, rate, floor=0.0):
+    """The KL weight of the next step from this step's KL (Ziegler et al. 2019, "Fine-Tuning Language Models from
+    Human Preferences", Sec. 2.2: a log-space proportional controller), never below `floor`:
+
+        e = clip(KL / target - 1, -0.2, 0.2),   beta <- max(floor, beta (1 + rate e))
+
+    train.py floors it at the starting weight (--kl-beta; --kl-floor sets another), where Ziegler et al. let it fall:
+    in the shapes world's long run the unfloored weight falls from 0.1 to 0.001-0.004 while the KL is under target,
+    the KL to the start then runs 2-5 times the floored run's, and on GenEval's 0.9 rule the drift that came (the KL
+    0.027 -> 0.11 in 40 steps) outran a weight that could not grow back in time (docs/long_run.md, "A KL weight that
+    grows with the KL"). A KL that is not finite (a skipped step) leaves beta as it is."""
+    if not math.isfinite(kl):
+        return beta
+    error = min(max(kl / target - 1, -0.2), 0.2)
+    return max(floor, beta * (1 + rate * error))
 
 
 def guard_loss(log_prob, old_log_prob, mean, old_mean, std, dt, adv, *, clip_range, adv_clip=None):

@@ -1,11 +1,15 @@
-"""What is not a loss but changes what any loss sees: GARDO's three rules (Gated and Adaptive Regularization with
-Diversity-aware Optimization, arXiv:2512.24138; code tinnerhrhe/GARDO at 1cc77fb), as pure functions of tensors.
+"""What is not a loss but changes what any loss sees, at named points of the TRAINING phase: GARDO's rules (Gated and
+Adaptive Regularization with Diversity-aware Optimization, arXiv:2512.24138; code tinnerhrhe/GARDO at 1cc77fb) and
+the adaptive KL weight (Ziegler et al.'s controller, losses.adaptive_kl_beta, beside the KL it weighs).
 
-    u = uncertainty(main_reward, [aux_reward, ...])         # per sample: rank under the trained reward - mean aux rank
-    fraction, history = gate_fraction(fraction, history, u)  # the share of samples the KL is applied to, adapted
-    flagged = kl_gate(u, fraction)                           # [B] bool: the samples whose KL counts
     due = reference_due(step, last_reset, max_kl, reset_freq=15, kl_thres=3e-4)  # reset the KL anchor now?
-    adv = diversity_advantages(rewards, features, groups)    # positive advantages scaled by feature novelty
+    hyper, state = before_training(policy, hyper, args, carry, step)   # the step's KL weight; the anchor renewed
+    before_optimizer_step(state, stats, n_terms, args)                 # the KL of each optimizer step kept
+    info = after_training(info, hyper, state, args, carry, device)     # the next step's KL weight and renewal
+
+Two of GARDO's rules act in the ADVANTAGES phase and live in advantages.py: the gate (uncertainty, gate_fraction,
+kl_gate: which samples' KL counts, handed to the loss as t["kl_gate"] and applied by losses.gated_kl) and the
+diversity-aware advantage (diversity_weights). What GARDO's code does for all three, and where this project departs:
 
 Sources (file:line at 1cc77fb): G = scripts/train_sd3_grpo_gardo.py, N = scripts/train_sd3_nft_gardo.py,
 S = flow_grpo/stat_tracking.py, C = config/gardo.py. What they do, and where this module departs:
@@ -34,7 +38,7 @@ S = flow_grpo/stat_tracking.py, C = config/gardo.py. What they do, and where thi
   distance is the MINIMUM of 1 - cos to the others (S L120-124, named avg_distances); samples at or above the group
   mean reward get (r - mean) x d_i / mean_group(d), those below it (r - mean) x 1 (S L127); NOT divided by the
   group's std (S L135); the training loop then clamps the weighted advantage to +-adv_clip_max, 5 (G L967-971).
-  diversity_advantages is that formula as written. What runs (shape_advantages) departs (departure 13): the weight
+  advantages.diversity_advantages is that formula as written. What runs (advantages.step_advantages) departs (departure 13): the weight
   scales this project's advantages, already divided by the std (group or --global-std) and clipped, and the product
   is clamped again to +-adv_clip, as G clamps after the weighting. The policy term is thereby 1 / sigma_r larger
   against the KL than GARDO's (sigma_r the reward's std; docs/departures.md, 13).
@@ -46,75 +50,11 @@ copy, saved with every checkpoint), --gardo-diversity (the advantage). The gate'
 renewal are carried from step to step in run.carry and resumed exactly.
 """
 import argparse
-import math
 
 import torch
 
 import distributed
-import diversity
-
-
-def ranks(x):
-    """Ranks of a [N] tensor, 1 for the largest (G L828-830: torch.sort descending, ranks[indices] = 1..N); ties in
-    the sort's stable order."""
-    order = torch.sort(x, descending=True, stable=True).indices
-    out = torch.empty(len(x), dtype=torch.float64)
-    out[order] = torch.arange(1, len(x) + 1, dtype=torch.float64)
-    return out
-
-
-def uncertainty(main, aux):
-    """GARDO's per-sample uncertainty (G L834): rank under the trained reward `main` [N] minus the mean rank under the
-    auxiliary rewards `aux` (a list of [N]); ranks over the whole batch.
-
-    Departure: an auxiliary reward may leave samples unscored (NaN: prompt rows that choose their own components), which
-    torch.sort would rank first. Each one ranks the samples it scored, stretched onto 1..N (the identity when it scored
-    all, so GARDO's ranks exactly), and a sample is judged by the auxiliary rewards that scored it; one that none scored
-    gets u = NaN, which the gate never flags (kl_gate, gate_fraction: only u >= 0 counts)."""
-    if not aux:
-        raise ValueError("GARDO's gate needs at least one auxiliary reward beside the trained one")
-    n = len(main)
-    total, count = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
-    for a in aux:
-        a = torch.as_tensor(a, dtype=torch.float64)
-        scored = torch.isfinite(a)
-        k = int(scored.sum())
-        if k == 0:
-            continue
-        r = ranks(a[scored])
-        total[scored] += 1 + (r - 1) * (n - 1) / (k - 1) if k > 1 else torch.full_like(r, (n + 1) / 2)
-        count[scored] += 1
-    return ranks(main) - total / count  # 0 / 0: NaN where no auxiliary reward scored the sample
-
-
-GATE = dict(base=0.1, rate=0.1, low=0.02, high=0.2, window=20)  # RiskCompensator's defaults (G L220-226)
-
-
-def gate_fraction(fraction, history, u, *, base=GATE["base"], rate=GATE["rate"], low=GATE["low"],
-                  high=GATE["high"], window=GATE["window"]):
-    """One update of the share of samples the KL applies to (G L227-238): -> (fraction, history). `history` holds the
-    last `window` means of the non-negative u; the first update sets `base`."""
-    u = torch.as_tensor(u, dtype=torch.float64)
-    level = u[u >= 0].mean().item() if (u >= 0).any() else float("nan")
-    if not history:
-        fraction = base
-    elif level > max(history):
-        fraction = fraction * (1 + rate)
-    elif level < min(history):
-        fraction = fraction * (1 - rate)
-    fraction = min(max(fraction, low), high)
-    return fraction, (list(history) + [level])[-window:]
-
-
-def kl_gate(u, fraction):
-    """[N] bool: the samples whose KL counts (G L836-837): u above the (100 - 100 fraction)th percentile of the
-    non-negative u; none when no u is non-negative (where numpy's percentile would raise)."""
-    u = torch.as_tensor(u, dtype=torch.float64)
-    pool = u[u >= 0]
-    if len(pool) == 0:
-        return torch.zeros(len(u), dtype=torch.bool)
-    threshold = torch.quantile(pool, 1 - fraction)  # linear interpolation, as np.percentile's default
-    return u > threshold
+import losses
 
 
 def reference_due(step, last_reset, max_kl, *, reset_freq, kl_thres):
@@ -124,94 +64,9 @@ def reference_due(step, last_reset, max_kl, *, reset_freq, kl_thres):
     return step != 0 and (max_kl > kl_thres or step - last_reset > reset_freq)
 
 
-def adaptive_kl_beta(beta, kl, *, target, rate, floor=0.0):
-    """The KL weight of the next step from this step's KL (Ziegler et al. 2019, "Fine-Tuning Language Models from
-    Human Preferences", Sec. 2.2: a log-space proportional controller), never below `floor`:
-
-        e = clip(KL / target - 1, -0.2, 0.2),   beta <- max(floor, beta (1 + rate e))
-
-    train.py floors it at the starting weight (--kl-beta; --kl-floor sets another), where Ziegler et al. let it fall:
-    in the shapes world's long run the unfloored weight falls from 0.1 to 0.001-0.004 while the KL is under target,
-    the KL to the start then runs 2-5 times the floored run's, and on GenEval's 0.9 rule the drift that came (the KL
-    0.027 -> 0.11 in 40 steps) outran a weight that could not grow back in time (docs/long_run.md, "A KL weight that
-    grows with the KL"). A KL that is not finite (a skipped step) leaves beta as it is."""
-    if not math.isfinite(kl):
-        return beta
-    error = min(max(kl / target - 1, -0.2), 0.2)
-    return max(floor, beta * (1 + rate * error))
-
-
-def nearest_distances(features, groups):
-    """Per sample, the minimum cosine distance 1 - cos to another member of its group (S L117-124); 0 for a sample
-    alone in its group. features [N, D], groups [N] ints."""
-    f = torch.as_tensor(features, dtype=torch.float64)
-    f = f / f.norm(dim=1, keepdim=True)
-    out = torch.zeros(len(f), dtype=torch.float64)
-    for g in torch.unique(groups):
-        members = (groups == g).nonzero().flatten()
-        if len(members) < 2:
-            continue
-        d = 1 - (f[members] @ f[members].T).clamp(-1, 1)  # [m, m]
-        d.fill_diagonal_(float("inf"))
-        out[members] = d.min(dim=1).values
-    return out
-
-
-def diversity_weights(adv, features, groups):
-    """GARDO's weight of each advantage (S L127): 1 where adv < 0, else d_i / the mean of d over the group (d:
-    `nearest_distances`). A group whose distances are all 0 (identical images, up to rounding) keeps weight 1, where
-    GARDO's division is 0 / 0."""
-    adv = torch.as_tensor(adv, dtype=torch.float64)
-    d = nearest_distances(features, groups)
-    scale = torch.zeros_like(d)
-    for g in torch.unique(groups):
-        members = groups == g
-        scale[members] = d[members].mean()
-    novelty = torch.where(scale > 1e-9, d / scale.clamp(min=1e-9), torch.ones_like(d))  # 1e-9: float rounding
-    return torch.where(adv < 0, torch.ones_like(d), novelty)
-
-
-def diversity_advantages(rewards, features, groups):
-    """GARDO's diversity-aware advantage as its tracker writes it (S L110-135, type "gardo"): (r - group mean) x
-    `diversity_weights`, not divided by the std. The reference of the tests: training scales the std-normalised
-    advantages instead (shape_advantages, departure 13)."""
-    r = torch.as_tensor(rewards, dtype=torch.float64)
-    centred = r.clone()
-    for g in torch.unique(groups):
-        members = groups == g
-        centred[members] = r[members] - r[members].mean()
-    return centred * diversity_weights(centred, features, groups)
-
-
 # ----------------------------------------------------------------------------- where train.py calls them
 # Named points of a step, each a plain function that applies whichever rules the flags turn on; train.py names no
 # rule. A rule's state across steps lives in `carry` (run.carry: saved with every checkpoint, resumed exactly).
-
-def shape_advantages(adv, keep, groups, rewards, scores, batch, args, carry, mine):
-    """ADVANTAGES, after the loss's rule, over every rank's samples (adv, keep, groups, rewards [samples]; scores: this
-    rank's reward components; mine: this rank's slice): --gardo-diversity scales the positive advantages in place by
-    their images' novelty in the group (the features of batch["images"], kept as batch["features"]) and clamps the
-    product to +-args.adv_clip (a near-collapsed group's one novel image would otherwise pass 10); --gardo-gate sets
-    batch["kl_gate"] [per rank], the samples whose KL counts. -> statistics."""
-    info = {}
-    if args.gardo_diversity:  # a positive advantage grows with how unlike its group's others the image is
-        featurize = diversity.featurizer(args.diversity, args.diversity_path, adv.device)
-        batch["features"] = featurize(batch["images"])  # [n, D]: run.log's feature diversity reads them too
-        features = distributed.all_gather_cat(batch["features"].to(adv.device))  # [samples, D]
-        weight = diversity_weights(adv[keep], features[keep], groups[keep]).to(adv)
-        adv[keep] = (adv[keep] * weight).clamp(-args.adv_clip, args.adv_clip)  # clipped again after it (G L967-971)
-        info["gardo_weight_max"] = weight.max().item()
-    if args.gardo_gate:  # the KL only where the auxiliary rewards rank a sample well above the trained one
-        aux = [distributed.all_gather_cat(scores[name].to(rewards.device))[keep].cpu() for name in args.gardo_gate]
-        u = uncertainty(rewards[keep].cpu(), aux)  # [kept], ranks over the whole step (G L827-837)
-        carry["gate_fraction"], carry["gate_history"] = gate_fraction(
-            carry.get("gate_fraction", GATE["base"]), carry.get("gate_history", []), u)
-        flagged = torch.zeros_like(keep)  # dropped groups: never flagged (they do not train)
-        flagged[keep] = kl_gate(u, carry["gate_fraction"]).to(keep.device)
-        batch["kl_gate"] = flagged[mine]  # [per rank]: read by the loss's KL term (losses.gated_kl)
-        info.update(gardo_fraction=carry["gate_fraction"], gardo_flagged=flagged[keep].float().mean().item())
-    return info
-
 
 def before_training(policy, hyper, args, carry, step):
     """TRAINING, before its first forward: the loss's hyper-parameters with the adaptive KL weight (--kl-target), and
@@ -257,7 +112,7 @@ def after_training(info, hyper, state, args, carry, device):
     if args.kl_target > 0 and "kl" in info:
         kl = distributed.all_gather_cat(torch.tensor([info["kl"]], device=device)).mean().item()
         info["kl_beta"] = hyper["kl_beta"]  # the weight this step trained with
-        carry["kl_beta"] = adaptive_kl_beta(hyper["kl_beta"], kl, target=args.kl_target, rate=args.kl_rate,
+        carry["kl_beta"] = losses.adaptive_kl_beta(hyper["kl_beta"], kl, target=args.kl_target, rate=args.kl_rate,
                                             floor=args.kl_floor)
     return info
 

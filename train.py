@@ -17,10 +17,11 @@ Launch
     python train.py @recipes/sd3_dpo_geneval.args
 
 One step = SAMPLING (rollouts of `--group-size` images for each of `--prompts-per-step` prompts, spread over all
-ranks) -> REWARDS (scored in a background thread while the next batch samples) -> ADVANTAGES (group-relative, after
-gathering every rank's rewards; regularizers.py shapes them) -> TRAINING (`--updates-per-batch` passes of the loss
-over the trained denoising steps or re-noised samples, in `--minibatches` optimizer steps) -> LOG/EVAL/SAVE. main()
-is those phases, each a call. The algorithm is chosen in one place, losses.LOSSES (a loss is a function and a
+ranks; sde.py) -> REWARDS (scored in a background thread while the next batch samples; rewards.py) -> ADVANTAGES
+(group-relative, after gathering every rank's rewards, and GARDO's shaping; advantages.py) -> TRAINING
+(`--updates-per-batch` passes of the loss over the trained denoising steps or re-noised samples, in `--minibatches`
+optimizer steps; losses.py, with regularizers.py at named points) -> LOG/EVAL/SAVE. main() is those phases, each a
+call. The algorithm is chosen in one place, losses.LOSSES (a loss is a function and a
 registry line: README, "Adding a loss"); the flags and where each value comes from in config.py; the trained
 weights, their optimizer and frozen copies in policy.py; the run's folder, logs, checkpoints, signals and the
 reward wait in run.py; ranks and FSDP in distributed.py.
@@ -47,6 +48,7 @@ import models
 import regularizers
 import rewards
 import sde
+from advantages import gardo_gate, step_advantages
 from config import check_args, guidance_scales, n_trained, parse_args, report, unit_width, window_kwargs
 from distributed import RANK, WORLD, print0
 from policy import Policy
@@ -199,25 +201,30 @@ def starting_noise(pipe, args, step, group_ids, generator):
 
 # ----------------------------------------------------------------------------- ADVANTAGES
 def advantages(got, loss, args, step, per_rank, batch, carry):
-    """Group-relative advantages over every rank's rewards (each group normalised over all its members, shaped by the
-    regularizers the flags turn on, their state in `carry`), then this rank's slice -> ({adv [per_rank], ids: the
-    samples to train, rank_weight}, the step's reward statistics)."""
+    """Every rank's rewards gathered, their advantages (advantages.step_advantages: the loss's rule or MixGRPO's mix,
+    GARDO's diversity weight; GARDO's gate with its share carried in `carry`), then this rank's slice -> ({adv
+    [per_rank], ids: the samples to train, rank_weight, kl_gate: [per_rank] bool or None}, the step's reward
+    statistics)."""
     device = got.dropped.device
-    all_rewards = distributed.all_gather_cat(got.scores[args.reward_key].to(device))  # [samples]
+    scores = {name: distributed.all_gather_cat(v.to(device)) for name, v in got.scores.items()}  # each [samples]
     groups = torch.arange(args.prompts_per_step, device=device).repeat_interleave(args.group_size)  # [samples]
     keep = ~got.dropped[groups]  # [samples]; at least one group (a step without any is skipped)
-    all_adv, info = torch.zeros_like(all_rewards), {}
-    if args.reward_combine == "advantage":  # each reward normalised in its group, their advantages summed (MixGRPO)
+    all_rewards, mix, features = scores[args.reward_key], None, None
+    if args.reward_combine == "advantage":  # each component's own group advantage, their weighted sum (MixGRPO)
         spec = dict(rewards.parse_spec(args.reward))
-        parts = {name: distributed.all_gather_cat(got.scores[name].to(device))[keep] for name in spec}  # [kept]
-        all_adv[keep], combined = losses.combined_advantages(parts, spec, groups[keep], global_std=args.global_std,
-                                                             clip=args.adv_clip)
-        info.update({f"reward/{k}": v for k, v in combined.items() if not k.endswith("_mean")})  # std, share
-    else:  # the loss's rule: group-relative advantages, or its own (the best of each group, its best-worst pair)
-        all_adv[keep] = loss.advantages(all_rewards[keep], groups[keep], global_std=args.global_std,
-                                        clip=args.adv_clip)
-    mine = slice(RANK * per_rank, (RANK + 1) * per_rank)
-    info |= regularizers.shape_advantages(all_adv, keep, groups, all_rewards, got.scores, batch, args, carry, mine)
+        mix = ({name: scores[name] for name in spec}, spec)
+    if args.gardo_diversity:  # image features of this rank's samples; run.log's feature diversity reads them too
+        batch["features"] = diversity.featurizer(args.diversity, args.diversity_path, device)(batch["images"])  # [n, D]
+        features = distributed.all_gather_cat(batch["features"].to(device))  # [samples, D]
+    all_adv, info = step_advantages(all_rewards, groups, keep, rule=loss.advantages, global_std=args.global_std,
+                                    clip=args.adv_clip, mix=mix, features=features)
+    mine, gate = slice(RANK * per_rank, (RANK + 1) * per_rank), None
+    if args.gardo_gate:  # the KL only where the auxiliary rewards rank a sample well above the trained one
+        flagged, carry["gate_fraction"], carry["gate_history"] = gardo_gate(
+            all_rewards, [scores[name] for name in args.gardo_gate], keep, carry.get("gate_fraction"),
+            carry.get("gate_history", []))
+        gate = flagged[mine]  # [per_rank]: the loss's KL term reads it (losses.gated_kl)
+        info.update(gardo_fraction=carry["gate_fraction"], gardo_flagged=flagged[keep].float().mean().item())
     # Samples with advantage 0 (saturated groups, dropped groups) carry no policy gradient and leave the update
     # (departure 4); each rank keeps its micro-batch count and trains its kept samples in smaller micro-batches.
     # The forward-process losses train every sample of the kept groups, as their references (departure 8).
@@ -227,12 +234,11 @@ def advantages(got, loss, args, step, per_rank, batch, carry):
     info.update(reward_mean=all_rewards[keep].mean().item(),
                 reward_std=all_rewards[keep].std().item() if keep.sum() > 1 else 0.0,
                 dropped_groups=int(got.dropped.sum()), zero_adv_fraction=(all_adv == 0).float().mean().item())
-    for name, value in got.scores.items():  # every component, and the total where it is not the trained key
+    for name, value in scores.items():  # every component, and the total where it is not the trained key
         if name != "reward" or args.reward_key != "reward":
-            key = f"reward/{name}_mean" if name != "reward" else "reward/total_mean"
-            info[key] = torch.nanmean(distributed.all_gather_cat(value.to(device))).item()
+            info[f"reward/{name}_mean" if name != "reward" else "reward/total_mean"] = torch.nanmean(value).item()
     # DDP averages the ranks' gradients: weighting each rank by its share makes the step the mean over all samples.
-    return dict(adv=all_adv[mine], ids=ids, rank_weight=WORLD * len(ids) / counts.sum().item()), info
+    return dict(adv=all_adv[mine], ids=ids, rank_weight=WORLD * len(ids) / counts.sum().item(), kl_gate=gate), info
 
 
 def trained_ids(loss, adv, keep, n_micro, generator, group_size):
@@ -307,9 +313,10 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
             stepped = update or m  # an optimizer step of this step came before
             for i, (ids, rows) in enumerate(micro):
                 sub = embed_rows(batch["embeds"], ids, rows)
-                terms = reverse_terms(policy, batch, ids, sub, adv["adv"][ids], sigmas, args, rows) \
+                gate = None if adv.get("kl_gate") is None else adv["kl_gate"][ids]  # [b]: --gardo-gate's samples
+                terms = reverse_terms(policy, batch, ids, sub, adv["adv"][ids], sigmas, args, rows, gate) \
                     if loss.process == "reverse" else forward_terms(policy, loss, batch, ids, sub, adv["adv"][ids],
-                                                                    sigmas, args, (step, update, m, i), old_stats)
+                                                                    sigmas, args, (step, update, m, i), old_stats, gate)
                 for x, sigma, complete in terms:  # one trained step (or sigma) of every sample of the micro-batch
                     if (not stepped or snapshot is not None) and run.signalled():  # preempted: within a forward
                         run.stop_in_training(step, snapshot if stepped else None)
@@ -356,14 +363,14 @@ def host_stats(stats):
             for k, values in stats.items()}
 
 
-def reverse_terms(policy, batch, ids, sub, adv, sigmas, args, rows=None):
+def reverse_terms(policy, batch, ids, sub, adv, sigmas, args, rows=None, gate=None):
     """The trained sampler steps of micro-batch `ids`, the j-th of every sample at a time: its input x and sigma, and
     complete(v), the step's tensors for the loss from the current velocity v (losses.py, "the algorithms"): the
     stored transition scored by sde.sde_step, and with --kl-beta the frozen reference's mean of it (policy.frozen).
-    rows: `ids` on the CPU; with the rollout's host_steps, the forwards take their sigma from the host."""
+    rows: `ids` on the CPU; with the rollout's host_steps, the forwards take their sigma from the host. gate [b] bool:
+    --gardo-gate's samples whose KL counts (the advantage phase's kl_gate), or None."""
     train_guidance = guidance_scales(args)[1]
     step = dict(kind=args.sde, eta=args.eta, sigma_max=sigmas[1].item())  # sigmas[1] stands in for s = 1, as in rollout
-    gate = batch["kl_gate"][ids] if "kl_gate" in batch else None  # [b]: --gardo-gate's samples whose KL counts
     on_device = sigmas.to(batch["latents"].device)  # indexed by the steps k, which live there
     for j in range(batch["steps"].shape[1]):
         k = batch["steps"][ids, j]  # [b]: each sample's j-th trained step
@@ -384,7 +391,7 @@ def reverse_terms(policy, batch, ids, sub, adv, sigmas, args, rows=None):
         yield x, at, complete
 
 
-def forward_terms(policy, loss, batch, ids, sub, adv, sigmas, args, key, old_stats):
+def forward_terms(policy, loss, batch, ids, sub, adv, sigmas, args, key, old_stats, gate=None):
     """The training sigmas of micro-batch `ids` (key: step, update, minibatch, micro-batch): each clean sample
     re-noised there with fresh noise (renoised), the frozen models' no-grad velocities at every x_t first (the old
     copy's, the base's with --kl-beta: each set up once per micro-batch), then per sigma its input and complete(v)."""
@@ -398,7 +405,6 @@ def forward_terms(policy, loss, batch, ids, sub, adv, sigmas, args, key, old_sta
                 frozen[name] = [policy.velocity(x, fp["s_host"][:, j], sub, guidance)
                                 for j, x in enumerate(fp["x_t"])]
     old_stat = old_stats.get(key[1:])  # [n, b] on the optimizer steps after the batch's first, else None
-    gate = batch["kl_gate"][ids] if "kl_gate" in batch else None  # [b]: --gardo-gate's samples whose KL counts
     for j, x_t in enumerate(fp["x_t"]):
         def complete(v):
             return dict(v=v, x_t=x_t, x0=fp["x0"], noise=fp["noise"][j], sigma=fp["s"][:, j], adv=adv, unit=fp["unit"],

@@ -1,22 +1,26 @@
 """The runs of docs/long_run.md, queued: each is `python train.py` with its flags, stopped after its evaluation at the
-step where the page stops it, and its record (the command, args.json, eval.jsonl, metrics.jsonl) copied to
-`--copy-to FOLDER/<name>` when it ends, which the page's tables are read from.
+step where the page stops it, and its rows (one per evaluation step: eval.jsonl's row, metrics.jsonl's figures since
+the last evaluation, the command; scripts/ledgers.py) written into the page's ledger when it ends, which the page's
+tables are read from.
 
     python scripts/long_runs.py --list                 # the runs, their flags and where each stops
-    python scripts/long_runs.py --jobs 2 --out runs/long_runs --copy-to docs/runs/long_run/judge
+    python scripts/long_runs.py --jobs 2 --out runs/long_runs --ledger docs/runs/long_run.jsonl
     python scripts/long_runs.py --only div300-s0 floored04-s0 --jobs 2 --out runs/long_runs
+    python scripts/long_runs.py --unfold judge/s0 judge/s1 judge/s2 --out runs/long_run_judge  # then eval.py --plot
 
-A run whose record in --copy-to reached its stop (or its last step) is not run again; one interrupted in --out
-continues from its last checkpoint (`--resume auto`, checkpoints every 5 steps, the last one kept), as a league run
-does. Runs go `--jobs` at a time, `--threads` torch threads each, in the order of RUNS (or of --only). A run is stopped
-with SIGTERM, which train.py answers by saving its step and exiting 0 (run.py), once eval.jsonl has its stop step.
-Each run of the page took 50-100 minutes on one thread beside a second run on this project's 2-core machine.
+A run whose rows in --ledger reach its stop (or its last step) is not run again; one interrupted in --out continues
+from its last checkpoint (`--resume auto`, checkpoints every 5 steps, the last one kept), as a league run does. Runs
+go `--jobs` at a time, `--threads` torch threads each, in the order of RUNS (or of --only). A run is stopped with
+SIGTERM, which train.py answers by saving its step and exiting 0 (run.py), once eval.jsonl has its stop step. Each
+run of the page took 50-100 minutes on one thread beside a second run on this project's 2-core machine. The ledger's
+runs are named <set>/<run>: the queue's are set `judge` (the present judge); the page's earlier sets (`recipe`,
+`plateau`, `levers`, `first`) were measured on GenEval's 0.9 counting rule. `--unfold` writes runs of the ledger back
+as run folders (eval.jsonl, metrics.jsonl) that `python eval.py --plot` draws.
 """
 import argparse
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +29,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import config  # noqa: E402
+import ledgers  # noqa: E402
 
 TRAIN = [sys.executable, os.path.join(ROOT, "train.py")]  # the command each run starts with
 RECIPE = ["@recipes/shapes_long.args"]
@@ -81,7 +86,7 @@ RUNS = {
     "nogardo-gstd-s1": ("Where that leaves the bar", seeded(NOGARDO_GSTD, 1), None),
     "nogardo-gstd-s2": ("Where that leaves the bar", seeded(NOGARDO_GSTD, 2), None),
 }
-RECORD = ["args.json", "eval.jsonl", "metrics.jsonl"]
+SET = "judge"  # the ledger's set of the queue's runs: measured on the present judge
 
 
 def last_step(flags):
@@ -97,45 +102,92 @@ def last_step(flags):
 
 
 def evaluated(folder):
-    """The steps evaluated in folder/eval.jsonl (none when it is missing); a line still being written is not read."""
+    """The steps evaluated in folder/eval.jsonl (none when it is missing); a line still being written is not read, a
+    damaged one is one error line."""
     path = os.path.join(folder, "eval.jsonl")
     if not os.path.exists(path):
         return []
+    steps = []
     with open(path) as f:
-        return [json.loads(line)["step"] for line in f if line.endswith("\n") and line.strip()]
+        for number, line in enumerate(f, 1):
+            if not line.endswith("\n") or not line.strip():
+                continue
+            try:
+                steps.append(int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                raise SystemExit(f"error: {path}:{number} is damaged (no JSON row with a step): delete the run's folder "
+                                 f"{folder} to run it again") from None
+    return steps
 
 
 def finished(folder, stop):
     return any(step >= stop for step in evaluated(folder))
 
 
+def recorded(ledger, name, stop):
+    """Whether the ledger's rows of the run reach its stop step."""
+    return any(r.get("step", -1) >= stop for r in ledger.get(name, []))
+
+
 def run_flags(name, flags, out):
     return [*flags, "--out", os.path.join(out, name), "--resume", "auto", "--save-every", "5", "--keep-checkpoints", "1"]
 
 
-def copy_record(name, flags, stop, out, copy_to, threads):
-    source, target = os.path.join(out, name), os.path.join(copy_to, name)
-    os.makedirs(target, exist_ok=True)
-    for file in RECORD:
-        shutil.copyfile(os.path.join(source, file), os.path.join(target, file))
-    with open(os.path.join(target, "command.txt"), "w") as f:
-        f.write(f"# scripts/long_runs.py's run {name}, stopped after the evaluation of step {stop}; "
-                f"{threads} thread(s) each, beside the queue's other runs\n")
-        f.write(f"OMP_NUM_THREADS={threads} {shlex.join(['python', 'train.py', *run_flags(name, flags, out)])}\n")
+def record(name, flags, stop, out, ledger, threads):
+    """The finished run's rows in place of its rows in the ledger."""
+    command = (f"OMP_NUM_THREADS={threads} {shlex.join(['python', 'train.py', *run_flags(name, flags, out)])}"
+               f"   # scripts/long_runs.py's run {name}, stopped after the evaluation of step {stop}; {threads} "
+               "thread(s) each, beside the queue's other runs")
+    ledgers.replace(ledger, ledgers.run_rows(os.path.join(out, name), SET, name, command))
+
+
+def unfold(args):
+    """The named runs of the ledger (<set>/<run>) as run folders under --out, for eval.py --plot."""
+    rows = ledgers.read(args.ledger)
+    by_name = {f"{r.get('set')}/{r['run']}" for r in rows if "eval" in r}
+    missing = [name for name in args.unfold if name not in by_name]
+    if missing:
+        raise SystemExit(f"error: {args.ledger} holds no run {', '.join(missing)}: its runs are "
+                         f"{', '.join(sorted(by_name))}")
+    folders = []
+    for name in args.unfold:
+        set_name, run = name.split("/", 1)
+        mine = [r for r in ledgers.runs(rows, set_name)[run] if "eval" in r]
+        folders.append(ledgers.unfold(mine, os.path.join(args.out, set_name, run)))
+    print(f"wrote {', '.join(folders)}; their curves: python eval.py --plot {' '.join(folders)} --out {args.out}")
+    return 0
+
+
+def positive(kind):
+    def parse(text):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text} is not above 0")
+        return value
+    return parse
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", nargs="+", choices=list(RUNS), help="these runs, in this order (default: all)")
-    p.add_argument("--jobs", type=int, default=2, help="runs at a time")
-    p.add_argument("--threads", type=int, default=1, help="torch threads a run")
-    p.add_argument("--out", default="runs/long_runs", help="the runs' folders")
-    p.add_argument("--copy-to", default=None, help="where each finished run's record goes (and is looked for)")
-    p.add_argument("--poll", type=float, default=30.0, help="seconds between looks at the runs' evaluations")
+    p.add_argument("--jobs", type=positive(int), default=2, help="runs at a time")
+    p.add_argument("--threads", type=positive(int), default=1, help="torch threads a run")
+    p.add_argument("--out", default="runs/long_runs", help="the runs' folders (with --unfold: the unfolded runs')")
+    p.add_argument("--ledger", default=None, help="the page's ledger, where each finished run's rows go (and are "
+                   "looked for): docs/runs/long_run.jsonl")
+    p.add_argument("--poll", type=positive(float), default=30.0, help="seconds between looks at the runs' evaluations")
     p.add_argument("--list", action="store_true", help="print the runs and exit")
+    p.add_argument("--unfold", nargs="+", metavar="SET/RUN", help="write these runs of --ledger as run folders into "
+                   "--out (eval.jsonl, metrics.jsonl) for eval.py --plot, and exit")
     args = p.parse_args(argv)
-    if args.jobs < 1 or args.threads < 1:
-        p.error("--jobs and --threads take 1 or more")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"--out {args.out} is a file, not a folder: give a folder for the runs")
+    if args.ledger and os.path.isdir(args.ledger):
+        p.error(f"--ledger {args.ledger} is a folder: give the ledger's file, such as docs/runs/long_run.jsonl")
+    if args.unfold:
+        if not args.ledger:
+            p.error("--unfold reads --ledger: give it, such as --ledger docs/runs/long_run.jsonl")
+        return unfold(args)
     names = args.only or list(RUNS)
     plan = [(name, RUNS[name][1], RUNS[name][2] or last_step(RUNS[name][1])) for name in names]
     if args.list:
@@ -143,26 +195,34 @@ def main(argv=None):
             print(f"{name:20s} stops after step {stop:3d}  ({RUNS[name][0]})  {shlex.join(flags)}")
         return 0
     out = os.path.abspath(args.out)
-    copy_to = os.path.abspath(args.copy_to) if args.copy_to else None
-    todo = [run for run in plan if not (copy_to and finished(os.path.join(copy_to, run[0]), run[2]))]
-    print(f"{len(plan) - len(todo)} of {len(plan)} run(s) already recorded in {copy_to}", flush=True)
+    ledger = os.path.abspath(args.ledger) if args.ledger else None
+    done = ledgers.runs(ledgers.read(ledger), SET) if ledger and os.path.exists(ledger) else {}
+    todo = [run for run in plan if not recorded(done, run[0], run[2])]
+    print(f"{len(plan) - len(todo)} of {len(plan)} run(s) already recorded in {ledger}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
     running, failed, start = {}, [], time.time()
     before = signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stopped queue stops its runs (each saves
     try:  # its step)
-        return queue(todo, running, failed, start, out, copy_to, env, args)
+        return queue(todo, running, failed, start, out, ledger, env, args)
     except KeyboardInterrupt:
-        for proc, *_ in running.values():
-            proc.send_signal(signal.SIGTERM)
-        for proc, *_ in running.values():
-            proc.wait()
+        stop_all(running)
         print(f"stopped; the same command continues {' '.join(running)} from their checkpoints", file=sys.stderr)
         return 130
+    except BaseException:
+        stop_all(running)  # whatever ends the queue ends its runs: none is left training alone
+        raise
     finally:
         signal.signal(signal.SIGTERM, before)
 
 
-def queue(todo, running, failed, start, out, copy_to, env, args):
+def stop_all(running):
+    for proc, *_ in running.values():
+        proc.send_signal(signal.SIGTERM)
+    for proc, *_ in running.values():
+        proc.wait()
+
+
+def queue(todo, running, failed, start, out, ledger, env, args):
     while todo or running:
         while todo and len(running) < args.jobs:
             name, flags, stop = todo.pop(0)
@@ -183,8 +243,8 @@ def queue(todo, running, failed, start, out, copy_to, env, args):
             log.close()
             del running[name]
             done = finished(os.path.join(out, name), stop)
-            if done and copy_to:
-                copy_record(name, flags, stop, out, copy_to, args.threads)
+            if done and ledger:
+                record(name, flags, stop, out, ledger, args.threads)
             if not done:
                 failed.append(name)
             print(f"[{(time.time() - start) / 60:6.1f} min] {name}: "

@@ -514,7 +514,7 @@ GARDO = ["--kl-beta", "0.01", "--reward", "jpeg_compressibility=1,jpeg_incompres
 def test_the_gardo_reference_resumes_renews_and_gates_on_the_device(name, tmp_path, monkeypatch):
     """GARDO's reference snapshot (a third copy of the weights) read from a checkpoint lands beside the weights, as the
     EMA and the old copy must (bug 1 above), and a step then renews it and swaps it in there; the gated KL
-    (batch["kl_gate"] on the device) is taken without reading the device back."""
+    (the advantage phase's kl_gate on the device) is taken without reading the device back."""
     args = parse(name, *GARDO)
     loss = losses.LOSSES[name]
     path, cpu = write_checkpoint(tmp_path, args)
@@ -532,8 +532,9 @@ def test_the_gardo_reference_resumes_renews_and_gates_on_the_device(name, tmp_pa
         policy.resume(path, args)
         assert_beside(policy)
         batch = batch_for(loss, args, policy)
-        batch["kl_gate"] = torch.tensor([True, False, False, True], device=cuda)
-        info = train.train_on_batch(policy, loss, batch, dict(adv=adv_cpu.to(cuda), ids=ids, rank_weight=1.0),
+        gate = torch.tensor([True, False, False, True], device=cuda)
+        info = train.train_on_batch(policy, loss, batch, dict(adv=adv_cpu.to(cuda), ids=ids, rank_weight=1.0,
+                                                              kl_gate=gate),
                                     sde.sd3_sigmas(args.num_steps), args, 1, run)
         assert info["gardo_reset"] == 1 and run.carry["last_reset"] == 1
         assert_beside(policy)

@@ -10,6 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import advantages
+import diversity
 import losses
 import regularizers
 import train
@@ -267,16 +269,15 @@ def test_the_diversity_weighted_advantage_is_clipped_again_as_gardo_clips_after_
     rewards = torch.tensor([1.0] + [0.0] * 7 + [0.2, 0.4, 0.6, 0.8, 0.1, 0.3, 0.5, 0.7])  # two groups of 8
     groups = torch.arange(2).repeat_interleave(8)
     keep = torch.ones(16, dtype=torch.bool)
-    adv = losses.group_advantages(rewards, groups, clip=args.adv_clip)
+    adv = advantages.group_advantages(rewards, groups, clip=args.adv_clip)
     gen = torch.Generator().manual_seed(0)
     images = torch.full((16, 8, 8, 3), 100, dtype=torch.uint8)
     images[0] = torch.randint(0, 256, (8, 8, 3), generator=gen, dtype=torch.uint8)  # the one novel image
     images[8:] = torch.randint(0, 256, (8, 8, 8, 3), generator=gen, dtype=torch.uint8)  # all different
-    weight = regularizers.diversity_weights(adv, regularizers.diversity.pixel_features(images), groups).to(adv)
+    features = diversity.pixel_features(images)
+    weight = advantages.diversity_weights(adv, features, groups).to(adv)
     assert weight[0].item() == pytest.approx(8.0) and (adv[0] * weight[0]).item() > 20  # what the clamp catches
-    shaped = adv.clone()
-    info = regularizers.shape_advantages(shaped, keep, groups, rewards, {}, {"images": images}, args, {},
-                                         slice(0, 16))
+    shaped, info = advantages.step_advantages(rewards, groups, keep, clip=args.adv_clip, features=features)
     assert info["gardo_weight_max"] == pytest.approx(8.0)
     assert shaped[0].item() == pytest.approx(args.adv_clip) and shaped.abs().max().item() <= args.adv_clip
     assert torch.equal(shaped[1:8], adv[1:8])  # negative advantages: weight 1

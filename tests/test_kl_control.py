@@ -1,11 +1,11 @@
-"""The two brakes of the long run: the adaptive KL weight (--kl-target, regularizers.adaptive_kl_beta: Ziegler et al.
+"""The two brakes of the long run: the adaptive KL weight (--kl-target, losses.adaptive_kl_beta: Ziegler et al.
 2019, Sec. 2.2) and DiffusionNFT's flow-matching pull (--nft-fm; its gradient: tests/test_forward_losses.py), as
 train.py wires them: the weight each step trains with, carried from step to step and through a checkpoint."""
 import math
 
 import pytest
 
-import regularizers
+import losses
 import train
 from test_gardo import LORA_KL, same_rows, state, train_in_process
 
@@ -13,17 +13,17 @@ from test_gardo import LORA_KL, same_rows, state, train_in_process
 def test_the_kl_weight_moves_by_the_clipped_proportional_error():
     """beta (1 + K clip(KL / target - 1, -0.2, 0.2)), restated by hand: a KL at the target leaves beta, one 10 %
     above raises it by K x 10 %, one far above or below by at most K x 20 %; a non-finite KL leaves it."""
-    step = lambda kl: regularizers.adaptive_kl_beta(0.5, kl, target=0.02, rate=0.1)  # noqa: E731
+    step = lambda kl: losses.adaptive_kl_beta(0.5, kl, target=0.02, rate=0.1)  # noqa: E731
     assert step(0.02) == pytest.approx(0.5)
     assert step(0.022) == pytest.approx(0.5 * (1 + 0.1 * 0.1))
     assert step(0.018) == pytest.approx(0.5 * (1 - 0.1 * 0.1))
     assert step(5.0) == pytest.approx(0.5 * 1.02) and step(0.0) == pytest.approx(0.5 * 0.98)
     assert step(float("nan")) == 0.5 and step(math.inf) == 0.5
-    floored = lambda kl: regularizers.adaptive_kl_beta(0.5, kl, target=0.02, rate=0.1, floor=0.495)  # noqa: E731
+    floored = lambda kl: losses.adaptive_kl_beta(0.5, kl, target=0.02, rate=0.1, floor=0.495)  # noqa: E731
     assert floored(0.0) == 0.495 and floored(0.019) == pytest.approx(0.5 * (1 - 0.1 * 0.05))
     beta = 1.0
     for _ in range(10):  # a KL that stays above target: beta grows geometrically, 1 + 0.2 K a step
-        beta = regularizers.adaptive_kl_beta(beta, 1.0, target=0.02, rate=0.5)
+        beta = losses.adaptive_kl_beta(beta, 1.0, target=0.02, rate=0.5)
     assert beta == pytest.approx(1.1**10)
 
 

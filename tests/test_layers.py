@@ -11,7 +11,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
-    ("flags", "sde", "data", "distributed", "geneval"),  # the math and the plumbing below everything: torch only
+    ("flags", "sde", "advantages", "data", "distributed", "geneval"),  # the math and the plumbing below everything:
+    # torch only
     ("losses", "checkpoints", "prompt_store", "shapes", "services", "reward_models"),  # losses and their registry; run
     # folders; the prompt-embedding store's files; the shapes world (the world, the edit world, the learned proxy of its
     # GenEval judge); reward-service HTTP; the neural reward models

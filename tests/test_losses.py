@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import advantages
 import losses
 
 Normal = torch.distributions.Normal
@@ -14,7 +15,7 @@ Normal = torch.distributions.Normal
 def test_group_advantages_match_a_loop():
     rewards = torch.tensor([1.0, 2.0, 3.0, 10.0, 10.0, 10.0, 0.5, -0.5])
     group_ids = [7, 7, 7, 2, 2, 2, 5, 5]  # any ints, any order
-    adv = losses.group_advantages(rewards, group_ids)
+    adv = advantages.group_advantages(rewards, group_ids)
     expected = []
     for i, r in enumerate(rewards.tolist()):
         group = [rewards[j].item() for j in range(8) if group_ids[j] == group_ids[i]]
@@ -23,25 +24,25 @@ def test_group_advantages_match_a_loop():
         expected.append((r - mean) / (std + 1e-4))
     torch.testing.assert_close(adv, torch.tensor(expected))
     assert adv[3:6].eq(0).all()  # a constant-reward group: zero, never NaN
-    torch.testing.assert_close(losses.group_advantages(rewards, torch.tensor(group_ids)), adv)
+    torch.testing.assert_close(advantages.group_advantages(rewards, torch.tensor(group_ids)), adv)
 
 
 def test_group_advantages_global_std_and_clip():
     rewards = torch.tensor([0.0, 1.0, 5.0, 7.0])
-    adv = losses.group_advantages(rewards, [0, 0, 1, 1], global_std=True)
+    adv = advantages.group_advantages(rewards, [0, 0, 1, 1], global_std=True)
     centred = torch.tensor([-0.5, 0.5, -1.0, 1.0])
     torch.testing.assert_close(adv, centred / (rewards.std(unbiased=False) + 1e-4))
     many = torch.tensor([0.0] * 99 + [1.0])  # one outlier: (1 - 0.01) / 0.0995 = 9.95 before the clip
-    assert losses.group_advantages(many, [0] * 100, clip=5.0).max().item() == 5.0
-    assert losses.group_advantages(torch.ones(4), [0, 0, 1, 1]).eq(0).all()
-    assert losses.group_advantages(torch.tensor([3.0]), [0]).eq(0).all()  # a group of one
+    assert advantages.group_advantages(many, [0] * 100, clip=5.0).max().item() == 5.0
+    assert advantages.group_advantages(torch.ones(4), [0, 0, 1, 1]).eq(0).all()
+    assert advantages.group_advantages(torch.tensor([3.0]), [0]).eq(0).all()  # a group of one
 
 
 def test_group_advantages_bad_input():
     with pytest.raises(ValueError, match="non-finite"):
-        losses.group_advantages(torch.tensor([1.0, float("nan")]), [0, 0])
+        advantages.group_advantages(torch.tensor([1.0, float("nan")]), [0, 0])
     with pytest.raises(ValueError, match="group_ids"):
-        losses.group_advantages(torch.tensor([1.0, 2.0]), [0])
+        advantages.group_advantages(torch.tensor([1.0, 2.0]), [0])
 
 
 # ----------------------------------------------------------------------------- GRPO
@@ -63,7 +64,7 @@ def test_combined_advantages_by_hand_with_rewards_of_very_different_ranges():
     large = [100.0, 400.0, 250.0, -300.0, 0.0, 900.0]
     ids = [0, 0, 0, 1, 1, 1]
     weights = {"small": 1.0, "large": 0.5}
-    adv, info = losses.combined_advantages({"small": torch.tensor(small), "large": torch.tensor(large)}, weights, ids)
+    adv, info = advantages.combined_advantages({"small": torch.tensor(small), "large": torch.tensor(large)}, weights, ids)
     a_small, a_large = _by_hand(small, ids), _by_hand(large, ids)
     expected = [(1.0 * s + 0.5 * g) / 1.5 for s, g in zip(a_small, a_large)]  # weights over their sum (MixGRPO)
     torch.testing.assert_close(adv, torch.tensor(expected))
@@ -75,13 +76,13 @@ def test_combined_advantages_by_hand_with_rewards_of_very_different_ranges():
         assert info[f"{name}_share"] == pytest.approx(mean_abs[name] / sum(mean_abs.values()), rel=1e-5)
     assert 0.3 < info["small_share"] < 0.7  # both rewards steer the update
     # A weighted sum of raw scores is the large reward's advantage: the small one is drowned.
-    raw = losses.group_advantages(torch.tensor(small) + 0.5 * torch.tensor(large), ids)
-    torch.testing.assert_close(raw, losses.group_advantages(torch.tensor(large), ids), atol=2e-3, rtol=0)
+    raw = advantages.group_advantages(torch.tensor(small) + 0.5 * torch.tensor(large), ids)
+    torch.testing.assert_close(raw, advantages.group_advantages(torch.tensor(large), ids), atol=2e-3, rtol=0)
     # The combined advantage does not depend on either reward's scale or offset (eps aside: tiny here).
     rescaled = {"small": 1000 * torch.tensor(small) + 7, "large": torch.tensor(large) / 1000 - 3}
-    base = losses.combined_advantages({"small": torch.tensor(small), "large": torch.tensor(large)}, weights, ids,
+    base = advantages.combined_advantages({"small": torch.tensor(small), "large": torch.tensor(large)}, weights, ids,
                                       eps=1e-9)[0]
-    torch.testing.assert_close(losses.combined_advantages(rescaled, weights, ids, eps=1e-9)[0], base,
+    torch.testing.assert_close(advantages.combined_advantages(rescaled, weights, ids, eps=1e-9)[0], base,
                                rtol=1e-4, atol=1e-4)
 
 
@@ -89,29 +90,29 @@ def test_combined_advantages_clip_the_sum_and_skip_unscored_samples():
     a, b = torch.tensor([0.0, 1.0]), torch.tensor([0.0, 2.0])
     # centred +-0.5 and +-1 over stds 0.5 and 1; the weights 3 and 3 divided by their sum (MixGRPO): 1/2 each
     unit = (0.5 / (0.5 + 1e-4) + 1 / (1 + 1e-4)) / 2
-    adv, info = losses.combined_advantages({"a": a, "b": b}, {"a": 3.0, "b": 3.0}, [0, 0], clip=100.0)
+    adv, info = advantages.combined_advantages({"a": a, "b": b}, {"a": 3.0, "b": 3.0}, [0, 0], clip=100.0)
     torch.testing.assert_close(adv, torch.tensor([-unit, unit]))  # about +-1, not the +-6 of raw weights
     outlier = torch.tensor([0.0] * 29 + [1.0])  # one sample apart from 29: its advantage is sqrt(29) = 5.39
-    adv, _ = losses.combined_advantages({"a": outlier, "b": outlier}, {"a": 3.0, "b": 3.0}, [0] * 30)
+    adv, _ = advantages.combined_advantages({"a": outlier, "b": outlier}, {"a": 3.0, "b": 3.0}, [0] * 30)
     assert adv[-1] == 5.0 and adv[0] == pytest.approx(-1 / 29**0.5, rel=1e-3)  # clip 5 acts on the sum
     assert info["a_share"] == pytest.approx(0.5, rel=1e-4) and info["b_share"] == pytest.approx(0.5, rel=1e-4)
     # NaN: the reward does not score that sample (a per-sample rm_type); it is normalised over the others.
     part = torch.tensor([1.0, float("nan"), 3.0, float("nan")])
-    adv, info = losses.combined_advantages({"p": part, "q": torch.tensor([5.0, 5.0, 5.0, 5.0])},
+    adv, info = advantages.combined_advantages({"p": part, "q": torch.tensor([5.0, 5.0, 5.0, 5.0])},
                                            {"p": 1.0, "q": 1.0}, [0, 0, 0, 0])
     one = 1 / (1 + 1e-4)  # [1, 3]: centred +-1, std 1
     torch.testing.assert_close(adv, torch.tensor([-one, 0.0, one, 0.0]) / 2)  # weight 1 of 2
     assert info["p_mean"] == 2.0 and info["q_share"] == 0.0 and info["p_share"] == 1.0
-    saturated, info = losses.combined_advantages({"q": torch.ones(4)}, {"q": 2.0}, [0, 0, 1, 1])
+    saturated, info = advantages.combined_advantages({"q": torch.ones(4)}, {"q": 2.0}, [0, 0, 1, 1])
     assert saturated.eq(0).all() and info["q_share"] == 0.0  # equal rewards: exactly 0, shares 0, never NaN
     # a reward that scores no sample of this batch (every row's rm_type leaves it out) adds nothing, its mean NaN
-    none, info = losses.combined_advantages({"a": a, "b": torch.full((2,), float("nan"))}, {"a": 3.0, "b": 1.0}, [0, 0])
-    torch.testing.assert_close(none, 0.75 * losses.combined_advantages({"a": a}, {"a": 3.0}, [0, 0])[0])
+    none, info = advantages.combined_advantages({"a": a, "b": torch.full((2,), float("nan"))}, {"a": 3.0, "b": 1.0}, [0, 0])
+    torch.testing.assert_close(none, 0.75 * advantages.combined_advantages({"a": a}, {"a": 3.0}, [0, 0])[0])
     assert math.isnan(info["b_mean"]) and info["b_share"] == 0.0
     for bad, match in ((({"a": a}, {"b": 1.0}), "same rewards"),
                        (({"a": torch.tensor([0.0, float("inf")])}, {"a": 1.0}), "non-finite")):
         with pytest.raises(ValueError, match=match):
-            losses.combined_advantages(*bad, [0, 0])
+            advantages.combined_advantages(*bad, [0, 0])
 
 
 def test_grpo_at_ratio_one_is_minus_mean_advantage():
@@ -202,7 +203,7 @@ def test_saturated_groups_get_exactly_zero_advantage():
         for n in (3, 12, 24):
             r = torch.cat([rewards.repeat_interleave(n), torch.tensor([0.0, 1.0])])  # plus one live group
             ids = torch.cat([torch.arange(200).repeat_interleave(n), torch.tensor([200, 200])])
-            adv = losses.group_advantages(r, ids, global_std=global_std)
+            adv = advantages.group_advantages(r, ids, global_std=global_std)
             assert (adv[:-2] == 0).all()
             assert (adv[-2:] != 0).all()
 

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+import advantages
 import losses
 import sde
 import train
@@ -22,19 +23,19 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_best_of_group_marks_every_sample_at_the_group_maximum():
     rewards = torch.tensor([0.1, 0.7, 0.7, 0.2, 0.5, 0.5, 0.5, 0.9])
     groups = [0, 0, 0, 0, 1, 1, 1, 1]
-    assert losses.best_of_group(rewards, groups).tolist() == [0, 1, 1, 0, 0, 0, 0, 1]
+    assert advantages.best_of_group(rewards, groups).tolist() == [0, 1, 1, 0, 0, 0, 0, 1]
     # A group of equal rewards is all "best" (flow_grpo's max == max), whatever the value.
-    assert losses.best_of_group(torch.zeros(4), [3, 3, 3, 3]).tolist() == [1, 1, 1, 1]
+    assert advantages.best_of_group(torch.zeros(4), [3, 3, 3, 3]).tolist() == [1, 1, 1, 1]
 
 
 def test_preference_pairs_take_the_first_best_and_the_first_worst_of_each_group():
     rewards = torch.tensor([0.3, 0.9, 0.1, 0.9, 0.1, 0.4, 0.4, 0.4, 0.2, 0.8, 0.8, 0.2])
     groups = [0, 0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2]
-    adv = losses.preference_pairs(rewards, groups)
+    adv = advantages.preference_pairs(rewards, groups)
     # group 0: first 0.9 at 1 chosen, first 0.1 at 2 rejected; group 1 tied: no pair; group 2: 9 over 8
     assert adv.tolist() == [0, 1, -1, 0, 0, 0, 0, 0, -1, 1, 0, 0]
     with pytest.raises(ValueError, match="non-finite reward"):
-        losses.preference_pairs(torch.tensor([0.0, math.nan]), [0, 0])
+        advantages.preference_pairs(torch.tensor([0.0, math.nan]), [0, 0])
 
 
 # ----------------------------------------------------------------------------- the losses, closed forms

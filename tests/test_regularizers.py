@@ -1,11 +1,12 @@
-"""GARDO's rules (regularizers.py) against hand-worked values and against the authors' code at tinnerhrhe/GARDO
-1cc77fb, rule by rule (G = scripts/train_sd3_grpo_gardo.py, N = scripts/train_sd3_nft_gardo.py,
+"""GARDO's rules (advantages.py, regularizers.py) against hand-worked values and against the authors' code at
+tinnerhrhe/GARDO 1cc77fb, rule by rule (G = scripts/train_sd3_grpo_gardo.py, N = scripts/train_sd3_nft_gardo.py,
 S = flow_grpo/stat_tracking.py). The references below restate each rule in numpy as the cited lines compute it."""
 
 import numpy as np
 import pytest
 import torch
 
+import advantages
 import losses
 import regularizers
 
@@ -14,9 +15,9 @@ def test_uncertainty_is_the_trained_rank_less_the_mean_auxiliary_rank():
     """G L827-834: ranks 1 = highest; u = rank(main) - (rank(aesthetic) + rank(imagereward)) / 2."""
     main, aux = torch.tensor([3.0, 2.0, 1.0]), [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 3.0, 2.0])]
     # ranks: main 1, 2, 3; aux 3, 2, 1 and 3, 1, 2 -> means 3, 1.5, 1.5
-    assert regularizers.uncertainty(main, aux).tolist() == [-2.0, 0.5, 1.5]
+    assert advantages.uncertainty(main, aux).tolist() == [-2.0, 0.5, 1.5]
     with pytest.raises(ValueError, match="auxiliary"):
-        regularizers.uncertainty(main, [])
+        advantages.uncertainty(main, [])
 
 
 def test_an_auxiliary_reward_that_left_samples_unscored_judges_only_those_it_scored():
@@ -26,13 +27,13 @@ def test_an_auxiliary_reward_that_left_samples_unscored_judges_only_those_it_sco
     main = torch.tensor([4.0, 3.0, 2.0, 1.0])  # ranks 1, 2, 3, 4
     aux = [torch.tensor([nan, 1.0, 2.0, 3.0]),  # ranks 3, 2, 1 among the scored -> 4, 2.5, 1 on 1..4
            torch.tensor([nan, nan, 5.0, 6.0])]  # ranks 2, 1 -> 4, 1
-    u = regularizers.uncertainty(main, aux)
+    u = advantages.uncertainty(main, aux)
     assert torch.isnan(u[0]) and u[1:].tolist() == [2 - 4, 3 - (2.5 + 4) / 2, 4 - (1 + 1) / 2]
-    assert not regularizers.kl_gate(torch.cat([u, torch.tensor([0.0, 1.0])]), 0.5)[0]
-    assert regularizers.gate_fraction(0.1, [], u)[1] == [3.0]  # the level: the mean of the non-negative u alone
+    assert not advantages.kl_gate(torch.cat([u, torch.tensor([0.0, 1.0])]), 0.5)[0]
+    assert advantages.gate_fraction(0.1, [], u)[1] == [3.0]  # the level: the mean of the non-negative u alone
     full = [torch.tensor([1.0, 2.0, 3.0, 4.0])]
-    gardo = regularizers.ranks(main) - regularizers.ranks(full[0])  # every sample scored: GARDO's ranks exactly
-    assert regularizers.uncertainty(main, full).tolist() == gardo.tolist()
+    gardo = advantages.ranks(main) - advantages.ranks(full[0])  # every sample scored: GARDO's ranks exactly
+    assert advantages.uncertainty(main, full).tolist() == gardo.tolist()
 
 
 class RiskCompensatorReference:
@@ -58,23 +59,23 @@ def test_gate_fraction_follows_the_risk_compensator():
     for step in range(60):
         u = rng.normal(step % 7, 2.0, 32)
         ref.update(u[u >= 0])
-        fraction, history = regularizers.gate_fraction(fraction, history, torch.tensor(u))
+        fraction, history = advantages.gate_fraction(fraction, history, torch.tensor(u))
         assert fraction == pytest.approx(ref.beta) and history == pytest.approx(ref.buffer)
-    assert regularizers.gate_fraction(0.5, [], torch.tensor([1.0]))[0] == 0.1  # the first update sets the base
-    assert regularizers.gate_fraction(0.2, [0.5], torch.tensor([3.0]))[0] == 0.2  # x 1.1, clipped to 0.2
+    assert advantages.gate_fraction(0.5, [], torch.tensor([1.0]))[0] == 0.1  # the first update sets the base
+    assert advantages.gate_fraction(0.2, [0.5], torch.tensor([3.0]))[0] == 0.2  # x 1.1, clipped to 0.2
 
 
 def test_gate_flags_u_above_the_percentile_of_the_non_negative_u():
     """G L835-837: threshold = np.percentile(u[u >= 0], 100 - 100 fraction); flagged = u > threshold."""
     u = torch.tensor([-2.0, 0.0, 2.0, 1.0, 3.0])
     # percentile 80 of [0, 1, 2, 3] = 2.4 (linear): only 3 is above
-    assert regularizers.kl_gate(u, 0.2).tolist() == [False, False, False, False, True]
+    assert advantages.kl_gate(u, 0.2).tolist() == [False, False, False, False, True]
     rng = np.random.default_rng(1)
     for fraction in (0.02, 0.1, 0.137, 0.2):
         v = rng.normal(0, 3, 48).round(1)
         expected = v > np.percentile(v[v >= 0], 100 - fraction * 100)
-        assert regularizers.kl_gate(torch.tensor(v), fraction).numpy().tolist() == expected.tolist()
-    assert not regularizers.kl_gate(torch.tensor([-1.0, -2.0]), 0.1).any()
+        assert advantages.kl_gate(torch.tensor(v), fraction).numpy().tolist() == expected.tolist()
+    assert not advantages.kl_gate(torch.tensor([-1.0, -2.0]), 0.1).any()
 
 
 def test_gated_kl_over_the_flagged_samples():
@@ -120,20 +121,20 @@ def diversity_reference(prompts, rewards, dists):
 
 def test_diversity_advantage_scales_positive_advantages_by_novelty():
     features = torch.tensor([[1.0, 0.0], [2.0, 0.0], [0.0, 3.0]])  # the first two alike, the third apart
-    adv = regularizers.diversity_advantages(torch.tensor([1.0, 0.0, 2.0]), features, torch.tensor([0, 0, 0]))
+    adv = advantages.diversity_advantages(torch.tensor([1.0, 0.0, 2.0]), features, torch.tensor([0, 0, 0]))
     # nearest distances 0, 0, 1 (mean 1/3); centred rewards 0, -1, 1 -> 0 x 0, -1 x 1, 1 x 3
     assert adv.tolist() == pytest.approx([0.0, -1.0, 3.0])
     rng = np.random.default_rng(2)
     groups = np.repeat(np.arange(4), 6)
     rewards, feats = rng.random(24), rng.normal(size=(24, 8))
-    ours = regularizers.diversity_advantages(torch.tensor(rewards), torch.tensor(feats), torch.tensor(groups))
+    ours = advantages.diversity_advantages(torch.tensor(rewards), torch.tensor(feats), torch.tensor(groups))
     assert ours.numpy() == pytest.approx(diversity_reference([f"p{g}" for g in groups], rewards, feats))
 
 
 def test_diversity_weights_leave_negative_advantages_and_identical_groups():
     features = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1.0, 1.0]])
     groups = torch.tensor([0, 0, 0, 1, 1])
-    w = regularizers.diversity_weights(torch.tensor([0.5, -1.0, 0.5, 1.0, -1.0]), features, groups)
+    w = advantages.diversity_weights(torch.tensor([0.5, -1.0, 0.5, 1.0, -1.0]), features, groups)
     # group 0: nearest distances 0, 0, 1 (mean 1/3); group 1: identical images, weight 1
     assert w.tolist() == pytest.approx([0.0, 1.0, 3.0, 1.0, 1.0])
 
