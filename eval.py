@@ -936,6 +936,7 @@ def main(argv=None):
     try:  # an unknown reward, a bad option or config, a model missing offline: one line naming the flag
         options = {k: getattr(args, k) for k in rewards.option_defaults()}  # the reward group's flags
         reward_fn = rewards.build_reward(args.reward, device=device, **options)
+        reward_fn.build_rows(metadata)  # the rows' rm_type rewards too: a model missing offline fails now
         diversity.featurizer(args.diversity, args.diversity_path, device)
         pipe = models.load_pipeline(args.model, args.model_path, device=device)
         models.latent_shape(pipe, args.resolution, num_frames=args.num_frames)  # a size the model cannot take
