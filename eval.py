@@ -654,6 +654,8 @@ def plot_runs(run_dirs, out=None):
     if not panels:
         raise SystemExit(f"error: {', '.join(run_dirs)}: no completed step or evaluation to plot yet "
                          "(train.py writes metrics.jsonl after each step and eval.jsonl with --eval-every)")
+    flag, out = ("--out", out) if out else ("--plot", os.path.join(run_dirs[0], "curves.png"))
+    check_output(os.path.dirname(os.path.abspath(out)), [os.path.basename(out)], flag)  # before the figure is drawn
     colours = {run["label"]: f"C{i}" for i, run in enumerate(runs)}
     longest = max(len(run["metrics"]) for run in runs)
     window = max(1, round(longest / 10))
@@ -691,12 +693,37 @@ def plot_runs(run_dirs, out=None):
     fig.legend(handles, [run["label"] for run in runs], loc="upper center", ncol=min(3, len(runs)), fontsize=9,
                frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight() * (1 + (len(runs) - 1) // 3)))
-    out = out or os.path.join(run_dirs[0], "curves.png")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
     print(f"wrote {out}")
     return out
+
+
+OUTPUTS = ("summary.json", "grid.png", "grid.gif", "grid.mp4", "bars.png", "diversity.png")  # what --out receives
+
+
+def check_output(folder, names, flag):
+    """Refuse in one line, before any sampling, a results folder this process cannot write, or one where a file of
+    `names` is a folder: a file is created and removed in it (or, while it does not exist, in the nearest folder above
+    it that does, which the results' folders will be made in), as train.py checks its run folder (checkpoints.prepare).
+    A trial write, not the permission bits: those do not bind root, a read-only mount does."""
+    for name in names:
+        path = os.path.join(folder, name)
+        if os.path.isdir(path) or (os.path.lexists(path) and not os.path.isfile(path)):
+            raise SystemExit(f"error: {flag}: {path} is a folder (or not a regular file), and eval.py writes a file "
+                             f"there; move it away or pick another {flag}")
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    probe = os.path.join(existing, f".write-test-{os.getpid()}")
+    try:
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise SystemExit(f"error: {flag}: cannot write in {existing} ({e.strerror or e}); pick a writable folder") \
+            from None
 
 
 def trained_model(paths):
@@ -760,6 +787,8 @@ def fill_from_preset(args):
     if "eval_prompts" in defaults:
         fill.update(prompts=defaults["eval_prompts"], input_key=defaults["input_key"], reward=defaults["reward"],
                     geneval_detector=defaults.get("geneval_detector"))
+    if args.guidance_scale is None:  # LTX-2's soundtrack scale goes with the preset's video scale (settle_guidance)
+        fill.update(audio_guidance_scale=defaults.get("audio_guidance_scale"))
     for key, value in fill.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -932,6 +961,7 @@ def main(argv=None):
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: {e}")
     prompts, metadata = prompts[:args.max_prompts], metadata[:args.max_prompts]
+    check_output(args.out, OUTPUTS, "--out")  # now, not after the sampling
     rank, alpha = lora_shape(args.checkpoints)
     try:  # an unknown reward, a bad option or config, a model missing offline: one line naming the flag
         options = {k: getattr(args, k) for k in rewards.option_defaults()}  # the reward group's flags

@@ -198,3 +198,50 @@ def test_a_reward_model_missing_offline_is_one_line_on_every_path(tmp_path):
     for proc in runs:
         assert "pickscore" in one_line(proc, "--pickscore-processor-path")
     assert not (tmp_path / "eval").exists()  # refused at load, before any sampling
+
+
+# ----------------------------------------------------------------------------- eval.py's outputs
+
+def fake_run(folder):
+    """A run folder with two steps of metrics: enough for --plot."""
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward_mean": 0.1 * s}) + "\n"
+                                                  for s in (1, 2)))
+    return folder
+
+
+def test_eval_plot_into_a_folder_where_curves_png_is_a_folder_is_one_line(tmp_path):
+    """Before: IsADirectoryError from savefig, a traceback."""
+    run = fake_run(tmp_path / "run")
+    (run / "curves.png").mkdir()
+    line = one_line(cli("eval.py", "--plot", run), "--plot")
+    assert str(run / "curves.png") in line and "is a folder" in line
+    elsewhere = tmp_path / "figures"
+    (elsewhere / "curves.png").mkdir(parents=True)
+    assert str(elsewhere / "curves.png") in one_line(cli("eval.py", "--plot", run, "--out", elsewhere), "--out")
+
+
+def test_eval_outputs_that_cannot_be_written_are_refused_before_sampling(tmp_path, monkeypatch):
+    """A read-only folder, as a failed trial write: root ignores the permission bits, so the refusal is simulated.
+    Before: --plot ended in `OSError: [Errno 30]`, --checkpoints after all the sampling."""
+    import eval as evaluation
+
+    def read_only(path, *a, **k):
+        raise OSError(30, "Read-only file system")
+    run = fake_run(tmp_path / "run")
+    monkeypatch.setattr(evaluation, "open", read_only, raising=False)  # the module's open: its trial write
+    sampled = []
+    monkeypatch.setattr(evaluation, "evaluate", lambda *a, **k: sampled.append(1))
+    for argv, flag in ((["--plot", str(run)], "--plot"),
+                       (["--model", "tiny", "--prompts", "prompts/tiny.txt", "--out", str(tmp_path / "eval")], "--out")):
+        with pytest.raises(SystemExit) as e:
+            evaluation.main(argv)
+        assert str(e.value.code).startswith(f"error: {flag}: cannot write in ") and "Read-only" in str(e.value.code)
+    assert not sampled and not (run / "curves.png").exists()
+
+
+def test_eval_out_where_a_results_file_is_a_folder_is_one_line(tmp_path):
+    (tmp_path / "eval" / "summary.json").mkdir(parents=True)
+    line = one_line(cli("eval.py", "--model", "tiny", "--resolution", "32", "--eval-steps", "2", "--max-prompts", "2",
+                        "--out", tmp_path / "eval"), "--out")
+    assert str(tmp_path / "eval" / "summary.json") in line
