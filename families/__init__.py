@@ -48,6 +48,14 @@ estimates on the meta device (build_published).
 Adding a family: a file here with its loader, tiny twin and adapter functions and, per model name, a dict of Family's
 fields; import it at the top and give each name its line in MODELS (tests/test_new_family.py does it with a family
 defined in the test).
+
+A family's encode must give a prompt the same rows wherever it is computed: the prompt cache and the prompt store
+(--prompt-store) encode each prompt once, keep its rows (a masked family's cut to its own tokens) and assemble later
+batches from them, right-padded with zeros and False as common.pad_tokens pads. So encode honours the `tokens` it is
+given, returns one batch-first row per prompt, the negative's rows alike for every prompt, and pads masked text on
+the right; a batch read back from the store must equal the fresh encode of that batch bit for bit. Every registered
+family is held to it by tests/test_prompt_store.py, and to its pipeline's own schedule by tests/test_families.py
+(docs/design.md, "A model family").
 """
 
 import dataclasses

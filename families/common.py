@@ -1,6 +1,10 @@
 """What several families share: tokenizers and encoders for the tiny twins, hub loading, latent checks, text
 padding and classifier-free guidance, decoding, the flow-matching schedules, reference images, the LoRA export and
-the base presets. Nothing here is keyed by a model name: that sits in the model's family file."""
+the base presets. Nothing here is keyed by a model name: that sits in the model's family file.
+
+Text padding here (pad_tokens, with_negative) is the padding the prompt cache and the prompt store assemble batches
+with: a family's encode that pads as they do gives the same rows stored and fresh (families/__init__.py, last
+paragraph)."""
 
 import contextlib
 import functools

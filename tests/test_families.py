@@ -2,14 +2,16 @@
 
 For each family: an Euler ODE through models.velocity reproduces the pipeline's own __call__ (Wan:
 its first UniPC step, which is an Euler step; the others: the whole trajectory, and the decoded
-pixels); models.sigmas equals the schedule __call__ sets up (its own retrieve_timesteps /
-set_timesteps and shift functions, on the same scheduler config). And for every tiny twin of the
-registry that generates from text: a rollout scored again by sde.sde_step gives the same log-probs
+pixels). And for every tiny twin of the registry that generates from text: models.sigmas equals
+the schedule its pipeline's __call__ sets up (__call__ run until it sets the timesteps, so its own
+token count and shift); a rollout scored again by sde.sde_step gives the same log-probs
 bit for bit (the first-update ratio is exactly 1); a LoRA written by models.save_lora loads with the
 pipeline's load_lora_weights and gives the adapted velocity; train.py runs it two steps. Every hub
 model, offline, fails in one sentence naming --model-path.
 """
 
+import functools
+import inspect
 import json
 import math
 import os
@@ -267,49 +269,39 @@ def test_noise_is_the_pipelines_noise(pipes):
 
 # ----------------------------------------------------------------------------- native schedules
 
-def reference_sigmas(pipe, name, num_steps, resolution):
-    """The sigmas that the pipeline's __call__ sets up, by its own code, on a copy of its scheduler."""
-    from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
-    from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
-    from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sigmas
+class _ScheduleSet(Exception):
+    """Raised by reference_sigmas' scheduler once __call__ has set its schedule: nothing after it need run."""
 
-    scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
-    config = scheduler.config
-    kind = models.family(pipe).name
-    if kind in ("sd3", "wan"):
-        scheduler.set_timesteps(num_steps)
+
+def reference_sigmas(pipe, name, num_steps, resolution):
+    """The sigmas that the pipeline's own __call__ sets up: __call__ runs on a copy of its scheduler until it sets the
+    timesteps, with the size and frames our run samples at. Whatever the family's latent layout, its pipeline's code
+    counts the tokens of the resolution-dependent shift (packed [B, tokens, C], channels first [B, C, H, W], frames),
+    so a new family's schedule is checked without a branch here."""
+    original = pipe.scheduler
+    scheduler = pipe.scheduler = type(original).from_config(original.config)
+    set_timesteps = scheduler.set_timesteps
+
+    @functools.wraps(set_timesteps)  # retrieve_timesteps reads its signature (sigmas=, mu=)
+    def set_and_stop(*args, **kwargs):
+        set_timesteps(*args, **kwargs)
+        raise _ScheduleSet
+
+    scheduler.set_timesteps = set_and_stop
+    takes = inspect.signature(type(pipe).__call__).parameters
+    call = dict(prompt="a red cube", num_inference_steps=num_steps, height=resolution, width=resolution,
+                output_type="latent")
+    if models.MODELS[name].preset.get("num_frames") and "num_frames" in takes:
+        call["num_frames"] = models.MODELS[name].preset["num_frames"]  # the frames our run samples
+    if "max_area" in takes:  # FluxKontextPipeline would resize to 1024^2 pixels
+        call["max_area"] = resolution * resolution
+    try:
+        pipe(**call)
+    except _ScheduleSet:
         return scheduler.sigmas
-    if kind == "hunyuan-video-1.5":  # HunyuanVideo15Pipeline.__call__: these sigmas, its static shift
-        retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=np.linspace(1.0, 0.0, num_steps + 1)[:-1])
-        return scheduler.sigmas
-    g = torch.Generator().manual_seed(0)
-    if kind == "ltx2":  # LTX2Pipeline.__call__: mu of the video tokens, frames included (families/ltx2.py)
-        frames = models.MODELS[name].preset["num_frames"]
-        models.latent_shape(pipe, resolution, num_frames=frames)  # ours: the frames last drawn at this size
-        tokens = pipe.prepare_latents(1, pipe.transformer.config.in_channels, resolution, resolution, frames, 0.0,
-                                      torch.float32, "cpu", g).shape[1]
-        mu = calculate_shift(tokens, config.base_image_seq_len, config.max_image_seq_len, config.base_shift,
-                             config.max_shift)
-        retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
-        return scheduler.sigmas
-    if kind == "z-image":
-        latents = pipe.prepare_latents(1, pipe.transformer.in_channels, resolution, resolution, torch.float32, "cpu", g)
-        tokens = (latents.shape[2] // 2) * (latents.shape[3] // 2)
-        sigmas = get_default_z_image_sigmas(num_steps)
-    else:
-        # FluxKontextPipeline.prepare_latents and QwenImage21Pipeline's take the source images first
-        source = (None,) if kind in ("flux-kontext", "qwen-image-2.1") else ()
-        latents = pipe.prepare_latents(*source, 1, pipe.transformer.config.in_channels // 4, resolution, resolution,
-                                       torch.float32, "cpu", g)
-        tokens = (latents[0] if isinstance(latents, tuple) else latents).shape[1]
-        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-    if kind == "flux2-klein":
-        mu = compute_empirical_mu(image_seq_len=tokens, num_steps=num_steps)
-    else:
-        mu = calculate_shift(tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-                             config.get("base_shift", 0.5), config.get("max_shift", 1.15))
-    retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
-    return scheduler.sigmas
+    finally:
+        pipe.scheduler = original
+    raise AssertionError(f"{type(pipe).__name__}.__call__ never set its scheduler's timesteps")
 
 
 @pytest.mark.parametrize("name", TWINS)
@@ -318,8 +310,9 @@ def test_schedule_is_the_pipelines(name, pipes):
     for num_steps, resolution in [(4, 64), (10, 64), (28, 128), (16, 512)]:
         if models.MODELS[name].video and resolution > 128:
             continue
-        expected = reference_sigmas(pipe, name, num_steps, resolution)  # first: ltx2's is for the latents drawn last
-        ours = models.sigmas(pipe, num_steps, resolution)
+        expected = reference_sigmas(pipe, name, num_steps, resolution)
+        frames = models.MODELS[name].preset.get("num_frames")  # as train.py asks: ltx2's shift counts the frames
+        ours = models.sigmas(pipe, num_steps, resolution, num_frames=frames)
         assert ours.dtype == torch.float32 and ours.shape == (num_steps + 1,)
         assert ours[-1] == 0 and (ours[1:] < ours[:-1]).all()
         torch.testing.assert_close(ours, expected.float(), atol=0, rtol=0,

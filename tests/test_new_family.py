@@ -1,7 +1,8 @@
 """A model family is one file and one registry record (README, "Adding a model"): Chroma, a family the repository
 does not ship, written below as a family file would be (its tiny twin, adapter functions and record), registered in
 families.MODELS, reproduces ChromaPipeline.__call__ through models.velocity and trains through train.main with no
-edit to models.py or train.py."""
+edit to models.py or train.py; and the registry's checks take it as they take the shipped families (its stored and
+fresh prompt encodings equal, its schedule its pipeline's)."""
 import json
 import math
 
@@ -11,7 +12,9 @@ import torch
 import families
 import models
 import train
-from families import common, flux
+from families import common, flux, z_image
+from test_families import reference_sigmas
+from test_prompt_store import assert_store_equals_fresh
 
 # ----------------------------------------------------------------------------- what families/chroma.py would hold
 # Chroma (lodestones/Chroma): FLUX.1-schnell's MMDiT with its modulation distilled into an approximator, T5 text only,
@@ -128,3 +131,26 @@ def test_a_pipeline_without_a_record_is_refused(chroma):
     pipe.model_name = "tiny-unregistered"
     with pytest.raises(ValueError, match="no model name of families.MODELS"):
         models.latent_shape(pipe, 64)
+
+
+def test_the_registry_checks_take_the_new_family(chroma, tmp_path, monkeypatch, one_thread):
+    """What tests/test_prompt_store.py and tests/test_families.py check of every registered family holds for the new
+    one: its prompts read back from a --prompt-store equal their fresh encode bit for bit, and its schedule is the one
+    ChromaPipeline.__call__ sets up."""
+    pipe = models.load_pipeline("tiny-chroma")
+    assert_store_equals_fresh(pipe, tmp_path / "store", monkeypatch)
+    for num_steps, resolution in [(4, 64), (10, 128)]:
+        torch.testing.assert_close(models.sigmas(pipe, num_steps, resolution),
+                                   reference_sigmas(pipe, "tiny-chroma", num_steps, resolution).float(), atol=0, rtol=0)
+
+
+def test_the_schedule_reference_counts_tokens_of_channels_first_latents(monkeypatch, one_thread):
+    """A family the reference has no branch for, with channels-first latents [B, C, H, W] (Z-Image's adapter under a
+    new family name, as a fork would add it): the reference is its pipeline's own, which counts (H / 2) (W / 2) tokens
+    for the shift, not the C of shape[1]; models.sigmas agrees with it at every size."""
+    monkeypatch.setitem(families.MODELS, "tiny-fork", families.Family(**dict(z_image.TINY, name="z-image-fork")))
+    pipe = models.load_pipeline("tiny-fork")
+    assert models.latent_shape(pipe, 64)[0] == pipe.transformer.in_channels  # channels first
+    for num_steps, resolution in [(4, 64), (10, 256)]:
+        torch.testing.assert_close(models.sigmas(pipe, num_steps, resolution),
+                                   reference_sigmas(pipe, "tiny-fork", num_steps, resolution).float(), atol=0, rtol=0)
