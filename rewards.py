@@ -98,7 +98,7 @@ import reward_models
 import reward_services  # the rewards that ask a service (openai_api, custom_api, remote, unifiedreward)
 import services  # the HTTP plumbing of the reward services
 import shapes
-from geneval import geneval_judge  # noqa: F401  (rewards.geneval_judge, as DESIGN.md names it)
+from geneval import geneval_judge  # noqa: F401  (rewards.geneval_judge: GenEval's rules beside its reward)
 from reward_models import to_uint8
 from reward_services import OpenAIJudge  # noqa: F401  (rewards.OpenAIJudge: custom_api's default class)
 from services import (  # noqa: F401  (rewards.post_json, http_client, BadReply: the names hooks use)

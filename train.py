@@ -1,4 +1,4 @@
-"""Online RL for flow-matching text-to-image models: Flow-GRPO and its successors, in one script.
+"""Online RL for flow-matching text-to-image models: Flow-GRPO and its successors; this file is the training loop.
 
 Launch
 ------
@@ -33,7 +33,8 @@ re-noised points; their "old" float32 copy of the trained weights is soft-update
 old <- d old + (1 - d) current (`--old-decay`).
 
 Where this departs from the papers and their authors' code, and why: docs/departures.md, numbered as the code
-cites them ("departure 4").
+cites them ("departure 4"). The layers, the phases' modules, the registries and where a new loss, reward, model
+family or role goes: docs/design.md.
 """
 import math
 

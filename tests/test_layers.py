@@ -1,4 +1,4 @@
-"""The modules stand in strict layers (DESIGN.md, "Layout"): each imports only modules of lower layers, every project
+"""The modules stand in strict layers (docs/design.md): each imports only modules of lower layers, every project
 import sits at the top of its module, and nothing imports in a circle. A new module must be given a layer here. A
 package (families/, shapes/) is one module of its layer: each of its files imports only lower layers and its own files,
 and those in no circle; a package's sub-folders are its files too, so nothing inside a package points up. The scripts
