@@ -36,7 +36,7 @@ import sde
 from distributed import print0
 from flags import FRACTION, NONNEG_INT, POSITIVE, POSITIVE_INT, SEED, bounded
 
-DESCRIPTION = "Online RL for flow-matching text-to-image models: Flow-GRPO and its successors, in one script."
+DESCRIPTION = "Online RL for flow-matching text-to-image models: Flow-GRPO and its successors."
 # Settings measured for one model and one loss: they win over the loss's defaults (losses.LOSSES), which win over
 # the model's preset (its families.MODELS record). DiffusionNFT on the shapes world: 6-step rollouts, 3 of their sigmas
 # trained per sample (docs/shapes.md: as fast a rise per sample as 10 steps with 3 sigmas, at 83 % of the time per step).
@@ -92,12 +92,20 @@ def parse_args(argv=None):
     return p, args
 
 
+# The stochastic step's flags, read by the rollouts of the reverse-process losses only (the forward-process losses
+# sample with --sampler): --print-config marks their values unused there.
+SDE_FLAGS = ("--sde", "--eta", "--sde-window", "--window-range", "--flash", "--flash-ratio")
+
+
 def report(p, args):
     """Every resolved setting with its source, one per line, grouped as --help groups them (--print-config)."""
+    unused = SDE_FLAGS if losses.LOSSES[args.loss].process == "forward" else ()
     lines, settings = [], rewards.redacted(vars(args))  # URLs without their user:password
     for group in p._action_groups:
         rows = [(a.option_strings[0], settings[a.dest], args.sources[a.dest]) for a in group._group_actions
                 if a.dest in args.sources]
+        rows = [(flag, value, f"{source}, unused by --loss {args.loss}" if flag in unused else source)
+                for flag, value, source in rows]
         if rows:
             lines.append(f"# {'sampling, batching and the run' if group.title == 'options' else group.title}")
             width = max(len(f"{flag} {value}") for flag, value, _ in rows)

@@ -178,7 +178,12 @@ def encode_prompts(pipe, prompts, *, negative_prompt="", guidance_scale=1.0, max
     store = getattr(pipe, "prompt_store", None)
     if store is not None and prompts and images is None and _in_store(store, prompts, **kwargs) and \
             not _encoders_train(pipe):
-        return _assemble(store.rows(prompts), store.negative if guidance_scale > 1 else {}, pipe._execution_device)
+        try:
+            return _assemble(store.rows(prompts), store.negative if guidance_scale > 1 else {}, pipe._execution_device)
+        except prompt_store.DamagedRow as e:  # train.py: one warning, then that prompt is encoded (_in_store)
+            if not store.encode_damaged:
+                raise
+            print(f"warning: {e} (this run encodes that prompt with its text encoders from now on)", flush=True)
     if cache is None or not prompts or images is not None or _encoders_train(pipe):  # edits: text depends on images
         with _encoders_on(pipe):
             return _encode_fresh(pipe, prompts, images=images, **kwargs)
@@ -432,13 +437,16 @@ def offload_text_encoders(pipe, holder=None):
 # GPUs of a node, and a node-local folder must be written on each node anyway (an SD3.5 prompt file of 50000 prompts
 # is 84 GB: encoding it again is faster than sending it between nodes). A folder that several nodes share gets each
 # file written whole by each node in turn (renamed into place): correct, at the cost of the nodes' repeated work.
+# Another run is kept out of the folder while a run opens or builds its store (prompt_store.claim: a lock file, held
+# by each node's local rank 0), so two runs never leave one's manifest beside the other's shards.
 # Rows are the rows of the batches the store encoded (batch_size prompts within one shard), as the cache's.
 
 def _in_store(store, prompts, *, negative_prompt, guidance_scale, max_sequence_length, resolution):
     """Whether the store serves this encode: every prompt in it, at its text tokens and (CFG) its negative prompt."""
     identity = store.identity
     return (max_sequence_length == identity["tokens"] and (guidance_scale <= 1 or
-            negative_prompt == identity["negative_prompt"]) and all(p in store.index for p in prompts))
+            negative_prompt == identity["negative_prompt"]) and
+            all(p in store.index and p not in store.damaged for p in prompts))
 
 
 def _weights_digest(module):
@@ -499,6 +507,19 @@ def _build_store(pipe, directory, texts, *, negative_prompt, tokens, batch_size)
             prompt_store.write_rows(os.path.join(directory, "negative.safetensors"), [negative])
 
 
+def _store_step(directory, step):
+    """step() on every rank -> its value; a ValueError on any rank (a refusal, a failed write) raised on every rank,
+    as its one line there and as a pointer to it on the others: no rank is left waiting for another."""
+    value, problem = None, None
+    try:
+        value = step()
+    except ValueError as e:
+        problem = e
+    if distributed.any_rank_host(problem is not None):
+        raise problem or ValueError(f"--prompt-store {directory}: another rank refused its store (its line above)")
+    return value
+
+
 def prompt_store_of(pipe, directory, texts, *, negative_prompt="", max_sequence_length=None, batch_size=16):
     """Give `pipe` the prompt store in `directory` for `texts` (and the negative prompt), built first where the
     folder holds none (every rank its share), then move the text encoders to the CPU -> a line for the log. A store
@@ -507,24 +528,29 @@ def prompt_store_of(pipe, directory, texts, *, negative_prompt="", max_sequence_
     tokens = default_tokens(pipe) if max_sequence_length is None else max_sequence_length
     texts = list(dict.fromkeys(texts))
     identity = _store_identity(pipe, tokens, negative_prompt)
-    store, problem = None, None
-    try:
-        store = prompt_store.open_store(directory, identity, texts)
-    except ValueError as e:
-        problem = e
-    if distributed.any_rank_host(problem is not None):  # every rank stops, or none: the others would wait for it
-        raise problem or ValueError(f"--prompt-store {directory}: another rank refused its store (its line above)")
-    built = store is None
-    if distributed.any_rank_host(built):  # some node has no store: its ranks build one, every rank waits for them
-        if built:
-            _build_store(pipe, directory, texts, negative_prompt=negative_prompt, tokens=tokens, batch_size=batch_size)
-        distributed.barrier()
-        if built and distributed.LOCAL_RANK == 0:
-            names = [prompt_store.shard_name(k) for k in range(len(prompt_store.shards(len(texts))))]
-            prompt_store.write_manifest(directory, identity, texts, {
-                name: os.path.getsize(os.path.join(directory, name)) for name in names + ["negative.safetensors"]})
-        distributed.barrier()
-        store = store or prompt_store.open_store(directory, identity, texts)
+    job = distributed.broadcast(f"{os.uname().nodename} pid {os.getpid()} at {time.time():.6f}")  # this run's name
+    lock = None
+
+    def opened():  # None where this node builds the store, which a folder it cannot write refuses before encoding
+        found = prompt_store.open_store(directory, identity, texts)
+        if found is None and lock is not None and not lock.writable:
+            raise prompt_store.unwritable(directory, lock.problem)
+        return found
+
+    claim = (lambda: prompt_store.claim(directory, job)) if distributed.LOCAL_RANK == 0 else (lambda: None)
+    try:  # each node's local rank 0 holds the folder for the node's ranks (prompt_store.claim) until the store is open
+        lock = _store_step(directory, claim)
+        store = _store_step(directory, opened)
+        built = store is None
+        if distributed.any_rank_host(built):  # some node has no store: its ranks build one, every rank waits for them
+            _store_step(directory, lambda: built and _build_store(
+                pipe, directory, texts, negative_prompt=negative_prompt, tokens=tokens, batch_size=batch_size))
+            _store_step(directory, lambda: built and distributed.LOCAL_RANK == 0 and
+                        prompt_store.write_manifest(directory, identity, texts))  # the files' sizes and digests
+            store = _store_step(directory, lambda: store or prompt_store.open_store(directory, identity, texts))
+    finally:
+        if lock is not None:
+            lock.release()
     pipe.prompt_store = store
     offload_text_encoders(pipe, store)
     how = (f"encoded ahead by {distributed.LOCAL_WORLD} rank(s) a node in {time.time() - start:.0f} s" if built

@@ -1,22 +1,25 @@
 """The trained policy: the pipeline, the weights that train, how they are sharded and stepped, and their copies.
 
-    policy = Policy(args, device)      load the model; LoRA adapter or every weight; FSDP2 shards or DDP; compile;
-                                       AdamW; fp16 loss scaling; the evaluation EMA, the old copy and GARDO's
-                                       reference snapshot (float32)
+    policy = Policy(args, device, old_copy=..., sampling_copy=...)   load the model; LoRA adapter or every weight;
+                                       FSDP2 shards or DDP; compile; AdamW; fp16 loss scaling; the copies (float32):
+                                       the evaluation EMA, the loss's old and sampling copies (its Loss record says
+                                       which), the KL's reference snapshot (--kl-reference start, --gardo-reference)
     policy.modules, policy.models      {name: module} that train (models.trained_modules), and their training wrappers
     policy.velocity(x, sigma, embeds, guidance_scale, train=False)   a forward (train: through DDP / compile; else the
                                        bare module, compiled with --compile)
     policy.gathered()                  context of a rollout or evaluation: FSDP gathers each block once, not per
                                        forward; --compile: the pipeline's calls run the compiled forward (compiled())
     policy.frozen("old" | "sampling" | "reference") context: a copy's weights, or the KL reference: the base
-                                       model (LoRA off), or with --gardo-reference the snapshot
+                                       model (LoRA off), or the snapshot where the run keeps one
     policy.sync_gradients(last)        before a training forward: reduce gradients over ranks after it or not
     policy.backward(loss)              backward (fp16: of the scaled loss)
     policy.step() -> "ok" | "overflow" | "skipped", grad norm      one optimizer step (clip; skip non-finite)
-    policy.update_old(decay), policy.reset_reference(), policy.ema_weights()
-    policy.checkpoint(args, step, device, extra) / policy.resume(path, args)
+    policy.update_old(decay, name="old"), policy.reset_reference(), policy.ema_weights()
+    policy.snapshot() / policy.restore(snapshot)   what an optimizer step changes, copied to the CPU and put back (a
+                                       preemption between a step's optimizer steps saves the step's start)
+    policy.checkpoint(args, step, extra) / policy.resume(path, args)
 
-The algorithm lives in train.py and losses.py; this is what they run it on.
+The algorithm lives in train.py, advantages.py and losses.py; this is what they run it on.
 """
 import argparse
 import contextlib

@@ -1,10 +1,14 @@
 """The life of a training run around the algorithm: its folder, resume, rewards awaited, logs, checkpoints, signals.
 
-    run = Run(args)                 before any model loads: --out checked and locked, the checkpoint to resume found
+    run = Run(args, device, on_step=None)   before any model loads: --out checked and locked, the checkpoint to resume
+                                    found; on_step(info) is called after each step's line (bench.py times there)
     run.start(policy, held_out, reward_fn)   resume (weights, Adam, copies, RNG, counters) or start; args.json; wandb
+    run.lap(), run.lap(phase)       the step's clock: start it, or book the seconds since the last mark to a phase
     run.carry                       {name: JSON value}: the algorithm's state carried from step to step (GARDO's gate
                                     share, its reference's last reset), saved in state.json and resumed with the run
+    run.submit(reward_fn, images, prompts, metadata) -> a future: scored in the background while sampling goes on
     run.wait_for_rewards(pending, step) -> Rewards(scores, dropped, skip)
+    run.signalled(), run.stop_in_sampling(step), run.stop_in_training(step, snapshot)   a preemption, in each phase
     run.log(step, info, batch, got) metrics.jsonl (and wandb), the step line, the sample grid, the held-out
                                     evaluation (eval.jsonl) when due; skipped steps too
     run.checkpoint_or_stop(step)    save when due or signalled; True ends the run

@@ -164,6 +164,8 @@ def cache_prompts(policy, args, prompts, held_out):
                          texts=texts, guidance_scales=(*guidance_scales(args), args.guidance_scale,
                                                        reference_guidance(losses.LOSSES[args.loss], args)),
                          negative_prompt=args.negative_prompt, max_sequence_length=args.max_sequence_length)
+    if getattr(policy.pipe, "prompt_store", None) is not None:  # a damaged row mid-run: a warning, then its encode
+        policy.pipe.prompt_store.encode_damaged = True
     if line:
         print0(line)
 
