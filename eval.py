@@ -139,7 +139,19 @@ def standard_error(values):
 def load_weights(pipe, path, *, use_ema=False):
     """Copy a train.py checkpoint's trained weights (use_ema: their EMA, where it has one) into a pipeline prepared
     with the same LoRA rank (models.add_lora; a full fine-tune's checkpoint holds every weight). -> the file read."""
-    return checkpoints.load_weights(path, dict(models.named_parameters(models.trained_modules(pipe))), use_ema=use_ema, complete=False)
+    try:
+        return checkpoints.load_weights(path, dict(models.named_parameters(models.trained_modules(pipe))),
+                                        use_ema=use_ema, complete=False)
+    except SystemExit as e:  # its advice names train.py's flags: eval.py takes the LoRA rank from the checkpoint
+        message = str(e.code)
+        for advice in TRAIN_ADVICE:
+            message = message.replace(advice, "evaluate it with the --model it was trained with (or without --model: "
+                                              "eval.py reads the model and the LoRA rank from its state.json)")
+        raise SystemExit(message) from None
+
+
+TRAIN_ADVICE = ("use the flags it was saved with (--model, --lora-rank)",  # checkpoints.load_weights' refusals
+                "use the --model and --lora-rank it was trained with")
 
 
 def captioned_row(images, captions, *, min_side=128):

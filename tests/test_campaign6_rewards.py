@@ -245,3 +245,35 @@ def test_eval_out_where_a_results_file_is_a_folder_is_one_line(tmp_path):
     line = one_line(cli("eval.py", "--model", "tiny", "--resolution", "32", "--eval-steps", "2", "--max-prompts", "2",
                         "--out", tmp_path / "eval"), "--out")
     assert str(tmp_path / "eval" / "summary.json") in line
+
+
+# ----------------------------------------------------------------------------- messages and files in the wrong place
+
+def test_eval_mismatch_names_what_eval_takes_not_lora_rank(tmp_path):
+    """Before: `use the --model and --lora-rank it was trained with`, and eval.py has no --lora-rank."""
+    trained = cli("train.py", *FAST, "--steps", "1", "--eval-every", "0", "--out", tmp_path / "run")
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    proc = cli("eval.py", "--checkpoints", tmp_path / "run" / "checkpoints" / "1", "--model", "shapes",
+               "--max-prompts", "2", "--eval-steps", "2", "--out", tmp_path / "eval")
+    line = one_line(proc, "does not match this model")
+    assert "--lora-rank" not in line and "the --model it was trained with" in line and "state.json" in line
+    eval_flags = cli("eval.py", "--help").stdout
+    assert "--lora-rank" not in eval_flags and "--model" in eval_flags
+
+
+def test_shipped_prompt_files_are_found_from_another_folder(tmp_path, monkeypatch):
+    """Before: `python <repo>/train.py` from another folder failed on its own default, prompts/tiny.txt."""
+    import data
+
+    at_root = data.load_prompts(os.path.join(ROOT, "prompts", "tiny.txt"))
+    proc = cli("train.py", *FAST, "--steps", "1", "--eval-every", "0", "--prompts", "prompts/tiny.txt",
+               "--out", tmp_path / "run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(reward_means(tmp_path / "run")) == 1
+    monkeypatch.chdir(tmp_path)
+    assert data.load_prompts("prompts/tiny.txt") == at_root
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "tiny.txt").write_text("my own prompt\n")  # the working folder's file comes first
+    assert data.load_prompts("prompts/tiny.txt") == (["my own prompt"], [{}])
+    with pytest.raises(FileNotFoundError, match="prompts/none.txt: prompt file not found"):
+        data.load_prompts("prompts/none.txt")
