@@ -98,6 +98,8 @@ class Family:
     max_sources: Optional[int] = None  # edits: the most source images one prompt may bring (None: any number)
     guidance_embedded: bool = False  # the guidance scale enters through an embedding, not CFG (FLUX.1-dev, Kontext)
     edit_vl_input: bool = False  # --edit-vl-input applies (Qwen-Image-Edit's VL encoder)
+    preset_notes: Optional[dict] = None  # flag -> where the preset's value comes from (--print-config); a hub preset
+    # without one: common.HUB_NOTES
 
 
 # name -> component -> (class, config) of the published models (each family's PUBLISHED); Qwen-Image-Edit (2509, 2511)
@@ -115,6 +117,35 @@ def guidance_mismatch(name, guidance_scale_2=None, audio_guidance_scale=None):
     if audio_guidance_scale is not None and not MODELS[name].sound:
         return f"--audio-guidance-scale guides a soundtrack, and {name} makes none: drop it"
     return None
+
+
+def settle_guidance(p, args):
+    """train.py's guidance flags against --model (config.check_args): --print-config's source of a preset's scale names
+    where the value comes from (the pipeline's default, or Flow-GRPO's setting); LTX-2's soundtrack scale from its
+    preset (LTX2Pipeline's 7) holds only beside the preset's video scale in forwards that all run CFG, and otherwise
+    follows --guidance-scale, as before; what cannot run as asked is refused in one line (p.error)."""
+    record, sources = MODELS[args.model], getattr(args, "sources", {})
+    preset = f"model preset ({args.model})"
+    notes = record.preset_notes or {k: note for k, note in common.HUB_NOTES.items()
+                                    if record.hub and record.preset.get(k) == common.HUB[k]}
+    for key, note in notes.items():
+        if sources.get(key) == preset and record.preset.get(key) == getattr(args, key):
+            sources[key] = f"{preset}: {note}"
+    if not record.sound:
+        return
+    if sources.get("audio_guidance_scale", "").startswith(preset) and \
+            not (sources.get("guidance_scale", "").startswith(preset) and args.train_cfg):
+        args.audio_guidance_scale = None  # the soundtrack follows the video's scale (a loss's 1: no CFG)
+        sources["audio_guidance_scale"] = "derived: --guidance-scale's (the preset's 7 goes with its 3 and --train-cfg)"
+    audio = args.audio_guidance_scale
+    if audio is not None and audio > 1 and args.guidance_scale > 1 and not args.train_cfg:
+        p.error(f"--audio-guidance-scale {audio:g} keeps CFG on {args.model}'s soundtrack in every forward (LTX2Pipeline "
+                "runs CFG where either scale is above 1), the training forward too, which --no-train-cfg runs without "
+                "CFG: drop --no-train-cfg, or give --audio-guidance-scale 1")
+    if audio is not None and audio > 1 >= args.guidance_scale and getattr(args, "prompt_store", None):
+        p.error(f"--audio-guidance-scale {audio:g} at --guidance-scale {args.guidance_scale:g} runs CFG on the "
+                "soundtrack alone, whose negative prompt the prompt store serves only at --guidance-scale > 1: drop "
+                "--prompt-store")
 
 
 def build_published(name, component, device="meta"):

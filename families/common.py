@@ -33,6 +33,9 @@ HUB = dict(loss="grpo", resolution=512, num_steps=10, guidance_scale=4.5, eta=0.
            clip_range=1e-4, kl_beta=0.04, steps=10000, mixed_precision="bf16", prompts="prompts/ocr_train.txt",
            reward="ocr", global_std=True, log_images_every=50, input_key="input", eval_every=0, eval_steps=40,
            eval_samples_per_prompt=1, sde="flow", ema_decay=0.0)
+# Where a hub preset's value comes from, for --print-config (families.settle_guidance); a family whose preset takes its
+# pipeline's own value names it in its record's preset_notes.
+HUB_NOTES = dict(guidance_scale="Flow-GRPO's SD3.5-M setting (families/common.py HUB), not this pipeline's default")
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -210,6 +213,50 @@ def no_frames(num_frames):
         raise ValueError("--num-frames is for video models (wan); this model makes images")
 
 
+def video_frames(name, num_frames, default, temporal, frame_tokens, most_tokens):
+    """The latent frames of a video of `num_frames` (None: the pipeline's `default`), or a ValueError in one line
+    naming the nearest counts the model makes. temporal: the VAE's temporal compression (a video is temporal k + 1
+    frames, the first encoded alone); frame_tokens: the transformer's tokens per latent frame; most_tokens: the most
+    tokens one sample may hold (sample_tokens)."""
+    frames = default if num_frames is None else num_frames
+    if frames < 1 or (frames - 1) % temporal:
+        below = max(frames - 1, 0) // temporal * temporal + 1
+        raise ValueError(f"--num-frames {frames} must be {temporal} k + 1 for {name} (its VAE encodes the first frame "
+                         f"alone, then {temporal} a latent frame): the nearest are {below} and {below + temporal}")
+    latent = (frames - 1) // temporal + 1
+    if latent * frame_tokens > most_tokens:
+        most = (most_tokens // frame_tokens - 1) * temporal + 1
+        fix = f"the most this size allows is {most}" if most >= 1 else "no count fits this size: lower --resolution"
+        raise ValueError(f"--num-frames {frames}: {latent * frame_tokens:,} tokens a sample, above the {most_tokens:,} "
+                         f"that {name}'s positions or one sample's training forward in this device's memory can hold; "
+                         f"{fix}")
+    return latent
+
+
+def sample_tokens(transformer, device):
+    """The most tokens one video sample may hold: below the fewest that one sample's training forward of `transformer`
+    cannot fit in the memory of `device` (the GPU's, else the host's).
+
+    The forward keeps, by scripts/family_memory.py's formula (bf16, gradient checkpointing: the least any run keeps),
+    2 L h bytes per block and one block's full set, (16 + 4 r) L h, for L tokens of width h and MLP ratio r; where
+    no fused attention kernel runs (the CPU's scaled_dot_product_attention with a mask or at these lengths), the
+    attention also holds its L x L scores per head in float32."""
+    config = transformer.config
+    heads = config.get("num_attention_heads")
+    width = heads * config.get("attention_head_dim")
+    blocks = config.get("num_layers")
+    ratio = config.get("ffn_dim", config.get("mlp_ratio", 4) * width) / width
+    device = torch.device(device)
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    linear = (2 * blocks + 16 + 4 * ratio) * width  # bytes a token
+    quadratic = 0 if device.type == "cuda" else 4 * heads  # bytes a pair of tokens: the scores
+    a, b = quadratic, linear  # a L^2 + b L <= memory
+    return int(memory // b) if a == 0 else int((-b + math.sqrt(b * b + 4 * a * memory)) / (2 * a))
+
+
 def image_tokens(pipe, height, width):
     """Image tokens after 2 x 2 patching: the sequence length of the resolution-dependent shifts."""
     f = pipe.vae_scale_factor
@@ -318,22 +365,34 @@ def flow_match_sigmas(config, base, *, mu=None, shift=None):
     grid). shift_terminal then stretches the schedule so that its last nonzero sigma equals it (LTX-Video's
     rule, as diffusers applies it)."""
     t = np.asarray(base).astype(np.float32)
-    if shift is not None:
-        t = sde.time_shift(t, shift)
-    elif config.get("use_dynamic_shifting", False):
-        if config.get("time_shift_type", "exponential") == "exponential":
-            t = math.exp(mu) / (math.exp(mu) + (1 / t - 1))
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflowing shift is refused below, by finite_schedule
+        if shift is not None:
+            t = sde.time_shift(t, shift)
+        elif config.get("use_dynamic_shifting", False):
+            if config.get("time_shift_type", "exponential") == "exponential":
+                e = math.exp(mu) if mu < 709 else math.inf  # past float64's range
+                t = e / (e + (1 / t - 1))
+            else:
+                t = mu / (mu + (1 / t - 1))
         else:
-            t = mu / (mu + (1 / t - 1))
-    else:
-        t = sde.time_shift(t, config.get("shift", 1.0) if shift is None else shift)
-    if config.get("shift_terminal"):
-        one_minus = 1 - t
-        t = 1 - one_minus / (one_minus[-1] / (1 - config["shift_terminal"]))
+            t = sde.time_shift(t, config.get("shift", 1.0) if shift is None else shift)
+        if config.get("shift_terminal"):
+            one_minus = 1 - t
+            t = 1 - one_minus / (one_minus[-1] / (1 - config["shift_terminal"]))
     if any(config.get(k) for k in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas")):
         raise ValueError("karras / exponential / beta / inverted sigmas are not supported; "
                          "use the model's own scheduler config")
-    return torch.cat([torch.from_numpy(np.asarray(t, dtype=np.float32)), torch.zeros(1)])
+    sigmas = torch.cat([torch.from_numpy(np.asarray(t, dtype=np.float32)), torch.zeros(1)])
+    return finite_schedule(sigmas, "" if mu is None else f" (its shift mu = {mu:.4g}, from the video's tokens)")
+
+
+def finite_schedule(sigmas, why=""):
+    """`sigmas`, or a ValueError where one is not finite: a step on a NaN sigma writes NaN latents for the whole
+    rollout (a shift that overflows float32: LTX-2's mu grows with the tokens)."""
+    if not bool(torch.isfinite(sigmas).all()):
+        raise ValueError(f"the sampling schedule is not finite{why}; lower --num-frames or --resolution, or give "
+                         "--shift")
+    return sigmas
 
 
 def linspace_sigmas(pipe, num_steps, height, width, shift):

@@ -15,6 +15,9 @@ import torch
 from families import common, qwen_image
 
 HUNYUAN_VIDEO_ID = "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v"
+# HunyuanVideo15Pipeline.__call__ takes no guidance scale: its guider's, as the hub repo's guider/config.json and
+# diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py write it (ClassifierFreeGuidance(guidance_scale=6.0))
+GUIDANCE_SCALE = 6.0
 # UniRL's HunyuanVideo-1.5 recipe (recipes/diffusion/configs/hunyuan_video15/hunyuan_video15_t2v_dancegrpo_trainside
 # .yaml, lora_cfg.target_modules): both streams' attention projections and MLPs (also the token refiner's attention
 # and MLP, whose names end the same)
@@ -80,7 +83,7 @@ def tiny(model_path=None, dtype=torch.float32, device="cpu"):
     pipe = HunyuanVideo15Pipeline(
         text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
-        guider=ClassifierFreeGuidance(guidance_scale=6.0))
+        guider=ClassifierFreeGuidance(guidance_scale=GUIDANCE_SCALE))
     pipe.tokenizer_max_length, pipe.tokenizer_2_max_length, pipe.vision_num_semantic_tokens = 64, 16, 8
     # The pipeline crops the system prompt by a token count of the real tokenizer (108); ours counts bytes.
     template = tokenizer.apply_chat_template([{"role": "system", "content": pipe.system_message},
@@ -91,12 +94,11 @@ def tiny(model_path=None, dtype=torch.float32, device="cpu"):
 
 def shape(pipe, height, width, num_frames):
     common.check_multiple(height, width, pipe.vae_scale_factor_spatial * pipe.transformer.config.patch_size)
-    frames = 121 if num_frames is None else num_frames  # HunyuanVideo15Pipeline.__call__'s default
-    if frames < 1 or (frames - 1) % pipe.vae_scale_factor_temporal:
-        raise ValueError(f"--num-frames {frames} must be {pipe.vae_scale_factor_temporal} k + 1 for HunyuanVideo 1.5 "
-                         "(e.g. 33, 121)")
-    f = pipe.vae_scale_factor_spatial
-    return (pipe.num_channels_latents, (frames - 1) // pipe.vae_scale_factor_temporal + 1, height // f, width // f)
+    f, config = pipe.vae_scale_factor_spatial, pipe.transformer.config
+    frame_tokens = (height // f // config.patch_size) * (width // f // config.patch_size)  # patch_size_t 1
+    frames = common.video_frames("HunyuanVideo 1.5", num_frames, 121, pipe.vae_scale_factor_temporal, frame_tokens,
+                                 common.sample_tokens(pipe.transformer, pipe._execution_device))  # 121: __call__'s
+    return (pipe.num_channels_latents, frames, height // f, width // f)
 
 
 def noise(pipe, batch, height, width, num_frames, generator):
@@ -221,7 +223,10 @@ PUBLISHED = {"hunyuan-video-1.5": dict(transformer=("HunyuanVideo15Transformer3D
 # ----------------------------------------------------------------------------- records (families.MODELS)
 
 HUNYUAN_VIDEO = dict(name="hunyuan-video-1.5", load=load, hub_id=HUNYUAN_VIDEO_ID, hub=True, multiple=16,
-                     preset=common.HUB, tokens=1000, shape=shape, noise=noise, encode=encode, velocity=velocity,
+                     preset=dict(common.HUB, guidance_scale=GUIDANCE_SCALE),
+                     preset_notes=dict(guidance_scale="the published guider's scale (the pipeline takes none)"),
+                     tokens=1000, shape=shape, noise=noise, encode=encode, velocity=velocity,
                      decode=decode, sigmas=sigmas, lora_targets=LORA_TARGETS, unused=unused, save_lora=save_lora,
                      video=True)
-TINY = dict(HUNYUAN_VIDEO, load=tiny, hub_id=None, hub=False, preset=dict(common.TINY, num_frames=5))  # 2 latent
+TINY = dict(HUNYUAN_VIDEO, load=tiny, hub_id=None, hub=False, preset=dict(common.TINY, num_frames=5),  # 2 latent
+            preset_notes=None)

@@ -43,8 +43,9 @@ def load(model_path=None, dtype=torch.float32, device="cpu"):
     (`timestep=t.expand(B), sigma=timestep`, L1412-1421; use_cross_timestep True, L965), the frame rate 24, and
     returns eps - x0 for each (our sign).
     Guidance: __call__'s CFG forms x0_u, x0_c from each velocity and adds (g - 1)(x0_c - x0_u) (L1440-1458); with one
-    sigma per step that is v_u + g (v_c - v_u), ours, one batched forward. Our g guides both modalities (the
-    pipeline's audio_guidance_scale = guidance_scale), and the rollouts run without its other guidance terms (STG,
+    sigma per step that is v_u + g (v_c - v_u), ours, one batched forward. The video's g is --guidance-scale, the
+    sound's --audio-guidance-scale (the pipeline's audio_guidance_scale; without it the same g), and CFG runs where
+    either is above 1 (guidance, below). The rollouts run without the pipeline's other guidance terms (STG,
     modality isolation, guidance rescale: stg_scale 0, modality_scale 1, guidance_rescale 0 in __call__'s terms), each
     of which costs another forward. Text: Gemma 3 12B's hidden states of every layer, left-padded to
     max_sequence_length (1024, __call__'s default; the record's tokens) with a mask (_get_gemma_prompt_embeds, L303),
@@ -148,13 +149,13 @@ def _sizes(pipe):
 def _grid(pipe, height, width, num_frames):
     """(F', H', W', L): the video's latent frames and sides, the audio's latent frames (pipeline_ltx2.py L1272-1310)."""
     common.check_multiple(height, width, 32)  # LTX2Pipeline.check_inputs, L476
-    frames = 121 if num_frames is None else num_frames  # __call__'s default without a duration head (L1212)
-    r = pipe.vae_temporal_compression_ratio
-    if frames < 1 or (frames - 1) % r:
-        raise ValueError(f"--num-frames {frames} must be {r} k + 1 for LTX-2 (e.g. {r + 1}, {15 * r + 1})")
+    f, config = pipe.vae_spatial_compression_ratio, pipe.transformer.config
+    frame_tokens = (height // f // config.patch_size) * (width // f // config.patch_size)
+    latent = common.video_frames("LTX-2", num_frames, 121, pipe.vae_temporal_compression_ratio, frame_tokens,
+                                 common.sample_tokens(pipe.transformer, pipe._execution_device))  # 121: __call__'s
+    frames = 121 if num_frames is None else num_frames  # (without a duration head, L1212)
     per_second = pipe.audio_sampling_rate / pipe.audio_hop_length / float(pipe.audio_vae_temporal_compression_ratio)
-    f = pipe.vae_spatial_compression_ratio
-    return (frames - 1) // r + 1, height // f, width // f, round(frames / FRAME_RATE * per_second)
+    return latent, height // f, width // f, round(frames / FRAME_RATE * per_second)
 
 
 def shape(pipe, height, width, num_frames):
@@ -179,7 +180,8 @@ def _frames_for(pipe, height, width):
     """(F', H', W') of the video the schedule is for: its mu counts the video tokens, frames included, which a
     family's sigmas is not given; the frames shape() last handed out at this size (models.sigmas(num_frames=...) asks
     for the latent shape first, as train.py and eval.py call it), else __call__'s default 121."""
-    _, h, w, _ = _grid(pipe, height, width, None)
+    f = pipe.vae_spatial_compression_ratio
+    h, w = height // f, width // f
     frames = _FRAMES.get((*_sizes(pipe), h, w))
     return (frames if frames is not None else _grid(pipe, height, width, None)[0]), h, w
 
@@ -230,18 +232,29 @@ def encode(pipe, prompts, negative_prompt, guidance_scale, tokens):
         return {"prompt_embeds": video, "audio_prompt_embeds": audio, "prompt_mask": mask}
 
     out = encode_texts(prompts)
-    if guidance_scale <= 1:
+    if not guidance(pipe, guidance_scale)[2]:
         return out
     return common.with_negative(out, encode_texts, negative_prompt, len(prompts), masked=False)  # all tokens long
 
 
+def guidance(pipe, guidance_scale):
+    """(video scale, audio scale, whether CFG runs) of a forward at guidance_scale: the soundtrack's scale is
+    pipe.guidance_scale_audio where it is set (--audio-guidance-scale, LTX2Pipeline's audio_guidance_scale), else the
+    same; CFG runs where either is above 1, as LTX2Pipeline.do_classifier_free_guidance decides (L902-903), so
+    --guidance-scale 1 --audio-guidance-scale 7 guides the sound alone (the video's v_u + 1 (v_c - v_u) = v_c)."""
+    audio = getattr(pipe, "guidance_scale_audio", None)
+    audio = guidance_scale if audio is None else audio
+    return guidance_scale, audio, guidance_scale > 1 or audio > 1
+
+
 def velocity(pipe, modules, x, sigma, embeds, guidance_scale):
     """The joint transformer on the packed latent (load's conventions): both modalities' velocities, packed as x. A
-    forward with CFG guides the video by guidance_scale and the sound by pipe.guidance_scale_audio where it is set
-    (--audio-guidance-scale, as LTX2Pipeline's audio_guidance_scale; its __call__ defaults to 7), else by the same."""
+    forward with CFG (guidance: either scale above 1) guides the video by guidance_scale and the sound by
+    pipe.guidance_scale_audio where it is set, else by the same."""
+    video_scale, audio_scale, cfg = guidance(pipe, guidance_scale)
     keys = ["prompt_embeds", "audio_prompt_embeds", "prompt_mask"]
-    text, audio_text, mask = common.cfg_halves(embeds, keys) if guidance_scale > 1 else [embeds[k] for k in keys]
-    if guidance_scale > 1:  # both halves in one forward
+    text, audio_text, mask = common.cfg_halves(embeds, keys) if cfg else [embeds[k] for k in keys]
+    if cfg:  # both halves in one forward
         x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])
     video, audio, (frames, height, width, audio_frames) = unpack(pipe, x)
     dtype = pipe.transformer.dtype  # __call__ casts both latents to the text's, which is the model's (L1405, L1409)
@@ -251,11 +264,9 @@ def velocity(pipe, modules, x, sigma, embeds, guidance_scale):
         audio_encoder_hidden_states=audio_text.to(dtype), timestep=t, sigma=t, encoder_attention_mask=mask.to(x.device),
         audio_encoder_attention_mask=mask.to(x.device), num_frames=frames, height=height, width=width, fps=FRAME_RATE,
         audio_num_frames=audio_frames, use_cross_timestep=True, return_dict=False)
-    if guidance_scale <= 1:
+    if not cfg:
         return pack(v_video, v_audio)
-    audio_scale = getattr(pipe, "guidance_scale_audio", None)
-    return pack(common.guided(v_video, guidance_scale)[0],
-                common.guided(v_audio, guidance_scale if audio_scale is None else audio_scale)[0])
+    return pack(common.guided(v_video, video_scale)[0], common.guided(v_audio, audio_scale)[0])
 
 
 @torch.no_grad()
@@ -390,7 +401,11 @@ def build_extra(device="meta"):
 
 # ----------------------------------------------------------------------------- records (families.MODELS)
 
-LTX2 = dict(name="ltx2", load=load, hub_id=LTX2_ID, hub=True, multiple=32, preset=common.HUB, tokens=1024,
+LTX2 = dict(name="ltx2", load=load, hub_id=LTX2_ID, hub=True, multiple=32,
+            preset=dict(common.HUB, guidance_scale=3.0, audio_guidance_scale=7.0),  # LTX2Pipeline.__call__'s
+            preset_notes=dict(guidance_scale="LTX2Pipeline.__call__'s default",
+                              audio_guidance_scale="LTX2Pipeline.__call__'s default"), tokens=1024,
             shape=shape, noise=noise, encode=encode, velocity=velocity, decode=decode, sigmas=sigmas,
             lora_targets=LORA_TARGETS, video=True, sound=True)
-TINY = dict(LTX2, load=tiny, hub_id=None, hub=False, preset=dict(common.TINY, num_frames=5))  # 3 latent frames
+TINY = dict(LTX2, load=tiny, hub_id=None, hub=False, preset=dict(common.TINY, num_frames=5),  # 3 latent frames
+            preset_notes=None)

@@ -103,12 +103,18 @@ def tiny(model_path=None, dtype=torch.float32, device="cpu"):
 def shape(pipe, height, width, num_frames):
     multiple = pipe.vae_scale_factor_spatial * pipe.transformer.config.patch_size[1]
     common.check_multiple(height, width, multiple)
-    frames = 81 if num_frames is None else num_frames  # WanPipeline.__call__'s default
-    if frames < 1 or (frames - 1) % pipe.vae_scale_factor_temporal:
-        raise ValueError(f"--num-frames {frames} must be {pipe.vae_scale_factor_temporal} k + 1 for Wan (e.g. 33, 81)")
-    f = pipe.vae_scale_factor_spatial
-    return (pipe.transformer.config.in_channels, (frames - 1) // pipe.vae_scale_factor_temporal + 1,
-            height // f, width // f)
+    f, config = pipe.vae_scale_factor_spatial, pipe.transformer.config
+    pt, ph, pw = config.patch_size
+    # WanRotaryPosEmbed holds rope_max_seq_len positions a side: a longer side fails in its first forward
+    if max(height // f // ph, width // f // pw) > config.rope_max_seq_len:
+        raise ValueError(f"--resolution {height}x{width}: Wan's positions reach {config.rope_max_seq_len * f * ph} px "
+                         "a side; lower --resolution")
+    frame_tokens = (height // f // ph) * (width // f // pw)  # a latent frame's (patch_size's time side is 1)
+    most = min(common.sample_tokens(pipe.transformer, pipe._execution_device),
+               config.rope_max_seq_len * pt * frame_tokens)  # and at most rope_max_seq_len latent frames
+    frames = common.video_frames("Wan", num_frames, 81, pipe.vae_scale_factor_temporal, frame_tokens,
+                                 most)  # 81: WanPipeline.__call__'s default
+    return (config.in_channels, frames, height // f, width // f)
 
 
 def noise(pipe, batch, height, width, num_frames, generator):
@@ -135,19 +141,23 @@ def velocity(pipe, modules, x, sigma, embeds, guidance_scale):
     chooses it: `transformer` where t >= boundary_ratio x 1000, `transformer_2` below (both in one batch only when a
     micro-batch holds samples of both sides: a training forward of steps drawn per sample). The routes are read where
     sigma is: on the host (models.velocity leaves a caller's float or CPU tensor there) without waiting for the device,
-    on the device with one host read. A forward with CFG guides the low-noise expert by pipe.guidance_scale_2 where it
-    is set (--guidance-scale-2; the model card's 4.0 and 3.0), as WanPipeline's guidance_scale_2."""
+    on the device with one host read. CFG runs where guidance_scale > 1 (WanPipeline.do_classifier_free_guidance reads
+    that scale alone), and guides the low-noise expert by pipe.guidance_scale_2 where it is set (--guidance-scale-2;
+    the model card's 4.0 and 3.0), as WanPipeline's guidance_scale_2, whatever its value: below 1 too (v_u + g_2 (v_c -
+    v_u), as __call__ computes it)."""
     ratio = pipe.config.get("boundary_ratio")
+    cfg = guidance_scale > 1
     if "transformer_2" not in modules or ratio is None:
-        return _velocity(pipe, modules["transformer"], x, sigma.to(x.device, non_blocking=True), embeds, guidance_scale)
+        return _velocity(pipe, modules["transformer"], x, sigma.to(x.device, non_blocking=True), embeds,
+                         guidance_scale, cfg=cfg)
     second = getattr(pipe, "guidance_scale_2", None)
     scales = {"transformer": guidance_scale,
-              "transformer_2": second if second is not None and guidance_scale > 1 else guidance_scale}
+              "transformer_2": second if second is not None and cfg else guidance_scale}
     routes = _routes(pipe, modules, sigma, ratio)  # {expert: its rows, on the host}
     sigma = sigma.to(x.device, non_blocking=True)  # from the host: staged at once, no wait for the device's queue
     if len(routes) == 1 and all(len(rows) == len(x) for rows in routes.values()):  # the whole batch: no copies
         (name,) = routes
-        return _velocity(pipe, modules[name], x, sigma, embeds, scales[name])
+        return _velocity(pipe, modules[name], x, sigma, embeds, scales[name], cfg=cfg)
     v = None
     for name, rows in routes.items():
         # A rank with none of an expert's rows that the other ranks reach (FSDP, _routes) runs it on its first row
@@ -155,7 +165,7 @@ def velocity(pipe, modules, x, sigma, embeds, guidance_scale):
         # pair with theirs.
         index = (rows if len(rows) else rows.new_zeros(1)).to(x.device, non_blocking=True)
         part = _velocity(pipe, modules[name], x[index], sigma[index], {k: t[index] for k, t in embeds.items()},
-                         scales[name])
+                         scales[name], cfg=cfg)
         v = part.new_empty((len(x), *part.shape[1:])) if v is None else v
         v[index[:len(rows)]] = part if len(rows) else part[:0]
     return v
@@ -179,15 +189,17 @@ def _timestep(pipe, sigma):
     return torch.floor(sigma.double() * pipe.scheduler.config.num_train_timesteps).long()  # int64, as UniPC's
 
 
-def _velocity(pipe, model, x, sigma, embeds, guidance_scale, timestep=None):
-    """One module's guided velocity; timestep: the transformer's input, default each sample's floor(1000 s)."""
+def _velocity(pipe, model, x, sigma, embeds, guidance_scale, timestep=None, cfg=None):
+    """One module's velocity, guided by guidance_scale where cfg (default: guidance_scale > 1); timestep: the
+    transformer's input, default each sample's floor(1000 s)."""
     dtype = pipe.transformer.dtype
+    cfg = guidance_scale > 1 if cfg is None else cfg
     timestep = _timestep(pipe, sigma) if timestep is None else timestep
-    (text,) = common.cfg_halves(embeds, ["prompt_embeds"]) if guidance_scale > 1 else (embeds["prompt_embeds"],)
-    if guidance_scale > 1:
+    (text,) = common.cfg_halves(embeds, ["prompt_embeds"]) if cfg else (embeds["prompt_embeds"],)
+    if cfg:
         x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
     v = model(hidden_states=x.to(dtype), timestep=timestep, encoder_hidden_states=text.to(dtype), return_dict=False)[0]
-    if guidance_scale > 1:
+    if cfg:
         v, _ = common.guided(v, guidance_scale)
     return v
 
@@ -238,12 +250,15 @@ PUBLISHED = {
 
 # ----------------------------------------------------------------------------- records (families.MODELS)
 
-WAN = dict(name="wan", load=load, hub_id=WAN_ID, hub=True, multiple=16, preset=common.HUB,
+WAN = dict(name="wan", load=load, hub_id=WAN_ID, hub=True, multiple=16,
+           preset=dict(common.HUB, guidance_scale=5.0),  # WanPipeline.__call__'s guidance_scale (2.1, 2.2, the 5B)
+           preset_notes=dict(guidance_scale="WanPipeline.__call__'s default"),
            tokens=512, shape=shape, noise=noise, encode=encode, velocity=velocity, decode=decode, sigmas=sigmas,
            lora_targets=LORA_TARGETS, video=True)
-TINY = dict(WAN, load=tiny, hub_id=None, hub=False, preset=dict(common.TINY, num_frames=5))  # 5 frames: 2 latent
+TINY = dict(WAN, load=tiny, hub_id=None, hub=False, preset=dict(common.TINY, num_frames=5),  # 5 frames: 2 latent
+            preset_notes=None)
 WAN22 = dict(WAN, load=load_a14b, hub_id=WAN22_ID, trained=("transformer", "transformer_2"))
-TINY22 = dict(WAN22, load=tiny_a14b, hub_id=None, hub=False, preset=TINY["preset"])
+TINY22 = dict(WAN22, load=tiny_a14b, hub_id=None, hub=False, preset=TINY["preset"], preset_notes=None)
 
 
 # ----------------------------------------------------------------------------- Wan 2.2 TI2V-5B
@@ -332,4 +347,4 @@ PUBLISHED["wan2.2-5b"] = dict(
 
 # Flow-GRPO's train_wan2_1.py targets (LORA_TARGETS): the same attention projections in every block of the 5B
 WAN22_5B = dict(WAN, load=load_5b, hub_id=WAN22_5B_ID, multiple=32, velocity=velocity_5b)
-TINY22_5B = dict(WAN22_5B, load=tiny_5b, hub_id=None, hub=False, preset=TINY["preset"])
+TINY22_5B = dict(WAN22_5B, load=tiny_5b, hub_id=None, hub=False, preset=TINY["preset"], preset_notes=None)

@@ -51,11 +51,12 @@ def split(pipe, x):
 
 # ----------------------------------------------------------------------------- against the pipeline
 
-@pytest.mark.parametrize("g, g_audio", [(1.0, None), (4.0, None), (4.0, 7.0)])
+@pytest.mark.parametrize("g, g_audio", [(1.0, None), (4.0, None), (4.0, 7.0), (1.0, 7.0), (0.5, 3.0)])
 def test_rollout_matches_the_pipeline_for_video_and_audio(pipe, g, g_audio, monkeypatch):
     """Three Euler steps through models.velocity on models.sigmas from models.initial_noise are __call__'s, for the
     video latents, the audio latents, the frames and the waveform; CFG on both modalities at one scale or, with
-    --audio-guidance-scale (pipe.guidance_scale_audio), the sound at its own, the other guidance terms off."""
+    --audio-guidance-scale (pipe.guidance_scale_audio), the sound at its own, the other guidance terms off. CFG runs
+    where either scale is above 1 (LTX2Pipeline.do_classifier_free_guidance): at a video scale of 1 or below too."""
     monkeypatch.setattr(pipe, "guidance_scale_audio", g_audio, raising=False)
     call = dict(prompt=list(PROMPTS), negative_prompt="", num_inference_steps=3, guidance_scale=g,
                 audio_guidance_scale=g_audio or g, stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0,
@@ -70,9 +71,13 @@ def test_rollout_matches_the_pipeline_for_video_and_audio(pipe, g, g_audio, monk
     with torch.no_grad():
         for s, s_next in zip(models.sigmas(pipe, 3, 64)[:-1].tolist(), models.sigmas(pipe, 3, 64)[1:].tolist()):
             x = x + (s_next - s) * models.velocity(pipe, x, s, embeds, guidance_scale=g).float()
-        if g > 1:
-            uncond = models.velocity(pipe, x0, 0.9, embeds)
-            assert (uncond - models.velocity(pipe, x0, 0.9, embeds, guidance_scale=g)).abs().max() > 1e-3
+        if g > 1 or (g_audio or 0) > 1:
+            uncond = models.velocity(pipe, x0, 0.9, embeds)  # guidance 1, and the sound's scale where it is set
+            monkeypatch.setattr(pipe, "guidance_scale_audio", None)
+            off = models.velocity(pipe, x0, 0.9, embeds)  # no CFG at all
+            monkeypatch.setattr(pipe, "guidance_scale_audio", g_audio)
+            assert (off - models.velocity(pipe, x0, 0.9, embeds, guidance_scale=g)).abs().max() > 1e-3
+            assert (off - uncond).abs().max() > 1e-3 if (g_audio or 0) > 1 else torch.equal(off, uncond)
     video, audio = split(pipe, x)
     start_video, start_audio = split(pipe, x0)
     assert (video - start_video).abs().mean() > 0.1 and (audio - start_audio).abs().mean() > 0.1  # both move
@@ -108,7 +113,7 @@ def test_schedule_is_the_pipelines(pipe):
 
 def test_latent_shape_and_its_errors(pipe):
     assert models.latent_shape(pipe, 64, num_frames=9) == (4 * 5 * 8 * 8 + 4 * 9,)  # 9 frames: 0.375 s of sound
-    with pytest.raises(ValueError, match="--num-frames 6 must be 2 k \\+ 1"):
+    with pytest.raises(ValueError, match="--num-frames 6 must be 2 k \\+ 1 .*the nearest are 5 and 7"):
         models.latent_shape(pipe, 64, num_frames=6)
     with pytest.raises(ValueError, match="multiple of 32"):
         models.latent_shape(pipe, 48, num_frames=5)

@@ -233,3 +233,29 @@ def test_fsdp_trains_both_experts_checkpoints_and_resumes(tmp_path):
 
 if __name__ == "__main__":  # the FSDP worker, under torchrun
     _fsdp_worker(sys.argv[2])
+
+
+@pytest.mark.parametrize("g, g2", [(4.0, 0.5), (4.0, 1.0), (1.0, 3.0)])
+def test_wan22_guidance_matches_the_pipeline_at_every_step(g, g2, monkeypatch):
+    """WanPipeline.__call__ runs CFG where guidance_scale > 1 and guides the low-noise expert by guidance_scale_2
+    whatever its value (below 1 too: v_u + g_2 (v_c - v_u)); at guidance_scale 1 neither expert is guided. Four
+    steps of __call__ (t = 999 and 900 on the high-noise expert, 750 and 500 on the low-noise one): the velocity it
+    hands UniPC at each step is models.velocity's at the same latents and sigma."""
+    pipe = models.load_pipeline("tiny-wan2.2")
+    seen = []  # (velocity, latents) of each step, as __call__ hands them to its scheduler
+    step = pipe.scheduler.step
+    monkeypatch.setattr(pipe.scheduler, "step", lambda v, t, x, **kw: seen.append((v, x)) or step(v, t, x, **kw))
+    x = models.initial_noise(pipe, 2, 64, num_frames=5, generator=torch.Generator().manual_seed(4))
+    pipe(prompt=PROMPTS[:2], negative_prompt="", num_inference_steps=4, guidance_scale=g, guidance_scale_2=g2,
+         height=64, width=64, num_frames=5, latents=x.clone(), max_sequence_length=models.default_tokens(pipe),
+         output_type="latent")
+    pipe.guidance_scale_2 = g2  # --guidance-scale-2 (train.py and eval.py set it so)
+    embeds = models.encode_prompts(pipe, PROMPTS[:2], guidance_scale=g)
+    sigmas = models.sigmas(pipe, 4, 64)
+    assert [int(1000 * s) for s in sigmas[:4].tolist()] == [999, 900, 750, 500]  # the last two on transformer_2
+    with torch.no_grad():
+        for (expected, latents), s in zip(seen, sigmas[:4].tolist()):
+            ours = models.velocity(pipe, latents, s, embeds, guidance_scale=g)
+            torch.testing.assert_close(ours, expected.float(), atol=1e-5, rtol=1e-5)
+        unguided = models.velocity(pipe, seen[2][1], sigmas[2].item(), embeds)
+    assert len(seen) == 4 and ((seen[2][0] - unguided).abs().max() > 1e-3) == (g > 1 and g2 != 1.0)
