@@ -969,7 +969,9 @@ def main(argv=None):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         prompts, metadata = data.load_prompts(args.prompts, input_key=args.input_key, metadata_key=args.metadata_key,
-                                              check=rewards.rows_check(args.reward, args.geneval_detector))
+                                              check=rewards.rows_check(args.reward, args.geneval_detector,
+                                                                       model=args.model,
+                                                                       sound=families.MODELS[args.model].sound))
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: {e}")
     prompts, metadata = prompts[:args.max_prompts], metadata[:args.max_prompts]

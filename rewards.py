@@ -689,11 +689,12 @@ def geneval_rows_check(detector):
     return lambda metadata: geneval.check_metadata(metadata, vocabulary=GENEVAL_VOCABULARY.get(name), detector=name)
 
 
-def rows_check(spec, geneval_detector, by_advantage=False):
+def rows_check(spec, geneval_detector, by_advantage=False, *, model=None, sound=True):
     """The check of data.load_prompts for the rows of a prompt file trained with reward `spec` (a row's metadata
     rm_type replaces it): a row whose reward has a geneval component must be a GenEval row the judge and
     --geneval-detector can score (geneval_rows_check), one with image_similarity must name a source image, one with
-    soft_tifa must carry its questions (reward_models.check_vqa);
+    soft_tifa must carry its questions (reward_models.check_vqa), one with a reward of HEARING needs a `model` that
+    makes sound (sound=False: it makes none, as config.py refuses for --reward);
     by_advantage (--reward-combine advantage, whose weights are
     --reward's): a row's rm_type may only leave components of `spec` out. An unknown rm_type is left to be named
     after the file loads."""
@@ -715,6 +716,11 @@ def rows_check(spec, geneval_detector, by_advantage=False):
             shapes.edit_row_check(metadata)
         if "soft_tifa" in dict(row):
             reward_models.check_vqa(metadata)
+        if not sound and (hearing := [name for name, _ in row if name in HEARING]):
+            named = f"rm_type {metadata['rm_type']!r}" if metadata.get("rm_type") else f"--reward {spec!r}"
+            raise ValueError(f"{named}: reward {hearing[0]} scores the samples' sound, which "
+                             f"--model {model} does not make: train a model with sound (--model ltx2), or score its "
+                             "frames")
         if "image_similarity" in dict(row) and not metadata.get(data.SOURCE_KEY):
             raise ValueError("reward image_similarity compares each sample with its source image, and this row has "
                              "none: give it an 'image', or drop image_similarity from --reward")

@@ -40,6 +40,7 @@ The recipe estimate (recipe_terms) takes a recipe's own flags (train.parse_args)
 Each is an order-of-magnitude guide (about +-30 %): left out are the rollout's VAE decode and text encoding
 (transient, outside the update), the CUDA context (about 0.5 GB) and allocator fragmentation.
 """
+import argparse
 import functools
 import os
 import sys
@@ -311,6 +312,8 @@ def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description="Parameter counts and per-GPU memory estimates of the published models; "
+                            "takes no flags").parse_args()  # a flag given is refused, not ignored
     main()
     print()
     recipe_table()

@@ -277,3 +277,28 @@ def test_shipped_prompt_files_are_found_from_another_folder(tmp_path, monkeypatc
     assert data.load_prompts("prompts/tiny.txt") == (["my own prompt"], [{}])
     with pytest.raises(FileNotFoundError, match="prompts/none.txt: prompt file not found"):
         data.load_prompts("prompts/none.txt")
+
+
+def test_family_memory_refuses_a_flag_it_does_not_take():
+    """Before: `scripts/family_memory.py --model flux` printed every model's tables, the flag ignored."""
+    proc = cli("scripts/family_memory.py", "--model", "flux")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "| model |" not in proc.stdout
+    assert proc.stderr.strip().splitlines()[-1] == "family_memory.py: error: unrecognized arguments: --model flux"
+
+
+def test_a_row_whose_reward_hears_is_refused_at_load_on_a_model_without_sound(tmp_path):
+    """Before: a row's `rm_type: clap` on a silent model loaded, and failed only at the step that drew it."""
+    import data
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"input": "a cat"}) + "\n"
+                    + json.dumps({"input": "a bell", "metadata": {"rm_type": "clap=1,jpeg_compressibility=1"}}) + "\n")
+    silent = rewards.rows_check("jpeg_compressibility", None, model="tiny", sound=False)
+    with pytest.raises(ValueError, match=r"rows.jsonl, line 2 .*rm_type 'clap=1,jpeg_compressibility=1': reward clap "
+                                         r"scores the samples' sound, which --model tiny does not make"):
+        data.load_prompts(rows, check=silent)
+    prompts, _ = data.load_prompts(rows, check=rewards.rows_check("jpeg_compressibility", None, model="tiny-ltx2"))
+    assert prompts == ["a cat", "a bell"]  # a model with sound takes the row
+    line = one_line(cli("eval.py", "--model", "tiny", "--prompts", rows, "--reward", "jpeg_compressibility",
+                        "--out", tmp_path / "eval"), "reward clap scores the samples' sound")
+    assert "--model tiny does not make" in line and not (tmp_path / "eval").exists()
