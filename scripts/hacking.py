@@ -3,6 +3,7 @@
     python scripts/hacking.py                   # 3 brakes x seeds 0 1 2 -> runs/hacking/ (hacking.md, .png)
     python scripts/hacking.py --brakes none kl --seeds 0 --steps 40  # a quick look
     python scripts/hacking.py --report          # the tables and the plot again from the finished runs
+    python scripts/hacking.py --report --brakes none kl gardo gate --ledger docs/runs/hacking.jsonl --out /tmp/h
 
 Every run is `python train.py` on the shapes defaults (DiffusionNFT, 100 steps of 16 prompts x 8 samples) trained on
 member 0 of the proxy (shapes/proxy.py, weights/shapes_proxy.safetensors), with the exact GenEval judge and the other
@@ -23,6 +24,8 @@ What the table reports per brake, mean +- standard deviation over seeds: the hel
 the end; the exact accuracy at step 0, at its peak (and the step) and at the end; the colour diversity at step 0 and
 at the end. The plot: the three against the step, a colour per brake, a line style per seed. A finished run is not
 run again, a stopped one continues from its checkpoint (--resume auto; SIGTERM stops the running one at a checkpoint).
+With --ledger, the finished runs' rows (their flags, then a row per evaluation step: scripts/ledgers.py) go into the
+page's ledger as set --set; `--report --ledger` draws the tables and the plot from the ledger instead of run folders.
 """
 import argparse
 import json
@@ -39,6 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import checkpoints  # noqa: E402
 import flags  # noqa: E402
+import ledgers  # noqa: E402
 
 TRAIN = [sys.executable, os.path.join(ROOT, "train.py")]
 COMMON = ["--reward", "shapes_proxy=1,shapes_proxy_1=0,shapes_proxy_2=0,geneval=0", "--reward-key", "shapes_proxy",
@@ -173,14 +177,52 @@ def mean_sd(values):
     return f"{values.mean():.3f}" + (f" +- {values.std(ddof=1):.3f}" if len(values) > 1 else "")
 
 
-def report(args):
-    runs = [(b, s) for b in args.brakes for s in args.seeds if finished(args.out, (b, s), args.steps)]
+def from_ledger(args):
+    """{run: {step: eval row}} of the finished runs of --set in --ledger; a run recorded under other flags is
+    refused, as a run folder is (check_flags)."""
+    recorded = ledgers.runs(ledgers.read(args.ledger), args.set)
+    evals = {}
+    for run in [(b, s) for b in args.brakes for s in args.seeds]:
+        rows = recorded.get(run_name(*run), [])
+        if not rows:
+            continue
+        before, now = rows[0].get("flags"), train_flags(*run, args)
+        if before != now:
+            raise SystemExit(f"error: {args.ledger}'s run {run_name(*run)} ({args.set}) was run with "
+                             f"`{shlex.join(before or [])}`, not `{shlex.join(now)}`: give the flags it was run with")
+        mine = {r["step"]: {"step": r["step"], **r["eval"]} for r in rows if "eval" in r}
+        if 0 in mine and args.steps in mine:
+            evals[run] = mine
+    return evals
+
+
+def record(args, runs):
+    """The finished runs' rows in place of theirs in --ledger (set --set): their flags, a row per evaluation."""
     for run in runs:
-        check_flags(run, args)
+        rows = ledgers.run_rows(os.path.join(args.out, run_name(*run)), args.set, run_name(*run))
+        evals = read_evals(args.out, run)
+        if rows[0]["step"] != 0:  # a resumed run: its step-0 row was kept beside it
+            rows.insert(0, {"set": args.set, "run": run_name(*run), "step": 0,
+                            "eval": {k: v for k, v in evals[0].items() if k != "step"}})
+        rows[0]["flags"] = train_flags(*run, args)
+        ledgers.replace(args.ledger, rows)
+
+
+def report(args):
+    if args.ledger and args.report:
+        evals = from_ledger(args)
+        runs = list(evals)
+        os.makedirs(args.out, exist_ok=True)
+    else:
+        runs = [(b, s) for b in args.brakes for s in args.seeds if finished(args.out, (b, s), args.steps)]
+        for run in runs:
+            check_flags(run, args)
     if not runs:
-        raise SystemExit(f"error: no finished run in {args.out} (brakes {' '.join(args.brakes)}, seeds "
-                         f"{' '.join(map(str, args.seeds))}, {args.steps} steps): run the same command without --report")
-    evals = {run: read_evals(args.out, run) for run in runs}
+        raise SystemExit(f"error: no finished run in {args.ledger if args.ledger and args.report else args.out} "
+                         f"(brakes {' '.join(args.brakes)}, seeds {' '.join(map(str, args.seeds))}, {args.steps} "
+                         "steps): run the same command without --report")
+    if not (args.ledger and args.report):
+        evals = {run: read_evals(args.out, run) for run in runs}
     rows = {run: summary(evals[run], args.steps) for run in runs}
     lines = [f"Held-out figures at step 0 and step {args.steps} (360 prompts, ODE, fixed noise), mean +- standard "
              f"deviation over seeds; `python scripts/hacking.py {shlex.join(args.argv)}`:", "",
@@ -246,7 +288,15 @@ def parse_args(argv=None):
     p.add_argument("--save-every", type=flags.POSITIVE_INT, default=10, help="checkpoints every this many steps")
     p.add_argument("--out", default="runs/hacking", help="folder of the runs, hacking.md and hacking.png")
     p.add_argument("--report", action="store_true", help="only the tables and the plot, from the finished runs")
+    p.add_argument("--ledger", default=None, help="the page's ledger (docs/runs/hacking.jsonl): the finished runs' "
+                   "rows go there; with --report, the tables and the plot are drawn from it")
+    p.add_argument("--set", default="judge", help="the runs' set in --ledger (the page's: judge, on the present "
+                   "judge; first, on GenEval's 0.9 rule)")
     args = p.parse_args(argv)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"--out {args.out} is a file, not a folder: give a folder for the runs, hacking.md and hacking.png")
+    if args.ledger and os.path.isdir(args.ledger):
+        p.error(f"--ledger {args.ledger} is a folder: give the ledger's file, such as docs/runs/hacking.jsonl")
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.steps % args.eval_every:
         p.error(f"--steps {args.steps} is not a multiple of --eval-every {args.eval_every}: the end must be evaluated")
@@ -268,6 +318,8 @@ def main(argv=None):
             if rc or not finished(args.out, run, args.steps):
                 raise SystemExit(f"error: {run_name(*run)} stopped (rc {rc}) before its step {args.steps} evaluation: "
                                  f"see {os.path.join(args.out, run_name(*run))}.log; the same command continues it")
+        if args.ledger:
+            record(args, runs)
     return report(args)
 
 

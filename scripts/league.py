@@ -906,13 +906,13 @@ def report(args):
         write_into(args.doc, table, *MARKERS["doc"])
     if args.copy_to:
         os.makedirs(args.copy_to, exist_ok=True)
-        for name in ("league.png", "league.json"):
-            shutil.copyfile(os.path.join(args.out, name), os.path.join(args.copy_to, name))
+        shutil.copyfile(os.path.join(args.out, "league.png"), os.path.join(args.copy_to, "league.png"))  # the figure
+        # the pages show; league.json is drawn again from the ledger by --report
     print(table)
     print(f"wrote {os.path.join(args.out, 'league.md')}, league.png, league.json"
           + (f"; the summary into {args.readme}" if args.readme else "")
           + (f"; the tables into {args.doc}" if args.doc else "")
-          + (f"; league.png and league.json into {args.copy_to}" if args.copy_to else ""))
+          + (f"; league.png into {args.copy_to}" if args.copy_to else ""))
     return results
 
 
@@ -1004,7 +1004,7 @@ def parse_args(argv=None):
     p.add_argument("--doc", default=None, metavar="FILE",
                    help="also write the full tables into FILE (docs/league.md) between its league.md marker lines")
     p.add_argument("--copy-to", default=None, metavar="DIR",
-                   help="also copy league.png and league.json into DIR (docs/runs/league)")
+                   help="also copy league.png, the figure the pages show, into DIR (docs/runs/league/judge)")
     p.add_argument("--poll", type=flags.POSITIVE, default=2.0, help=argparse.SUPPRESS)  # seconds between looks
     args = p.parse_args(argv)
     args.only = list(dict.fromkeys(args.only))

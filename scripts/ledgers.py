@@ -17,7 +17,7 @@ import checkpoints
 import eval as evaluation
 
 # metrics.jsonl's figures a ledger keeps: those eval.py --plot draws, and the KL controller's weight and the rate
-TRAIN_KEYS = ("reward_mean", *dict(evaluation.MOVING), "kl_beta", "lr", "seconds")
+TRAIN_KEYS = ("reward_mean", "reward/geneval_correct_mean", *dict(evaluation.MOVING), "kl_beta", "lr", "seconds")
 
 
 def read(path, what="a study's ledger"):
@@ -93,8 +93,12 @@ def runs(rows, set_name=None):
 
 
 def unfold(rows, folder):
-    """One run's rows back as a run folder eval.py --plot reads: eval.jsonl, metrics.jsonl (TRAIN_KEYS) -> folder."""
+    """One run's rows back as a run folder eval.py --plot reads: eval.jsonl, metrics.jsonl (TRAIN_KEYS) and, where
+    the ledger kept it, args.json (the curves' labels) -> folder."""
     os.makedirs(folder, exist_ok=True)
+    if "args" in rows[0]:
+        with open(os.path.join(folder, "args.json"), "w") as f:
+            json.dump(rows[0]["args"], f, indent=1)
     with open(os.path.join(folder, "eval.jsonl"), "w") as f:
         for row in rows:
             f.write(json.dumps({"step": row["step"], **row["eval"]}) + "\n")
