@@ -36,6 +36,15 @@ Where this departs from the papers and their authors' code, and why: docs/depart
 cites them ("departure 4"). The layers, the phases' modules, the registries and where a new loss, reward, model
 family or role goes: docs/design.md.
 """
+import signal
+import sys
+
+if __name__ == "__main__":  # a signal while the libraries import: one line (run.set_up_stop's), no traceback
+    for _signum in (signal.SIGINT, signal.SIGTERM):  # run.Run takes both over from its first line
+        signal.signal(_signum, lambda n, frame: sys.exit(
+            f"error: {'interrupted (Ctrl-C)' if n == signal.SIGINT else 'stopped by SIGTERM'} during start-up, before "
+            "the first step: nothing was trained; rerun the same command to start (or continue) the run"))
+
 import math
 
 import numpy as np
