@@ -33,7 +33,7 @@ import regularizers
 import rewards
 import run
 import sde
-from distributed import print0
+from distributed import WORLD, print0
 from flags import FRACTION, NONNEG_INT, POSITIVE, POSITIVE_INT, SEED, bounded
 
 DESCRIPTION = "Online RL for flow-matching text-to-image models: Flow-GRPO and its successors."
@@ -110,6 +110,8 @@ def report(p, args):
             lines.append(f"# {'sampling, batching and the run' if group.title == 'options' else group.title}")
             width = max(len(f"{flag} {value}") for flag, value, _ in rows)
             lines += [f"{f'{flag} {value}':<{width}}  # {source}" for flag, value, source in rows]
+    if args.fsdp and WORLD == 1:
+        lines.append("# --fsdp: launch it under torchrun --nproc_per_node N > 1 (it shards over the processes)")
     return "\n".join(lines)
 
 
@@ -255,9 +257,13 @@ def _check_model(p, args, world_size):
     if args.fsdp and args.mixed_precision == "fp16":
         p.error("--mixed-precision fp16 needs loss scaling, which is not wired for --fsdp: add --mixed-precision bf16 "
                 "after the recipe")
-    if args.fsdp and (args.lora_rank > 0 or world_size == 1):
+    # --print-config reads a recipe before its launch, in one process: printed, with a note on the launch (report)
+    if args.fsdp and (args.lora_rank > 0 or (world_size == 1 and not args.print_config)):
         p.error("--fsdp shards a full fine-tune over processes: use it with --lora-rank 0 under torchrun "
                 "--nproc_per_node N > 1 (LoRA runs use DDP)")
+    if _given(args, "fsdp_reduce") and not args.fsdp:
+        p.error(f"--fsdp-reduce {args.fsdp_reduce} says when --fsdp reduce-scatters its gradients, and --fsdp is off: "
+                "add --fsdp (a full fine-tune under torchrun), or drop --fsdp-reduce")
     if problem := families.guidance_mismatch(args.model, args.guidance_scale_2, args.audio_guidance_scale):
         p.error(problem)
     families.settle_guidance(p, args)  # a preset's scale named by its source; LTX-2's soundtrack scale
