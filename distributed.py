@@ -30,6 +30,7 @@ without torchrun, where each of them reduces to the single-process case.
 import contextlib
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -71,8 +72,15 @@ def finish():
 
 
 def print0(*args, **kwargs):
-    if is_main:
+    """print on rank 0 only. A reader that went away (`train.py --print-config | head`) ends the printing, not the
+    program: the stream goes to /dev/null from then on, quietly (the run's own files keep every line)."""
+    if not is_main:
+        return
+    try:
         print(*args, **kwargs, flush=True)
+    except BrokenPipeError:
+        stream = kwargs.get("file") or sys.stdout
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())  # the interpreter's last flush must not fail again
 
 
 def barrier():
