@@ -726,20 +726,47 @@ def _attention_backends():
     return [b.value for b in AttentionBackendName]
 
 
-def attention_backend(pipe, name):
+def attention_backend(pipe, name, dtype=torch.float32):
     """The trained modules' attention through diffusers' attention backend `name` (set_attention_backend: flash,
     sage, xformers, the native SDPA kernels...), for the rollout, training and reference forwards alike; "native",
-    diffusers' default (torch's SDPA, its kernel of choice), leaves the modules as they load. Attention processors that
-    do not dispatch (SD3's joint attention) keep native SDPA whatever the name. A backend whose package is missing is
-    refused in one line."""
+    diffusers' default (torch's SDPA, its kernel of choice), leaves the modules as they load. A backend whose package
+    is missing is refused in one line, and so is one whose kernels cannot run a forward and backward on the modules'
+    device in `dtype` (the forwards' autocast dtype): tried at once on a tiny input (FlexAttention has no backward on a
+    CPU, the fused SDPA kernels without the math one no CPU kernel, flash no float32), not at the first step. Attention
+    processors that do not dispatch (SD3's joint attention) keep native SDPA whatever the name: a warning says so."""
     if name == "native":
         return
-    for module in trained_modules(pipe).values():
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry, dispatch_attention_fn
+    before = _AttentionBackendRegistry.get_active_backend()[0]  # set_attention_backend makes `name` the process's
+    modules = trained_modules(pipe).values()
+    for module in modules:
         try:
             module.set_attention_backend(name)
         except (RuntimeError, ValueError, ImportError) as e:
             raise RuntimeError(f"--attention-backend {name}: {' '.join(str(e).split())[:200]} (or leave it native)")\
                 from None
+    dispatching = [m for module in modules for m in module.modules()
+                   if hasattr(getattr(m, "processor", None), "_attention_backend")]
+    if not dispatching:
+        processors = sorted({type(m.processor).__name__ for module in modules for m in module.modules()
+                             if getattr(m, "processor", None) is not None})
+        distributed.print0(f"warning: --attention-backend {name} changes nothing on "
+                           f"{getattr(pipe, 'model_name', 'this model')}: its attention ({', '.join(processors)}) "
+                           "calls torch's SDPA itself, not diffusers' backends (leave it native)")
+        return
+    first = dispatching[0]
+    head_dim = first.to_q.out_features // first.heads if hasattr(first, "to_q") and hasattr(first, "heads") else 64
+    device = next(iter(modules)).device
+    q, k, v = (torch.randn(1, 16, 2, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    try:  # [batch, tokens, heads, head_dim], as the processors call it
+        dispatch_attention_fn(q, k, v, backend=name).float().sum().backward()
+    except Exception as e:  # whatever the kernel raises (NotImplementedError, RuntimeError, ValueError, ...)
+        for module in modules:
+            module.reset_attention_backend()
+        _AttentionBackendRegistry.set_active_backend(before)
+        raise RuntimeError(f"--attention-backend {name} cannot run a forward and backward on {device.type} in "
+                           f"{str(dtype).removeprefix('torch.')} here ({type(e).__name__}: "
+                           f"{' '.join(str(e).split())[:160]}); pick another backend, or leave it native") from None
 
 
 def add_arguments(parser):

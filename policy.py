@@ -55,7 +55,8 @@ class Policy:
         # LoRA run encodes them in. The trained modules stay float32 (the master weights) and the VAE as it loaded.
         if amp_dtype is not None:
             _frozen_in(pipe, modules, amp_dtype)
-        models.attention_backend(pipe, getattr(args, "attention_backend", "native"))  # --attention-backend
+        models.attention_backend(pipe, getattr(args, "attention_backend", "native"),  # --attention-backend, tried
+                                 dtype=amp_dtype or torch.float32)  # in the forwards' dtype
         models.add_lora(pipe, args.lora_rank, args.lora_alpha)  # the adapter (float32) trains, or all weights (rank 0)
         trainable = [(n, q) for n, q in models.named_parameters(modules) if q.requires_grad]
         which = "LoRA r%d" % args.lora_rank if args.lora_rank else "full"
