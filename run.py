@@ -11,13 +11,17 @@
     run.signalled(), run.stop_in_sampling(step), run.stop_in_training(step, snapshot)   a preemption, in each phase
     run.log(step, info, batch, got) metrics.jsonl (and wandb), the step line, the sample grid, the held-out
                                     evaluation (eval.jsonl) when due; skipped steps too
-    run.checkpoint_or_stop(step)    save when due or signalled; True ends the run
+    run.checkpoint_or_stop(step)    save when due or signalled; True ends the run. Stops in one line after
+                                    --max-bad-steps skipped steps, or 3 in a row whose gradient was not finite
+                                    (nonfinite_stop: their likely cause, the checkpoint of the last finite update)
     run.finish()
 
 A SIGTERM / SIGINT (preemption) stops every rank within seconds, saves the last complete step and exits 0: in the
 sampling phase at the next rollout batch, in the wait for rewards at once, in the training phase before the next
-forward (the weights back at the step's start). --resume auto then redoes the step exactly. One line per step on
-rank 0, with a live bar on a terminal.
+forward (the weights back at the step's start). --resume auto then redoes the step exactly. Before the first step
+(from train.py's imports on, then from Run's first line while the folder is prepared and the models load) a signal
+stops the run in one line, exit 1 (set_up_stop): nothing has trained, nothing is saved. One line per step on rank 0,
+with a live bar on a terminal.
 """
 import copy
 import hashlib
