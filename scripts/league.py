@@ -5,7 +5,7 @@ Every entry (algorithm or sampler) runs at its own learning rate, chosen on one 
     python scripts/league.py               # 14 entries: 3-lr sweep on seed 0, then seeds 1 2 -> runs/league/
     python scripts/league.py --only grpo nft --lrs 1e-4 --sweep-seed 0 --seeds 0 --samples 64  # a quick look
     python scripts/league.py --report      # the tables and the plot again from the finished runs
-    python scripts/league.py --report --readme README.md --doc docs/league.md --copy-to docs/runs/league
+    python scripts/league.py --report --readme README.md --doc docs/league.md --copy-to docs/runs/league/judge
                                                   # and the one-table summary into the README, the full tables into
                                                   # docs/league.md (each between its markers), the plot and JSON there
 

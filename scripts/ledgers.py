@@ -6,18 +6,22 @@ object a line, one line per run and evaluation step, in place of the runs' folde
      "train": {"step": [1, ..., 25], "kl": [...], ...},       # metrics.jsonl's steps since the last evaluation
      "command": "python train.py ...", "args": {...}}         # on the run's first row only: how to run it again
 
-`train` keeps the figures eval.py draws (TRAIN_KEYS), per step; the last row of a run also holds the steps after its
-last evaluation. `unfold` writes a run's rows back as eval.jsonl and metrics.jsonl, so `python eval.py --plot` draws
-its curves again. A line that is not such an object is refused in one line naming the file and the line.
+`train` keeps every figure of metrics.jsonl, per step, to 6 significant digits (a page quotes 3; eval.jsonl's rows
+are kept whole); the last row of a run also holds the steps after its last evaluation. `unfold` writes a run's rows
+back as eval.jsonl and metrics.jsonl, so `python eval.py --plot` draws its curves again. A line that is not such an
+object is refused in one line naming the file and the line.
 """
 import json
 import os
 
 import checkpoints
-import eval as evaluation
 
-# metrics.jsonl's figures a ledger keeps: those eval.py --plot draws, and the KL controller's weight and the rate
-TRAIN_KEYS = ("reward_mean", "reward/geneval_correct_mean", *dict(evaluation.MOVING), "kl_beta", "lr", "seconds")
+DIGITS = 6  # significant digits of a training figure in a ledger
+
+
+def short(value):
+    """A training figure to DIGITS significant digits (ints, None and text as they are)."""
+    return float(f"{value:.{DIGITS}g}") if isinstance(value, float) else value
 
 
 def read(path, what="a study's ledger"):
@@ -70,8 +74,8 @@ def run_rows(folder, set_name, run, command=None):
         since = [s for s in sorted(metrics) if (i == 0 or s > steps[i - 1]) and (s <= step or i == len(steps) - 1)]
         row = {"set": set_name, "run": run, "step": step, "eval": {k: v for k, v in evals[step].items() if k != "step"}}
         if since:
-            row["train"] = {"step": since, **{k: [metrics[s].get(k) for s in since] for k in TRAIN_KEYS
-                                              if any(k in metrics[s] for s in since)}}
+            keys = dict.fromkeys(k for s in since for k in metrics[s] if k != "step")
+            row["train"] = {"step": since, **{k: [short(metrics[s].get(k)) for s in since] for k in keys}}
         rows.append(row)
     if rows:
         args = os.path.join(folder, "args.json")
@@ -93,7 +97,7 @@ def runs(rows, set_name=None):
 
 
 def unfold(rows, folder):
-    """One run's rows back as a run folder eval.py --plot reads: eval.jsonl, metrics.jsonl (TRAIN_KEYS) and, where
+    """One run's rows back as a run folder eval.py --plot reads: eval.jsonl, metrics.jsonl and, where
     the ledger kept it, args.json (the curves' labels) -> folder."""
     os.makedirs(folder, exist_ok=True)
     if "args" in rows[0]:

@@ -115,8 +115,8 @@ def evaluated(folder):
             try:
                 steps.append(int(json.loads(line)["step"]))
             except (ValueError, KeyError, TypeError):
-                raise SystemExit(f"error: {path}:{number} is damaged (no JSON row with a step): delete the run's folder "
-                                 f"{folder} to run it again") from None
+                raise SystemExit(f"error: {path}:{number} is damaged (no JSON row with a step): delete the run's "
+                                 f"folder {folder} to run it again") from None
     return steps
 
 

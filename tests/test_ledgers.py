@@ -140,17 +140,18 @@ def test_a_damaged_ledger_is_one_line_naming_its_line(tmp_path):
 
 
 def test_a_run_folder_folds_into_rows_and_unfolds_back(tmp_path):
-    """run_rows keeps every evaluation and, per step, the training figures eval.py draws; unfold gives them back."""
+    """run_rows keeps every evaluation and, per step, every training figure (6 significant digits); unfold gives
+    them back."""
     folder = tmp_path / "run"
     folder.mkdir()
     (folder / "eval.jsonl").write_text("".join(json.dumps({"step": s, "geneval_overall": s / 100}) + "\n"
                                                for s in (0, 2, 4)))
-    (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "kl": s * 0.1, "r_mean": 1.0}) + "\n"
+    (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "kl": s * 0.1, "r_mean": 1 / 3}) + "\n"
                                                   for s in range(1, 6)))
     rows = ledgers.run_rows(str(folder), "a", "r", command="python train.py")
     assert [r["step"] for r in rows] == [0, 2, 4] and rows[0]["command"] == "python train.py"
     assert [r["train"]["step"] for r in rows[1:]] == [[1, 2], [3, 4, 5]]  # the last row: the steps after it too
-    assert rows[2]["train"]["kl"] == pytest.approx([0.3, 0.4, 0.5]) and "r_mean" not in rows[2]["train"]
+    assert rows[2]["train"]["kl"] == pytest.approx([0.3, 0.4, 0.5]) and rows[2]["train"]["r_mean"] == [0.333333] * 3
     back = ledgers.unfold(rows, str(tmp_path / "back"))
     metrics = [json.loads(line) for line in open(os.path.join(back, "metrics.jsonl"))]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5] and np.allclose([m["kl"] for m in metrics],
