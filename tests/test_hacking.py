@@ -2,6 +2,7 @@
 eval.jsonl in a moment, its table (peaks, ends, means over seeds), its resume and its refusal of changed flags."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -133,3 +134,25 @@ def test_changed_flags_are_refused_before_anything_runs(tmp_path, fake_train):
     assert len(fake_train()) == 1
     with pytest.raises(SystemExit, match="no finished run"):
         hacking.main(["--out", str(tmp_path / "empty"), "--report"])
+
+
+def test_the_study_writes_its_ledger_and_reports_from_it(tmp_path, fake_train, monkeypatch):
+    """With --ledger the finished runs' rows go into the ledger (a resumed run's step-0 row too, from beside it), and
+    --report --ledger reads the same figures from it with no run folder left."""
+    out, ledger = tmp_path / "hacking", tmp_path / "docs" / "hacking.jsonl"
+    argv = ["--out", str(out), "--brakes", "none", "kl", "--seeds", "0", "--steps", "6", "--eval-every", "2",
+            "--ledger", str(ledger)]
+    monkeypatch.setenv("FAKE_STOP", "2")
+    with pytest.raises(SystemExit):
+        hacking.main(argv)
+    monkeypatch.delenv("FAKE_STOP")
+    rows = hacking.main(argv)
+    recorded = [json.loads(line) for line in open(ledger)]
+    assert [(r["set"], r["run"], r["step"]) for r in recorded] == [("judge", f"{b}-s0", s) for b in ("none", "kl")
+                                                                   for s in (0, 2, 4, 6)]
+    assert recorded[0]["flags"] == hacking.train_flags("none", 0, hacking.parse_args(argv))
+    assert recorded[0]["eval"]["geneval_overall"] == pytest.approx(0.3)
+    table = (out / "hacking.md").read_text().split("\n", 1)[1]  # after the line naming the command
+    shutil.rmtree(out)
+    again = hacking.main([*argv, "--report", "--out", str(tmp_path / "report")])
+    assert again == rows and (tmp_path / "report" / "hacking.md").read_text().split("\n", 1)[1] == table
