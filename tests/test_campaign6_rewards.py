@@ -182,22 +182,25 @@ def test_a_password_in_a_url_flag_is_written_nowhere(tmp_path):
 
 # ----------------------------------------------------------------------------- a hub model missing offline
 
-def test_a_reward_model_missing_offline_is_one_line_on_every_path(tmp_path):
+def test_a_reward_model_missing_offline_is_one_line_on_every_path(tmp_path, monkeypatch):
     """Before: a hub model that a prompt row's rm_type names (built at its first step, in the reward thread) printed
-    three chained tracebacks above its RuntimeError line."""
-    env = {"HF_HOME": str(tmp_path / "hf")}  # an empty hub cache
+    three chained tracebacks above its RuntimeError line; eval.py sampled before it failed. (`--reward` alone or in a
+    mixture was one line already: tests/test_rewards.py.)"""
+    import eval as evaluation
+
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"input": "a cat", "metadata": {"rm_type": "pickscore=0.5,jpeg_compressibility=0.5"}})
                     + "\n" + json.dumps({"input": "a dog"}) + "\n")
-    runs = [cli("train.py", *FAST, "--steps", "1", "--reward", "pickscore=0.5,jpeg_compressibility=0.5",
-                "--out", tmp_path / "mix", env=env),
-            cli("train.py", *FAST, "--steps", "1", "--prompts", rows, "--reward", "jpeg_compressibility",
-                "--out", tmp_path / "rows", env=env),
-            cli("eval.py", "--model", "tiny", "--prompts", rows, "--reward", "jpeg_compressibility", "--resolution",
-                "32", "--eval-steps", "2", "--out", tmp_path / "eval", env=env)]
-    for proc in runs:
-        assert "pickscore" in one_line(proc, "--pickscore-processor-path")
-    assert not (tmp_path / "eval").exists()  # refused at load, before any sampling
+    proc = cli("train.py", *FAST, "--steps", "1", "--prompts", rows, "--reward", "jpeg_compressibility",
+               "--out", tmp_path / "rows", env={"HF_HOME": str(tmp_path / "hf")})  # an empty hub cache
+    assert "reward 'pickscore'" in one_line(proc, "--pickscore-processor-path")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit) as e:  # a hub id that no cache holds
+        evaluation.main(["--model", "tiny", "--prompts", str(rows), "--reward", "jpeg_compressibility",
+                         "--pickscore-processor-path", "flow-rl-tests/not-cached", "--out", str(tmp_path / "eval")])
+    assert str(e.value.code).startswith("error: a prompt row's rm_type names reward 'pickscore': pickscore: cannot "
+                                        "load 'flow-rl-tests/not-cached'")
+    assert "--pickscore-processor-path" in str(e.value.code) and not (tmp_path / "eval").exists()
 
 
 # ----------------------------------------------------------------------------- eval.py's outputs
