@@ -193,7 +193,8 @@ def test_a_reader_that_closes_the_reports_pipe_ends_it_quietly(tmp_path):
     proc.stdout.close()
     stderr = proc.stderr.read().decode()
     proc.wait(timeout=120)
-    assert proc.returncode == 0 and stderr == "", stderr[-3000:]
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "BrokenPipeError" not in stderr and "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
 
 
 def test_fsdp_reduce_without_fsdp_is_refused_in_one_line(tmp_path):
