@@ -15,7 +15,6 @@ then a few derived values (--lora-alpha from --lora-rank, --train-cfg from --gui
 --kl-beta, GARDO's rules off at --kl-beta 0). Flag types and @recipe files: flags.py.
 """
 import argparse
-import inspect
 import math
 import os
 import re
@@ -331,9 +330,7 @@ def _check_loss(p, args, per_rank):
                 f"{args.model} has no such input: drop the flag or use --model qwen-image-edit")
     if args.eval_every and not args.eval_prompts:
         p.error("--eval-every needs --eval-prompts (a held-out prompt file)")
-    if args.nft_fm > 0 and "nft_fm" not in inspect.signature(losses.LOSSES[args.loss].fn).parameters:
-        p.error(f"--nft-fm adds a flow-matching term to DiffusionNFT's loss, which --loss {args.loss} does not read: "
-                "use --loss nft or drop it")
+    _check_loss_flags(p, args, loss)
     if loss.reference and loss.reference(vars(args)) and args.lora_rank == 0:
         p.error(f"--loss {args.loss} compares with the base model, which is the LoRA adapter disabled: set "
                 "--lora-rank > 0, or point the loss's reference at the old copy (its flags: --help)")
@@ -341,8 +338,6 @@ def _check_loss(p, args, per_rank):
     if loss.unit != "sample" and (per_rank % args.group_size or args.train_batch_size % width):
         p.error(f"--loss {args.loss} trains whole {loss.unit}s of one group's samples: make the {per_rank} samples per "
                 f"process a multiple of --group-size {args.group_size} and --train-batch-size a multiple of {width}")
-    if _given(args, "dpo_beta") and "dpo_beta" not in inspect.signature(loss.fn).parameters:
-        p.error(f"--dpo-beta is the beta of --loss dpo / dgpo, which --loss {args.loss} does not read: drop it")
     if _given(args, "ref_update_every") and "copy" not in (args.old_decay, args.sampling_decay):
         p.error(f"--ref-update-every says how often --old-decay copy copies the trained weights; --loss {args.loss}"
                 f"{' --old-decay ' + args.old_decay if args.old_decay else ''} keeps no such copy: drop it")
@@ -369,6 +364,19 @@ def _check_loss(p, args, per_rank):
         sde.sde_steps(args.num_steps, **window_kwargs(args, 0))
     except ValueError as e:
         p.error(str(e))
+
+
+def _check_loss_flags(p, args, loss):
+    """A loss's own flag (one that some losses' functions or schedules name, losses.Loss.reads) set by the command line
+    or a recipe for a loss that does not read it: refused, naming the losses that do. --adv-clip is every loss's (the
+    advantages' clip)."""
+    group = next(g for g in p._action_groups if g.title == "loss")  # losses.add_arguments' flags
+    reads = loss.reads()
+    for action in group._group_actions:
+        owners = [name for name, other in losses.LOSSES.items() if action.dest in other.reads()]
+        if owners and action.dest != "adv_clip" and action.dest not in reads and _given(args, action.dest):
+            p.error(f"{action.option_strings[0]} is read by --loss {' / '.join(owners)}, not by --loss {args.loss}: "
+                    "drop it")
 
 
 def _check_reward(p, args):

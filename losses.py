@@ -36,6 +36,7 @@ x_s = (1 - s) x0 + s eps, and compare the velocity there with the flow-matching 
 """
 
 import argparse
+import inspect
 import math
 from typing import Callable, NamedTuple
 
@@ -546,7 +547,7 @@ def gated_kl(kl, flagged, *, empty="zero"):
     return (kl * weight).sum() / weight.sum().clamp(min=1)  # none flagged, "zero": 0, the graph kept
 
 
-def _reference_kl(value, info, t, *, kl_beta, kl_form, sde, **_):
+def _reference_kl(value, info, t, kl_beta, kl_form, sde):
     """+ kl_beta KL to the frozen reference (the base model, LoRA off; GARDO's snapshot) of the step's Gaussian
     transitions (kl_penalty; Flow-GRPO's |dt|-weighted form unless --kl-form exact; the cps step's own form is the
     exact one, as in Flow-GRPO). Gated: no flagged sample, no KL term (GARDO's GRPO)."""
@@ -558,7 +559,7 @@ def _reference_kl(value, info, t, *, kl_beta, kl_form, sde, **_):
     return value, info
 
 
-def _velocity_reference_kl(value, info, t, *, kl_beta, **_):
+def _velocity_reference_kl(value, info, t, kl_beta):
     """+ kl_beta velocity-space KL to the frozen reference (DiffusionNFT L966-970, AWM L1337; velocity_kl). Gated: no
     flagged sample, every sample's (GARDO's DiffusionNFT)."""
     if kl_beta > 0:
@@ -568,7 +569,7 @@ def _velocity_reference_kl(value, info, t, *, kl_beta, **_):
     return value, info
 
 
-def _step_weighted(value, t, *, step_loss_weight, **_):
+def _step_weighted(value, t, step_loss_weight):
     """The policy term times --step-loss-weight's weight of the step: none, or Flow-GRPO's Wan 2.1 weight
     (wan_step_weight of the micro-batch's sigmas, its SDE's noise range the schedule's sigmas[1] .. sigmas[-1])."""
     if step_loss_weight == "wan":
@@ -577,28 +578,28 @@ def _step_weighted(value, t, *, step_loss_weight, **_):
     return value
 
 
-def grpo(t, *, clip_range, **hyper):
+def grpo(t, *, clip_range, kl_beta, kl_form, sde, step_loss_weight):
     """Flow-GRPO: the PPO clip of each step's ratio (grpo_loss), + the KL to the base."""
     value, info = grpo_loss(t["log_prob"], t["old_log_prob"], t["adv"], clip_range=clip_range)
-    return _reference_kl(_step_weighted(value, t, **hyper), info, t, **hyper)
+    return _reference_kl(_step_weighted(value, t, step_loss_weight), info, t, kl_beta, kl_form, sde)
 
 
-def guard(t, *, clip_range, **hyper):
+def guard(t, *, clip_range, kl_beta, kl_form, sde, step_loss_weight):
     """GRPO-Guard: RatioNorm, the clip and the gradient reweight (guard_loss), + the KL to the base."""
     value, info = guard_loss(t["log_prob"], t["old_log_prob"], t["mean"], t["old_mean"], t["std"], t["dt"], t["adv"],
                              clip_range=clip_range)
-    return _reference_kl(_step_weighted(value, t, **hyper), info, t, **hyper)
+    return _reference_kl(_step_weighted(value, t, step_loss_weight), info, t, kl_beta, kl_form, sde)
 
 
-def flowdppo(t, *, kl_mask_threshold, **hyper):
+def flowdppo(t, *, kl_mask_threshold, kl_beta, kl_form, sde, step_loss_weight):
     """FlowDPPO: the KL-ADV mask in place of the clip (flowdppo_loss, sigma_t the transition std), + the KL to the
     base."""
     value, info = flowdppo_loss(t["log_prob"], t["old_log_prob"], t["mean"], t["old_mean"], t["std"], t["adv"],
                                 threshold=kl_mask_threshold)
-    return _reference_kl(_step_weighted(value, t, **hyper), info, t, **hyper)
+    return _reference_kl(_step_weighted(value, t, step_loss_weight), info, t, kl_beta, kl_form, sde)
 
 
-def nft(t, *, nft_beta, nft_adaptive, adv_clip, nft_fm=0.0, **hyper):
+def nft(t, *, nft_beta, nft_adaptive, adv_clip, kl_beta, nft_fm=0.0):
     """DiffusionNFT at one training sigma: nft_loss against the old copy's velocity with r = nft_optimality(A), times
     the reference's constant adv_clip (train_nft_sd3.py L960), + the velocity KL to the base; with --nft-fm c
     (ours, 0 in DiffusionNFT) + c times the velocity's own flow-matching error, normalised as nft_loss's:
@@ -622,14 +623,14 @@ def nft(t, *, nft_beta, nft_adaptive, adv_clip, nft_fm=0.0, **hyper):
         fm, _ = nft_loss(t["v"], t["v"], t["x_t"], t["x0"], t["sigma"], 1.0, beta=1.0, adaptive=nft_adaptive)
         value = value + nft_fm * fm
         info["nft_fm"] = fm.detach()
-    return _velocity_reference_kl(value, info, t, **hyper)
+    return _velocity_reference_kl(value, info, t, kl_beta)
 
 
-def _awm_log_prob(t, *, awm_weighting, ghuber_power, **_):
+def _awm_log_prob(t, *, awm_weighting, ghuber_power):
     return awm_log_prob(t["v"], t["x0"], t["noise"], t["sigma"], weighting=awm_weighting, p=ghuber_power)
 
 
-def awm(t, *, clip_range, adv_clip, ema_kl_beta, kl_beta, **hyper):
+def awm(t, *, clip_range, adv_clip, ema_kl_beta, kl_beta, awm_weighting, ghuber_power):
     """AWM at one training sigma: the clipped surrogate of awm_log_prob, on-policy (ratio 1) on the batch's first
     optimizer step and against old_stat on later ones (train.py departure 10), + the EMA-KL to the slowly updated
     old copy (train_sd3_awm.py L1341-1350) and the velocity KL to the base: both only with --kl-beta > 0, as AWM
@@ -638,32 +639,32 @@ def awm(t, *, clip_range, adv_clip, ema_kl_beta, kl_beta, **hyper):
     Where each piece lives: the rollouts by the current weights (a deterministic --sampler), the training times
     _awm_times, the re-noising train.renoised, the weighted flow-matching log-prob awm_log_prob, the clip grpo_loss
     (through awm_loss), the old copy policy.py's "old" with OLD_DECAYS["awm"], old_stat train.frozen_stats."""
-    log_prob = _awm_log_prob(t, **hyper)
+    log_prob = _awm_log_prob(t, awm_weighting=awm_weighting, ghuber_power=ghuber_power)
     old_log_prob = log_prob.detach() if t.get("old_stat") is None else t["old_stat"]
     value, info = awm_loss(log_prob, old_log_prob, t["adv"], clip_range=clip_range, adv_clip=adv_clip)
     if ema_kl_beta > 0 and kl_beta > 0:
         ema_kl, _ = velocity_kl(t["v"], t["v_old"])
         value = value + ema_kl_beta * ema_kl
         info["ema_kl"] = ema_kl.detach()
-    return _velocity_reference_kl(value, info, t, kl_beta=kl_beta, **hyper)
+    return _velocity_reference_kl(value, info, t, kl_beta)
 
 
-def sft(t, **hyper):
+def sft(t, *, kl_beta):
     """Online SFT: the flow-matching loss on each group's best samples (sft_loss; t["adv"] is best_of_group's 0 / 1),
     + the velocity KL to the base with --kl-beta (0 in flow_grpo's configs)."""
     value, info = sft_loss(t["v"], t["x0"], t["noise"], t["adv"])
-    return _velocity_reference_kl(value, info, t, **hyper)
+    return _velocity_reference_kl(value, info, t, kl_beta)
 
 
-def dpo(t, *, dpo_beta, **hyper):
+def dpo(t, *, dpo_beta, kl_beta):
     """Online DPO: Diffusion-DPO on each group's (best, worst) pair (dpo_loss) against the old copy, flow_grpo's "ref"
     adapter, which also samples and is refreshed every --ref-update-every optimizer steps (OLD_DECAYS "copy");
     t["adv"] is preference_pairs' +1 (chosen) / -1 (rejected), 0 on both samples of a filler pair."""
     value, info = dpo_loss(t["v"], t["v_old"], t["x0"], t["noise"], beta=dpo_beta, weight=t["adv"][0::2].abs())
-    return _velocity_reference_kl(value, info, t, **hyper)
+    return _velocity_reference_kl(value, info, t, kl_beta)
 
 
-def dgpo(t, *, dpo_beta, group_size, dgpo_reference, dgpo_clip, clip_range, **hyper):
+def dgpo(t, *, dpo_beta, group_size, dgpo_reference, dgpo_clip, clip_range, kl_beta, lora_rank=0):
     """DGPO: dgpo_loss against the base model (--dgpo-reference base, Flow-Factory's default) or the old copy (old,
     its use_ema_ref), clipped against the old copy with --dgpo-clip (its clip_dsm), + the velocity KL to the base
     (dgpo.py L689-702, 'v-based').
@@ -688,14 +689,14 @@ def dgpo(t, *, dpo_beta, group_size, dgpo_reference, dgpo_clip, clip_range, **hy
        epoch (start() L804); A steps its after every micro-batch (L1214-1215), so a due update is applied once per
        micro-batch: 12 times at 24 groups x 24 on 4 GPUs (F's geometry; 4 at its config's 8 groups), which
        --ema-repeat 12 reproduces (docs/departures.md, 6)."""
-    v_ref = t["v_ref"] if _dgpo_reference(dict(hyper, dgpo_reference=dgpo_reference)) == "base" else t["v_old"]
+    v_ref = t["v_ref"] if _dgpo_reference(dict(dgpo_reference=dgpo_reference, lora_rank=lora_rank)) == "base" \
+        else t["v_old"]
     value, info = dgpo_loss(t["v"], v_ref, t["x0"], t["noise"], t["adv"], t["unit"], beta=dpo_beta,
                             group_size=group_size, v_old=t["v_old"] if dgpo_clip else None, clip_range=clip_range)
-    return _velocity_reference_kl(value, info, t, **hyper)
+    return _velocity_reference_kl(value, info, t, kl_beta)
 
 
-def crd(t, *, crd_beta, crd_temperature, crd_loss_type, crd_adaptive, crd_old, crd_adaptive_kl, adv_clip, kl_beta,
-        **_):
+def crd(t, *, crd_beta, crd_temperature, crd_loss_type, crd_adaptive, crd_old, crd_adaptive_kl, adv_clip, kl_beta):
     """Centered Reward Distillation (arXiv:2603.14128) at one training sigma, as Flow-Factory computes it:
 
         a_i  = clip(A_i, -5, 5) / 10 + 1/2                                  (nft_optimality; the external reward)
@@ -765,21 +766,15 @@ def _dgpo_reference(h):
 
 
 def _crd_times(batch, generator, *, num_steps, train_timesteps, timestep_fraction, **_):
-    """CRD's training times (Flow-Factory TimeSampler.discrete, 'discrete', noise_schedule.py L185-259, as crd.py
-    L242-259 calls it): --train-timesteps strata (default int(num_steps x fraction), its CRDTrainingArguments L894-919)
-    of the indices 0 .. int(num_steps x fraction) - 1 at linspace(0, hi, n + 1), one index drawn in [lower, upper) of
-    each (the lower one where the stratum is narrower than 1: more strata than steps repeat indices), shared by the
-    micro-batch (L238). Flow-Factory keeps the indices whose sigma is at least 1 - fraction: on SD3's shift-3
-    schedule at 10 steps and 0.99 the same 0 .. 8 (0.278 >= 0.01 > 0.0089); on its own schedule, which ends at 0.25,
-    0 .. 9 (crd departure 3). [batch, n] indices."""
-    hi = int(num_steps * timestep_fraction) - 1
-    n = train_timesteps or max(1, hi + 1)
-    if hi < 0:
-        raise ValueError(f"--timestep-fraction {timestep_fraction} of {num_steps} steps leaves no schedule index to "
-                         "train at: raise it or --num-steps")
-    bounds = torch.linspace(0, hi, n + 1)  # float32, as the reference
-    lower, upper = bounds[:-1].long(), bounds[1:].long()
-    return (lower + (torch.rand(n, generator=generator) * (upper - lower)).long()).expand(batch, -1)
+    """CRD's training times (sde.crd_timesteps), --train-timesteps strata shared by the micro-batch (crd.py L238).
+    [batch, n] indices."""
+    return sde.crd_timesteps(num_steps, train_timesteps, fraction=timestep_fraction,
+                             generator=generator).expand(batch, -1)
+
+
+def _crd_kl_cfg(*, crd_kl_cfg, **_):
+    """CRD's guidance of the base model's velocity in its KL (--crd-kl-cfg; Loss.reference_guidance)."""
+    return crd_kl_cfg
 
 
 def _dgpo_samples_with_old(step, *, dgpo_switch_step, **_):
@@ -789,16 +784,7 @@ def _dgpo_samples_with_old(step, *, dgpo_switch_step, **_):
 
 
 def _logit_normal_times(batch, generator, *, num_steps, timestep_fraction, **_):
-    """flow_grpo's online DPO / SFT training times (train_sd3_dpo.py L890-898): int(num_steps x timestep_fraction)
-    draws per sample, each u = sigmoid(n), n ~ N(0, 1) (compute_density_for_timestep_sampling 'logit_normal', mean 0,
-    std 1), at index int(1000 u) of the 1000-step training grid from sigma 1 down. Returned as positions
-    int(1000 u) / 1000 x num_steps in [0, num_steps) of the rollout schedule, between whose sigmas train.py
-    interpolates linearly. Not flow_grpo's sigmas, not even at the schedule's own points: diffusers' schedule is not
-    a subset of the 1000-step grid, so index 750 trains at sigma 0.477 here against flow_grpo's 0.500 at 40 steps,
-    every sigma here at or below flow_grpo's (docs/departures.md, 15). [batch, n] float."""
-    n = max(1, int(num_steps * timestep_fraction))
-    u = torch.sigmoid(torch.randn(batch, n, generator=generator))
-    return torch.floor(u * 1000).clamp(max=999) / 1000 * num_steps
+    return sde.logit_normal_timesteps(num_steps, batch, fraction=timestep_fraction, generator=generator)  # each its own
 
 
 def _nft_times(batch, generator, *, num_steps, timestep_fraction, **_):
@@ -832,7 +818,7 @@ SDE_KINDS = ("flow", "dance", "cps")
 
 class Loss(NamedTuple):
     """What train.py needs to know of an algorithm beyond its loss function."""
-    fn: Callable  # fn(t, **flags) -> (loss, info), one trained term (above)
+    fn: Callable  # fn(t, *, <the flags it reads>) -> (loss, info), one trained term (above)
     process: str  # "reverse": trains the sampler's own stochastic steps; "forward": clean samples re-noised
     defaults: dict = {}  # flag values it sets over the model's preset (the command line still wins)
     hub_defaults: dict = {}  # ... and over those on hub models
@@ -848,10 +834,31 @@ class Loss(NamedTuple):
     # [chosen, rejected] rows; "group", every sample of a group (one noise for all its sigmas)
     old_velocity: bool = True  # forward, with an old copy: the loss reads its velocity v_old (a forward per term)
     reference: Callable = None  # flags -> True when it reads the base model's v_ref / ref_mean even at --kl-beta 0
-    reference_guidance: Callable = None  # forward: flags -> the guidance scale of the base model's v_ref, where it is
-    # not the training forward's (CRD's KL anchor: the base with CFG)
+    reference_guidance: Callable = None  # forward: (**flags) -> the guidance scale of the base model's v_ref, where it
+    # is not the training forward's (CRD's KL anchor: the base with CFG)
     sampling_copy: Callable = None  # flags -> True when rollouts run a copy of their own, neither the trained weights
     # nor the old copy, decayed after each step by --sampling-decay (CRD's sampling snapshot)
+
+    def reads(self):
+        """The flags the algorithm reads: the keyword-only parameters of its loss function and of its schedules (times,
+        old_stat, samples_with_old, reference_guidance). config.py refuses a loss's flag that the chosen loss does not
+        read."""
+        return {name for f in (self.fn, self.times, self.old_stat, self.samples_with_old, self.reference_guidance)
+                if callable(f) for name in keywords(f)}
+
+    def hyper(self, flags):
+        """The loss function's keyword arguments from `flags` (a dict such as vars(args)): exactly the flags its
+        signature names, those with a default only where `flags` has them."""
+        return keywords(self.fn, flags)
+
+
+def keywords(fn, flags=None):
+    """The keyword-only parameters of fn (a loss, or one of its record's schedules): their names, or with `flags` (a
+    dict) the values fn reads from it. A name fn requires and `flags` lacks is a KeyError naming it."""
+    params = [p for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    if flags is None:
+        return [p.name for p in params]
+    return {p.name: flags[p.name] for p in params if p.name in flags or p.default is p.empty}
 
 
 # Defaults of the forward-process losses: CFG-free (guidance 1 on CFG models; FLUX.1 keeps its distilled guidance),
@@ -893,7 +900,7 @@ LOSSES = {
     "crd": Loss(crd, "forward", dict(sampler="euler", timestep_fraction=0.99, old_decay="crd", sampling_decay="nft-ocr",
                                      guidance_scale=1.0),
                 dict(kl_beta=0.1), old_copy=lambda h: h["crd_old"], sampling_copy=lambda h: True, times=_crd_times,
-                reference=lambda h: not h["crd_old"], reference_guidance=lambda h: h["crd_kl_cfg"]),
+                reference=lambda h: not h["crd_old"], reference_guidance=_crd_kl_cfg),
 }
 
 

@@ -60,9 +60,10 @@ where an LLM would use 0.2, and it must be re-tuned when the latent size changes
 (D = 2) a clip of 0.2 is right again. FlowDPPO's KL threshold and the KL penalty are mean-reduced
 for the same reason.
 
-The forward-process losses (DiffusionNFT, AWM) need none of the above at training time: they sample
-with a deterministic solver (`ode_sample`), keep only the clean sample, and train at sigmas of the
-same schedule (`nft_timesteps`, `awm_timesteps`) on freshly re-noised copies of it.
+The forward-process losses (DiffusionNFT, AWM, online SFT / DPO, DGPO, CRD) need none of the above at training
+time: they sample with a deterministic solver (`ode_sample`), keep only the clean sample, and train at sigmas of
+the same schedule on freshly re-noised copies of it. Their training times are all here: `nft_timesteps`, the
+stratified draws of `awm_timesteps` (AWM, DGPO) and `crd_timesteps`, and `logit_normal_timesteps` (SFT, DPO).
 
 Which steps are stochastic (`sde_steps`): `all` (Flow-GRPO: the first floor(T * fraction)),
 `fast` (Flow-GRPO-Fast: a random window, the rest ODE), `mix` (MixGRPO arXiv:2507.21802: a window
@@ -278,9 +279,43 @@ def awm_timesteps(num_steps, n, *, fraction=0.9, kind="discrete_wo_init", genera
         raise ValueError(f"--train-timesteps {n} strata over schedule indices {lo} .. {hi - 1} (--timestep-fraction "
                          f"{fraction} of {num_steps} steps) leave a stratum empty: use 1 to {max(hi - lo, 0)} of them, "
                          "or raise --timestep-fraction or --num-steps")
-    bounds = torch.linspace(lo, hi, n + 1)  # float32, as the reference
+    return stratified(lo, hi, n, generator)
+
+
+def stratified(lo, hi, n, generator=None):
+    """n strata of the schedule's indices at linspace(lo, hi, n + 1) (float32, as AWM's and Flow-Factory's code),
+    truncated to integers, one index drawn uniformly in [lower, upper) of each (the lower one where a stratum is
+    narrower than 1). [n] indices."""
+    bounds = torch.linspace(lo, hi, n + 1)
     lower, upper = bounds[:-1].long(), bounds[1:].long()
     return lower + (torch.rand(n, generator=generator) * (upper - lower)).long()
+
+
+def crd_timesteps(num_steps, n=None, *, fraction=0.99, generator=None):
+    """CRD's training times (Flow-Factory TimeSampler.discrete, 'discrete', noise_schedule.py L185-259, as crd.py
+    L242-259 calls it): n strata (default int(num_steps x fraction), its CRDTrainingArguments L894-919) of the indices
+    0 .. int(num_steps x fraction) - 1 (`stratified`: more strata than steps repeat indices). Flow-Factory keeps the
+    indices whose sigma is at least 1 - fraction: on SD3's shift-3 schedule at 10 steps and 0.99 the same 0 .. 8
+    (0.278 >= 0.01 > 0.0089); on its own schedule, which ends at 0.25, 0 .. 9 (losses.crd, departure 3). The caller
+    shares them across a micro-batch. Returns indices into sigmas, [n]."""
+    hi = int(num_steps * fraction) - 1
+    if hi < 0:
+        raise ValueError(f"--timestep-fraction {fraction} of {num_steps} steps leaves no schedule index to train at: "
+                         "raise it or --num-steps")
+    return stratified(0, hi, n or max(1, hi + 1), generator)
+
+
+def logit_normal_timesteps(num_steps, batch, *, fraction=0.99, generator=None):
+    """flow_grpo's online DPO / SFT training times (train_sd3_dpo.py L890-898): int(num_steps x fraction) draws per
+    sample, each u = sigmoid(n), n ~ N(0, 1) (compute_density_for_timestep_sampling 'logit_normal', mean 0, std 1), at
+    index int(1000 u) of the 1000-step training grid from sigma 1 down. Returned as positions int(1000 u) / 1000 x
+    num_steps in [0, num_steps) of the rollout schedule, between whose sigmas train.py interpolates linearly. Not
+    flow_grpo's sigmas, not even at the schedule's own points: diffusers' schedule is not a subset of the 1000-step
+    grid, so index 750 trains at sigma 0.477 here against flow_grpo's 0.500 at 40 steps, every sigma here at or below
+    flow_grpo's (docs/departures.md, 15). [batch, n] float."""
+    n = max(1, int(num_steps * fraction))
+    u = torch.sigmoid(torch.randn(batch, n, generator=generator))
+    return torch.floor(u * 1000).clamp(max=999) / 1000 * num_steps
 
 
 def _dpm_solver_2m(velocity_fn, x, grid):

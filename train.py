@@ -196,7 +196,7 @@ def rollout_weights(policy, loss, step, args):
 def reference_guidance(loss, args):
     """The base model's guidance in the training forward: the loss's own (Loss.reference_guidance) or the training
     forward's."""
-    return loss.reference_guidance(vars(args)) if loss.reference_guidance else guidance_scales(args)[1]
+    return loss.reference_guidance(**vars(args)) if loss.reference_guidance else guidance_scales(args)[1]
 
 
 def starting_noise(pipe, args, step, group_ids, generator):
@@ -298,7 +298,7 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
     the first forward, before each optimizer step and at the end. -> the step's statistics."""
     policy.train()
     train_guidance = guidance_scales(args)[1]
-    hyper, state = regularizers.before_training(policy, vars(args), args, run.carry, step)  # before any forward
+    hyper, state = regularizers.before_training(policy, loss.hyper(vars(args)), args, run.carry, step)  # its flags
     n_micro = len(batch["prompts"]) // args.train_batch_size  # micro-batches per pass, the same on every rank
     stats, optim_steps, failed = {}, 0, {"overflow": 0, "skipped": 0}
     # Where an optimizer step comes before the step's last micro-batch, the state the step starts from, so that a
@@ -472,7 +472,8 @@ def frozen_stats(policy, loss, batch, sigmas, micro_batches, args, step):
                 with torch.no_grad():
                     out[update, m, i] = torch.stack([loss.old_stat(dict(
                         v=policy.velocity(x, fp["s_host"][:, j], sub, train_guidance), x0=fp["x0"],
-                        noise=fp["noise"][j], sigma=fp["s"][:, j]), **vars(args)) for j, x in enumerate(fp["x_t"])])
+                        noise=fp["noise"][j], sigma=fp["s"][:, j]), **losses.keywords(loss.old_stat, vars(args)))
+                        for j, x in enumerate(fp["x_t"])])
     return out
 
 

@@ -83,7 +83,7 @@ def batch_gradient(policy, loss, args, prompts, metadata, reward_fn, sigmas, gen
     rows = torch.arange(len(texts))
     policy.optimizer.zero_grad(set_to_none=True)
     for x_k, sigma, complete in train.reverse_terms(policy, batch, rows, embeds, adv, sigmas, args, rows):
-        value, _ = loss.fn(complete(policy.velocity(x_k, sigma, embeds, train_guidance)), **vars(args))
+        value, _ = loss.fn(complete(policy.velocity(x_k, sigma, embeds, train_guidance)), **loss.hyper(vars(args)))
         (value / len(steps)).backward()
     grad = torch.cat([q.grad.flatten() for _, q in policy.trainable if q.grad is not None])
     return grad, reward.mean().item()

@@ -115,7 +115,7 @@ def term(seed=0, n=6, shape=(2, 3, 3)):
 def test_crd_matches_flow_factorys_step_and_its_gradient(flags):
     hyper = dict(HYPER, **flags)
     t = term()
-    value, info = losses.LOSSES["crd"].fn(t, **hyper)
+    value, info = losses.LOSSES["crd"].fn(t, **losses.LOSSES["crd"].hyper(hyper))
     value.backward()
     got_grad, t["v"].grad = t["v"].grad.clone(), None
     want = reference_crd(t["v"], t["v_old"], t["v_ref"], t["x0"], t["noise"], t["adv"], beta=hyper["crd_beta"],
@@ -130,8 +130,9 @@ def test_crd_matches_flow_factorys_step_and_its_gradient(flags):
 
 def test_crd_reads_the_base_model_without_the_old_copy():
     t = term(seed=1)
-    with_base, _ = losses.LOSSES["crd"].fn(dict(t, v_old=t["v_ref"]), **HYPER)
-    without_old, info = losses.LOSSES["crd"].fn(dict(t, v_old=None), **dict(HYPER, crd_old=False))
+    crd = losses.LOSSES["crd"]
+    with_base, _ = crd.fn(dict(t, v_old=t["v_ref"]), **crd.hyper(HYPER))
+    without_old, info = crd.fn(dict(t, v_old=None), **crd.hyper(dict(HYPER, crd_old=False)))
     assert without_old.item() == pytest.approx(with_base.item(), rel=1e-6) and "old_deviate" not in info
     record = losses.LOSSES["crd"]
     assert record.reference(dict(crd_old=False)) and not record.old_copy(dict(crd_old=False))

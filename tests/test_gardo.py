@@ -13,7 +13,6 @@ from safetensors.torch import load_file
 import advantages
 import diversity
 import losses
-import regularizers
 import train
 from test_train import SMALL, metrics
 
@@ -84,8 +83,9 @@ def test_the_gated_kl_term_is_beta_times_the_mean_over_the_flagged_samples(name)
     else:
         kl = ((t["v"].detach() - t["v_ref"]) ** 2).mean((1, 2, 3))
     flagged = torch.tensor([False, True, False, True])
-    plain, plain_info = losses.LOSSES[name].fn(dict(t), **hyper)
-    gated, info = losses.LOSSES[name].fn(dict(t, kl_gate=flagged), **hyper)
+    fn, hyper = losses.LOSSES[name].fn, losses.LOSSES[name].hyper(hyper)  # the flags the loss reads
+    plain, plain_info = fn(dict(t), **hyper)
+    gated, info = fn(dict(t, kl_gate=flagged), **hyper)
     assert plain_info["kl"].item() == pytest.approx(kl.mean().item(), rel=1e-5)
     assert info["kl"].item() == pytest.approx(kl[flagged].mean().item(), rel=1e-5)
     weighted = kl
@@ -94,9 +94,9 @@ def test_the_gated_kl_term_is_beta_times_the_mean_over_the_flagged_samples(name)
         weighted = kl * (floor + losses.nft_optimality(t["adv"], adv_clip=hyper["adv_clip"]) * (1 - floor))
     assert (gated - plain).item() == pytest.approx(0.5 * (weighted[flagged].mean() - weighted.mean()).item(), rel=1e-4,
                                                    abs=1e-6)
-    none, info = losses.LOSSES[name].fn(dict(t, kl_gate=torch.zeros(4, dtype=torch.bool)), **hyper)
+    none, info = fn(dict(t, kl_gate=torch.zeros(4, dtype=torch.bool)), **hyper)
     if reverse:
-        no_kl, _ = losses.LOSSES[name].fn(dict(t), **dict(hyper, kl_beta=0.0))
+        no_kl, _ = fn(dict(t), **dict(hyper, kl_beta=0.0))
         assert info["kl"].item() == 0.0 and none.item() == pytest.approx(no_kl.item(), rel=1e-6)
     else:
         assert info["kl"].item() == plain_info["kl"].item() and none.item() == plain.item()
@@ -123,7 +123,7 @@ def test_the_gate_needs_scored_auxiliary_rewards_and_both_rules_a_kl(gate, capsy
 def test_no_flagged_sample_trains_as_without_a_kl_on_grpo_and_as_the_plain_kl_on_nft(tmp_path, monkeypatch, gate):
     """The gate's empty rule through whole steps: GRPO leaves the KL out (its weights as with --kl-beta 0),
     DiffusionNFT keeps every sample's (its weights as without the gate)."""
-    monkeypatch.setattr(regularizers, "kl_gate", lambda u, fraction: torch.zeros(len(u), dtype=torch.bool))
+    monkeypatch.setattr(advantages, "kl_gate", lambda u, fraction: torch.zeros(len(u), dtype=torch.bool))
     for loss, twin in (("grpo", [*LORA_KL[:4], "--kl-beta", "0"]), ("nft", LORA_KL)):
         gated = train_in_process(tmp_path / f"{loss}-gated", "--loss", loss, "--steps", "2", *gate[0], *gate[1],
                                  *LORA_KL)

@@ -58,7 +58,7 @@ def test_kl_floor_0_lets_the_weight_fall_as_ziegler_et_al(tmp_path):
     (["--kl-target", "0.02"], "--kl-target adapts the weight of a KL term"),
     (["--kl-beta", "0.1", "--lora-rank", "4", "--kl-target", "0.02", "--kl-floor", "0.2"],
      "give --kl-floor <= --kl-beta"),
-    (["--loss", "grpo", "--nft-fm", "0.3"], "--nft-fm adds a flow-matching term"),
+    (["--loss", "grpo", "--nft-fm", "0.3"], "--nft-fm is read by --loss nft, not by --loss grpo: drop it"),
 ])
 def test_a_brake_without_what_it_acts_on_is_refused(flags, says, capsys):
     p, args = train.parse_args(["--model", "tiny", "--kl-beta", "0", *flags])

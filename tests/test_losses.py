@@ -1,5 +1,6 @@
 """losses.py against hand-written references, torch.distributions and Monte Carlo."""
 
+import inspect
 import math
 
 import pytest
@@ -347,3 +348,44 @@ def test_wan_step_weight_on_wans_schedule():
                for k in range(19)]  # int(20 x 0.99) = 19 trained steps
     assert weights[0] == pytest.approx(7.489, abs=1e-3) and weights[-1] == pytest.approx(0.736, abs=1e-3)
     assert all(a > b for a, b in zip(weights, weights[1:]))
+
+
+# ----------------------------------------------------------------------------- what a loss reads
+def test_every_loss_names_its_flags_and_receives_exactly_those():
+    """No loss takes the whole flag set: each loss function's keyword-only parameters are flags (argparse dests), and
+    Loss.hyper hands it exactly those, whatever else the flags hold."""
+    import config  # the flags, declared over every module
+    _, args = config.parse_args(["--model", "tiny"])
+    flags = vars(args)
+    for name, loss in losses.LOSSES.items():
+        params = inspect.signature(loss.fn).parameters.values()
+        assert not any(p.kind is p.VAR_KEYWORD for p in params), f"{name} takes **"
+        named = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+        assert set(named) <= set(flags) and "kl_beta" in named, name
+        assert sorted(loss.hyper(dict(flags, unrelated=1))) == sorted(named)
+    assert losses.LOSSES["grpo"].reads() == {"clip_range", "kl_beta", "kl_form", "sde", "step_loss_weight"}
+    assert losses.LOSSES["crd"].reads() >= {"crd_kl_cfg", "train_timesteps", "num_steps", "timestep_fraction"}
+    with pytest.raises(KeyError, match="dpo_beta"):  # a flag the loss requires is never filled in silently
+        losses.LOSSES["dpo"].hyper({"kl_beta": 0.0})
+
+
+@pytest.mark.parametrize("name", list(losses.LOSSES))
+def test_a_flag_of_another_loss_is_refused_in_one_line_naming_its_losses(name, capsys):
+    """Every flag that some loss reads and this one does not (losses.Loss.reads), given on the command line: refused,
+    naming the losses that read it; the flags this loss reads are accepted."""
+    import config
+    own = losses.LOSSES[name].reads()
+    group = next(g for g in config.parse_args([])[0]._action_groups if g.title == "loss")
+    foreign = [a for a in group._group_actions if a.dest != "adv_clip" and a.dest not in own
+               and any(a.dest in other.reads() for other in losses.LOSSES.values())]
+    assert len(foreign) >= 5
+    for action in foreign:
+        value = action.choices[0] if action.choices else "1" if action.nargs != 0 else None
+        argv = ["--model", "tiny", "--loss", name, action.option_strings[0]] + ([value] if value else [])
+        p, args = config.parse_args(argv)
+        with pytest.raises(SystemExit):
+            config.check_args(p, args, 1)
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        owners = [n for n, other in losses.LOSSES.items() if action.dest in other.reads()]
+        assert line.endswith(f"{action.option_strings[0]} is read by --loss {' / '.join(owners)}, not by --loss "
+                             f"{name}: drop it"), line

@@ -270,7 +270,7 @@ def fine_tune_units(model, loss_name, *, lr, iters=30, batch=128, group=16, ref_
             with torch.no_grad():
                 v_old, v_ref = old(x_t, s[:, j]), None if base is None else base(x_t, s[:, j])
             value, info = record.fn(dict(v=model(x_t, s[:, j]), x_t=x_t, x0=x0, noise=eps[j], sigma=s[:, j], adv=adv,
-                                         unit=unit, v_old=v_old, v_ref=v_ref), **hyper)
+                                         unit=unit, v_old=v_old, v_ref=v_ref), **record.hyper(hyper))
             (value / times.shape[1]).backward()
             log.append(dict(info, iteration=k))
         opt.step()

@@ -91,8 +91,9 @@ def test_the_wan_step_weight_scales_the_policy_term_alone(name):
     """Flow-GRPO's Wan 2.1 loop weights each step's policy loss and adds the KL after, unweighted."""
     t = reverse_term()
     hyper = dict(clip_range=0.2, kl_form="exact", sde="flow", kl_mask_threshold=1e-5, kl_beta=0.5)
-    plain, info = losses.LOSSES[name].fn(t, step_loss_weight="none", **hyper)
-    weighted, _ = losses.LOSSES[name].fn(t, step_loss_weight="wan", **hyper)
+    loss = losses.LOSSES[name]
+    plain, info = loss.fn(t, **loss.hyper(dict(hyper, step_loss_weight="none")))  # the flags the loss reads
+    weighted, _ = loss.fn(t, **loss.hyper(dict(hyper, step_loss_weight="wan")))
     kl = 0.5 * info["kl"]
     w = losses.wan_step_weight(t["sigma"], t["sigma_next"], sigma_max=0.9, sigma_min=0.0)
     assert w.item() == pytest.approx((0.9 * 0.6) / 0.1 ** 0.5)

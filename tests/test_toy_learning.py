@@ -99,7 +99,7 @@ def fine_tune(model, loss_name, *, lr, iters=30, batch=128, group=16, updates=2,
                                    sigma_max=sigmas[1].item())
                 t = dict(log_prob=out.log_prob, old_log_prob=traj["log_probs"][:, j], mean=out.mean,
                          old_mean=traj["means"][:, j], std=out.std, dt=s_next - s, adv=adv)
-                loss, info = losses.LOSSES[loss_name].fn(t, **HYPER)  # the registry, as train.py calls it
+                loss, info = losses.LOSSES[loss_name].fn(t, **losses.LOSSES[loss_name].hyper(HYPER))  # as train.py
                 (loss / len(steps)).backward()
                 log.append(dict(info, update=update))
             opt.step()
@@ -164,7 +164,7 @@ def fine_tune_forward(model, loss_name, *, lr, iters=30, batch=128, group=16):
             with torch.no_grad():
                 v_old, v_ref = old(x_t, s), base(x_t, s)
             loss, info = loss_fn.fn(dict(v=v, x_t=x_t, x0=x0, noise=eps, sigma=s, adv=adv, v_old=v_old, v_ref=v_ref),
-                                    **hyper)
+                                    **loss_fn.hyper(hyper))
             (loss / n).backward()
             log.append(dict(info, iteration=k))
         opt.step()
