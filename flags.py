@@ -13,7 +13,8 @@ Every refusal is argparse's own one-line `error:`, before anything is loaded. Th
 keywords (rewards.build_reward, whose options may come from code rather than the command line):
 
     integer(value, low, name), real(value, name, minimum=, positive=), show(value)   one-line ValueErrors
-    import_object(path, flag)             what a flag names as module.name or file.py:name (runs that code)
+    import_object(path, flag)             what a flag names as module.name (the working folder first) or file.py:name
+                                          (runs that code, and prints the file's path)
 """
 import argparse
 import math
@@ -230,7 +231,7 @@ def _import_here_first(module_name, flag, path):
     import sys
 
     here, top = os.getcwd(), module_name.split(".")[0]
-    local = [f for f in (os.path.join(here, top + ".py"), os.path.join(here, top)) if os.path.exists(f)]
+    local = [f for f in (os.path.join(here, top + ".py"), os.path.join(here, top, "__init__.py")) if os.path.isfile(f)]
     loaded = getattr(sys.modules.get(top), "__file__", None)
     if local and loaded and os.path.dirname(os.path.abspath(loaded)) not in (here, os.path.join(here, top)):
         raise ValueError(f"{flag} {path!r}: {local[0]} has the name of a module already imported from {loaded}; "
