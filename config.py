@@ -283,6 +283,9 @@ def _check_model(p, args, world_size):
                 "--kl-target > 0, or drop --kl-rate")
     if _given(args, "kl_floor") and not args.kl_target:
         p.error("--kl-floor bounds the KL weight's controller, which is off: give --kl-target > 0, or drop --kl-floor")
+    if args.kl_target > 0 and not args.kl_rate * losses.KL_ERROR < 1:  # 10: 0 after one step; 1e30: inf, NaN
+        p.error(f"--kl-rate {args.kl_rate:g}: the KL weight's factor per step, 1 +- {losses.KL_ERROR:g} x rate, must "
+                f"stay within (0, 2]: use a rate below {1 / losses.KL_ERROR:g} (Ziegler et al.: 0.1)")
     if args.kl_target > 0 and args.kl_floor > args.kl_beta:
         p.error(f"--kl-floor {args.kl_floor:g} is above the starting weight --kl-beta {args.kl_beta:g}: the weight "
                 f"would jump to the floor at the first step; give --kl-floor <= --kl-beta")

@@ -133,7 +133,11 @@ def kl_penalty(mean, ref_mean, std, *, dt=None, gate=None):
     return value, {"kl_mean": kl.detach().mean(), "kl_max": kl.detach().max()}
 
 
-def adaptive_kl_beta(beta, kl, *, target, rate, floor=0.0):
+KL_ERROR = 0.2  # Ziegler et al.'s clip of the controller's error: the weight moves by at most 1 +- 0.2 rate a step
+KL_SPAN = 1e4  # the adapted weight stays within [--kl-beta / KL_SPAN, --kl-beta x KL_SPAN] (kl_weight_bounds)
+
+
+def adaptive_kl_beta(beta, kl, *, target, rate, floor=0.0, ceiling=math.inf):
     """The KL weight of the next step from this step's KL (Ziegler et al. 2019, "Fine-Tuning Language Models from
     Human Preferences", Sec. 2.2: a log-space proportional controller), never below `floor`:
 
@@ -143,11 +147,22 @@ def adaptive_kl_beta(beta, kl, *, target, rate, floor=0.0):
     in the shapes world's long run the unfloored weight falls from 0.1 to 0.001-0.004 while the KL is under target,
     the KL to the start then runs 2-5 times the floored run's, and on GenEval's 0.9 rule the drift that came (the KL
     0.027 -> 0.11 in 40 steps) outran a weight that could not grow back in time (docs/long_run.md, "A KL weight that
-    grows with the KL"). A KL that is not finite (a skipped step) leaves beta as it is."""
+    grows with the KL"). A KL that is not finite (a skipped step) leaves beta as it is. The rate must keep the factor
+    1 + rate e within (0, 2] (rate below 1 / KL_ERROR = 5; config.py refuses others): at 10 one step below target
+    sets the weight to 0, where a multiplicative controller can never raise it again, and at 1e30 one above takes it
+    to 2e29 beta and the gradients to NaN. train.py also bounds the weight to [floor, ceiling] (kl_weight_bounds)."""
     if not math.isfinite(kl):
         return beta
-    error = min(max(kl / target - 1, -0.2), 0.2)
-    return max(floor, beta * (1 + rate * error))
+    error = min(max(kl / target - 1, -KL_ERROR), KL_ERROR)
+    return min(max(floor, beta * (1 + rate * error)), ceiling)
+
+
+def kl_weight_bounds(kl_beta, kl_floor):
+    """(low, high) of the adaptive KL weight that starts at kl_beta: never below --kl-floor, and never below kl_beta /
+    KL_SPAN even with --kl-floor 0 (Ziegler et al.'s free fall; a weight of 0 could not grow back), never above kl_beta
+    x KL_SPAN (where the KL term swamps the policy term: no longer a control). The long runs' unfloored weight spans
+    0.001-2.0 from 0.1 (docs/long_run.md), well inside."""
+    return max(kl_floor, kl_beta / KL_SPAN), kl_beta * KL_SPAN
 
 
 def guard_loss(log_prob, old_log_prob, mean, old_mean, std, dt, adv, *, clip_range, adv_clip=None):
@@ -929,7 +944,9 @@ def add_arguments(parser):
                         "multiplied by 1 + --kl-rate x clip(KL / target - 1, -0.2, 0.2), never below --kl-floor, "
                         "carried across checkpoints (0: --kl-beta fixed)")
     g.add_argument("--kl-rate", type=flags.POSITIVE, default=0.1,
-                   help="--kl-target: the controller's gain K (0.1 in Ziegler et al.: at most 2 %% a step)")
+                   help="--kl-target: the controller's gain K (0.1 in Ziegler et al.: at most 2 %% a step); below "
+                        "5, so that the weight's factor per step, 1 +- 0.2 K, stays within (0, 2]; the weight stays "
+                        "within 1e-4 to 1e4 times --kl-beta, warned where it reaches either end")
     g.add_argument("--kl-floor", type=flags.NONNEG, default=None,
                    help="--kl-target: the weight never falls below this (default: --kl-beta; 0: Ziegler et al.'s "
                         "controller, free to fall: docs/long_run.md, \"A KL weight that grows with the KL\")")

@@ -38,10 +38,10 @@ S = flow_grpo/stat_tracking.py, C = config/gardo.py. What they do, and where thi
   distance is the MINIMUM of 1 - cos to the others (S L120-124, named avg_distances); samples at or above the group
   mean reward get (r - mean) x d_i / mean_group(d), those below it (r - mean) x 1 (S L127); NOT divided by the
   group's std (S L135); the training loop then clamps the weighted advantage to +-adv_clip_max, 5 (G L967-971).
-  advantages.diversity_advantages is that formula as written. What runs (advantages.step_advantages) departs (departure 13): the weight
-  scales this project's advantages, already divided by the std (group or --global-std) and clipped, and the product
-  is clamped again to +-adv_clip, as G clamps after the weighting. The policy term is thereby 1 / sigma_r larger
-  against the KL than GARDO's (sigma_r the reward's std; docs/departures.md, 13).
+  advantages.diversity_advantages is that formula as written. What runs (advantages.step_advantages) departs
+  (departure 13): the weight scales this project's advantages, already divided by the std (group or --global-std)
+  and clipped, and the product is clamped again to +-adv_clip, as G clamps after the weighting. The policy term is
+  thereby 1 / sigma_r larger against the KL than GARDO's (sigma_r the reward's std; docs/departures.md, 13).
 
 The flags (add_arguments; train.py composes them with every loss, departure 13): --gardo-gate AUX,... (the gated KL,
 AUX naming components of --reward that are scored and not trained), --gardo-reference with --gardo-reset-freq and
@@ -111,9 +111,16 @@ def after_training(info, hyper, state, args, carry, device):
         info["gardo_reset"] = int(state["renewed"])
     if args.kl_target > 0 and "kl" in info:
         kl = distributed.all_gather_cat(torch.tensor([info["kl"]], device=device)).mean().item()
-        info["kl_beta"] = hyper["kl_beta"]  # the weight this step trained with
-        carry["kl_beta"] = losses.adaptive_kl_beta(hyper["kl_beta"], kl, target=args.kl_target, rate=args.kl_rate,
-                                            floor=args.kl_floor)
+        info["kl_beta"] = beta = hyper["kl_beta"]  # the weight this step trained with
+        low, high = losses.kl_weight_bounds(args.kl_beta, args.kl_floor)
+        carry["kl_beta"] = losses.adaptive_kl_beta(beta, kl, target=args.kl_target, rate=args.kl_rate, floor=low,
+                                                   ceiling=high)
+        if carry["kl_beta"] != beta and (carry["kl_beta"] == high or carry["kl_beta"] == low > args.kl_floor):
+            distributed.print0(  # once, as it reaches the bound: held there while the KL stays on that side
+                f"warning: the adaptive KL weight reached {carry['kl_beta']:.3g}, --kl-beta {args.kl_beta:g} "
+                f"{'x' if carry['kl_beta'] == high else '/'} {losses.KL_SPAN:g}, and is held there: the KL {kl:.3g} "
+                f"stays {'above' if carry['kl_beta'] == high else 'below'} --kl-target {args.kl_target:g} whatever "
+                "the weight; lower --kl-rate or set --kl-target to the KL the run reaches")
     return info
 
 

@@ -2,12 +2,19 @@
 2019, Sec. 2.2) and DiffusionNFT's flow-matching pull (--nft-fm; its gradient: tests/test_forward_losses.py), as
 train.py wires them: the weight each step trains with, carried from step to step and through a checkpoint."""
 import math
+import os
+import sys
+from types import SimpleNamespace
 
 import pytest
 
+import forkserver
 import losses
+import regularizers
 import train
 from test_gardo import LORA_KL, same_rows, state, train_in_process
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_the_kl_weight_moves_by_the_clipped_proportional_error():
@@ -65,3 +72,43 @@ def test_a_brake_without_what_it_acts_on_is_refused(flags, says, capsys):
     with pytest.raises(SystemExit):
         train.check_args(p, args, 1)
     assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rate", ["10", "1e30", "5"])
+def test_a_controller_rate_that_zeroes_or_explodes_the_weight_is_refused_in_one_line(rate):
+    """--kl-rate 10 took the weight to 0 after one step below target (a multiplicative controller never raises 0
+    again), 1e30 to 2e29 x --kl-beta after one above, then 4e57 and NaN gradients, and the run exited 0. The factor
+    1 +- 0.2 rate must stay within (0, 2]: rates of 5 and above are refused before any model loads."""
+    cmd = [sys.executable, "train.py", "--model", "tiny", *LORA_KL, "--kl-target", "1", "--kl-rate", rate,
+           "--kl-floor", "0", "--steps", "1", "--out", os.devnull]
+    proc = forkserver.run(cmd, cwd=ROOT, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert f"--kl-rate {float(rate):g}" in line and "within (0, 2]: use a rate below 5" in line, line
+
+
+def test_the_adapted_weight_is_held_within_its_bounds_and_warned_once(capsys):
+    """A rate just below 5 moves the weight by x0.02 or x1.98 a step. Twenty steps under target (floor 0, Ziegler's free
+    fall) would take 0.1 to 1e-35, from which no step could bring it back: it is held at --kl-beta / 1e4 instead;
+    twenty above would take it to 1e5: held at --kl-beta x 1e4. Each bound is warned once, as it is reached; the
+    floor the user set is reached without a warning."""
+    args = SimpleNamespace(gardo_reference=False, kl_target=1.0, kl_rate=4.9, kl_floor=0.0, kl_beta=0.1)
+
+    def run(kl, steps, floor=0.0):
+        carry, weights = {"kl_beta": args.kl_beta}, []
+        for _ in range(steps):
+            info = regularizers.after_training({"kl": kl}, {"kl_beta": carry["kl_beta"]}, {},
+                                               SimpleNamespace(**dict(vars(args), kl_floor=floor)), carry, "cpu")
+            weights.append(info["kl_beta"])
+        return weights + [carry["kl_beta"]]
+
+    low = run(0.0, 20)
+    assert low[1] == pytest.approx(0.1 * 0.02) and low[-1] == pytest.approx(1e-5) and min(low) == pytest.approx(1e-5)
+    out = capsys.readouterr().out
+    assert out.count("warning: the adaptive KL weight reached 1e-05, --kl-beta 0.1 / 10000") == 1
+    assert "stays below --kl-target 1" in out
+    high = run(100.0, 20)
+    assert high[1] == pytest.approx(0.1 * 1.98) and high[-1] == pytest.approx(1e3) and max(high) == pytest.approx(1e3)
+    assert capsys.readouterr().out.count("reached 1e+03, --kl-beta 0.1 x 10000") == 1
+    floored = run(0.0, 5, floor=0.05)
+    assert floored[-1] == 0.05 and capsys.readouterr().out == ""
