@@ -265,7 +265,7 @@ def _check_model(p, args, world_size):
                 "add --fsdp (a full fine-tune under torchrun), or drop --fsdp-reduce")
     if problem := families.guidance_mismatch(args.model, args.guidance_scale_2, args.audio_guidance_scale):
         p.error(problem)
-    families.settle_guidance(p, args)  # a preset's scale named by its source; LTX-2's soundtrack scale
+    families.settle(p, args)  # the frame rule before the model loads; the guidance's sources, LTX-2's soundtrack
     # Several experts under FSDP: an optimizer step's last micro-step may not reach every expert that an earlier one
     # did, and only its backward would reduce-scatter the gradients accumulated until then (families/wan.py _routes).
     experts = families.MODELS[args.model].trained

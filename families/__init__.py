@@ -93,6 +93,8 @@ class Family:
     # (a module called twice a forward, or with layers some batches do not reach): gradients averaged at the optimizer
     # step instead (policy.py), as DDP refuses both
     video: bool = False  # samples are videos [B, F, H, W, 3]; --num-frames applies
+    temporal: int = 0  # video: its VAE's temporal compression, a video being temporal k + 1 frames (checked before the
+    # model loads; the family's shape checks the loaded VAE's)
     sound: bool = False  # the videos carry their soundtrack (`.audio`), which rewards that hear score (clap)
     source_images: Optional[str] = None  # edits: "optional" or "required" (encode takes images, size); None: text
     max_sources: Optional[int] = None  # edits: the most source images one prompt may bring (None: any number)
@@ -117,6 +119,21 @@ def guidance_mismatch(name, guidance_scale_2=None, audio_guidance_scale=None):
     if audio_guidance_scale is not None and not MODELS[name].sound:
         return f"--audio-guidance-scale guides a soundtrack, and {name} makes none: drop it"
     return None
+
+
+def settle(p, args):
+    """What --model settles in train.py's flags (config.check_args), before the model loads: the frame count's rule
+    (the token bound needs the loaded transformer: the family's shape), and the guidance (settle_guidance)."""
+    record = MODELS[args.model]
+    if args.num_frames is not None and not record.video and args.num_frames != 1:
+        p.error(f"--num-frames {args.num_frames}: {args.model} makes images; drop the flag or pick a video model "
+                "(wan, hunyuan-video-1.5, ltx2, ...)")
+    if args.num_frames is not None and record.video:
+        try:
+            common.video_frames(args.model, args.num_frames, None, record.temporal, 1, float("inf"))
+        except ValueError as e:
+            p.error(str(e))
+    settle_guidance(p, args)
 
 
 def settle_guidance(p, args):

@@ -227,6 +227,6 @@ HUNYUAN_VIDEO = dict(name="hunyuan-video-1.5", load=load, hub_id=HUNYUAN_VIDEO_I
                      preset_notes=dict(guidance_scale="the published guider's scale (the pipeline takes none)"),
                      tokens=1000, shape=shape, noise=noise, encode=encode, velocity=velocity,
                      decode=decode, sigmas=sigmas, lora_targets=LORA_TARGETS, unused=unused, save_lora=save_lora,
-                     video=True)
+                     video=True, temporal=4)  # AutoencoderKLHunyuanVideo15's temporal_compression_ratio
 TINY = dict(HUNYUAN_VIDEO, load=tiny, hub_id=None, hub=False, preset=dict(common.TINY, num_frames=5),  # 2 latent
             preset_notes=None)

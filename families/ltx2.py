@@ -406,6 +406,6 @@ LTX2 = dict(name="ltx2", load=load, hub_id=LTX2_ID, hub=True, multiple=32,
             preset_notes=dict(guidance_scale="LTX2Pipeline.__call__'s default",
                               audio_guidance_scale="LTX2Pipeline.__call__'s default"), tokens=1024,
             shape=shape, noise=noise, encode=encode, velocity=velocity, decode=decode, sigmas=sigmas,
-            lora_targets=LORA_TARGETS, video=True, sound=True)
+            lora_targets=LORA_TARGETS, video=True, sound=True, temporal=8)  # _VAE's temporal_compression_ratio
 TINY = dict(LTX2, load=tiny, hub_id=None, hub=False, preset=dict(common.TINY, num_frames=5),  # 3 latent frames
-            preset_notes=None)
+            preset_notes=None, temporal=2)  # the twin's VAE: one spatio-temporal stage

@@ -254,7 +254,7 @@ WAN = dict(name="wan", load=load, hub_id=WAN_ID, hub=True, multiple=16,
            preset=dict(common.HUB, guidance_scale=5.0),  # WanPipeline.__call__'s guidance_scale (2.1, 2.2, the 5B)
            preset_notes=dict(guidance_scale="WanPipeline.__call__'s default"),
            tokens=512, shape=shape, noise=noise, encode=encode, velocity=velocity, decode=decode, sigmas=sigmas,
-           lora_targets=LORA_TARGETS, video=True)
+           lora_targets=LORA_TARGETS, video=True, temporal=4)  # AutoencoderKLWan's (and Wan 2.2's) 4x
 TINY = dict(WAN, load=tiny, hub_id=None, hub=False, preset=dict(common.TINY, num_frames=5),  # 5 frames: 2 latent
             preset_notes=None)
 WAN22 = dict(WAN, load=load_a14b, hub_id=WAN22_ID, trained=("transformer", "transformer_2"))

@@ -50,6 +50,36 @@ def test_frame_counts_no_model_makes_are_refused_in_one_line(script, model, fram
     assert not (tmp_path / "out" / "samples").exists() and not (tmp_path / "out" / "summary.json").exists()
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "ltx2", "--num-frames", "100"], "--num-frames 100 must be 8 k \\+ 1 for ltx2 .*nearest are 97 and 105"),
+    (["--model", "wan2.2", "--num-frames", "80"], "--num-frames 80 must be 4 k \\+ 1 for wan2.2 .*nearest are 77 and 81"),
+    (["--model", "sd3", "--num-frames", "5"], "--num-frames 5: sd3 makes images; drop the flag"),
+])
+def test_frame_rule_is_refused_before_a_hub_model_loads(argv, message, capsys):
+    """check_args refuses the rule from the record (nothing is loaded or downloaded: the hub models are not here)."""
+    with pytest.raises(SystemExit):
+        settings(*argv)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(message, last), last
+
+
+def test_records_know_their_vaes_temporal_compression():
+    """The record's temporal (the rule checked before loading) is the loaded twin's VAE's, and the published VAE's."""
+    import diffusers
+    import models
+
+    for name in ("tiny-wan", "tiny-wan2.2-5b", "tiny-hunyuan-video-1.5", "tiny-ltx2"):
+        pipe = models.load_pipeline(name)
+        factor = getattr(pipe, "vae_scale_factor_temporal", None) or pipe.vae_temporal_compression_ratio
+        assert families.MODELS[name].temporal == factor, name
+    published = {"wan": inspect.signature(diffusers.AutoencoderKLWan.__init__).parameters["scale_factor_temporal"]
+                 .default, "hunyuan-video-1.5": inspect.signature(diffusers.AutoencoderKLHunyuanVideo15.__init__)
+                 .parameters["temporal_compression_ratio"].default,
+                 "ltx2": ltx2._VAE["temporal_compression_ratio"]}
+    for name, factor in published.items():
+        assert families.MODELS[name].temporal == factor == (8 if name == "ltx2" else 4)
+
+
 def test_video_frames_names_the_nearest_counts():
     assert common.video_frames("Wan", None, 81, 4, 16, 10**6) == 21  # the pipeline's default
     assert common.video_frames("Wan", 1, 81, 4, 16, 10**6) == 1  # one frame: an image
