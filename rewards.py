@@ -468,14 +468,23 @@ def _score_part(fn, name, images, prompts, metadata, idx, sound=(None, None)):
     return part, part_failed, extras
 
 
+def _row_scorer(scorer, name):
+    """scorer(name) for a component that a row's rm_type may name, built the first time it is asked for: one that
+    cannot be built (a model missing offline, a package not installed) is one ValueError line, which the run turns into
+    its `error:` line."""
+    try:
+        return scorer(name)
+    except (RuntimeError, OSError, ImportError) as err:
+        raise ValueError(f"a prompt row's rm_type names reward {name!r}: {' '.join(str(err).split())}") from None
+
+
 def build_reward(spec, *, device="cpu", **options):
     """reward_fn(images, prompts, metadata) -> {component: [B], ..., "reward": [B], "failed": [B] bool}.
 
     `spec` is a name or "name=weight,...". `options` are dests of `add_arguments`' flags; the ones
     not given take the flags' defaults, and a key no flag declares is refused with the closest name.
     The spec's scorers (and their models) are built now; those only named by a sample's
-    `metadata.rm_type` are built the first time one appears (a model that cannot load then is one ValueError line,
-    which the run turns into its one `error:` line), or now by `reward_fn.build_rows(metadata)`.
+    `metadata.rm_type` are built the first time one appears (_row_scorer), or now by `reward_fn.build_rows(metadata)`.
     """
     known = option_defaults()
     for key in options:
@@ -495,18 +504,11 @@ def build_reward(spec, *, device="cpu", **options):
     for name, _ in default:
         scorer(name)
 
-    def row_scorer(name):
-        """The scorer of a component that a row's rm_type names: one that cannot be built is one ValueError line."""
-        try:
-            return scorer(name)
-        except (RuntimeError, OSError, ImportError) as err:  # a model missing offline, a package not installed
-            raise ValueError(f"a prompt row's rm_type names reward {name!r}: {' '.join(str(err).split())}") from None
-
     def build_rows(metadata):
         """Build now the scorers that the rows' rm_type name (so that a model missing offline fails at start-up)."""
-        for m in metadata:
-            for name, _ in parse_spec(m["rm_type"]) if (m or {}).get("rm_type") else ():
-                row_scorer(name)
+        for row_spec in {m["rm_type"] for m in metadata if (m or {}).get("rm_type")}:
+            for name, _ in parse_spec(row_spec):
+                _row_scorer(scorer, name)
 
     def reward_fn(images, prompts, metadata=None):
         sound = getattr(images, "audio", None), getattr(images, "sample_rate", None)  # videos with sound (ltx2)
@@ -531,7 +533,8 @@ def build_reward(spec, *, device="cpu", **options):
         for name, idx in users.items():
             component = torch.full((batch,), float("nan"))  # NaN where the component does not apply
             if idx:
-                part, part_failed, extras = _score_part(row_scorer(name), name, images, prompts, metadata, idx, sound)
+                part, part_failed, extras = _score_part(_row_scorer(scorer, name), name, images, prompts, metadata, idx,
+                                                        sound)
                 component[idx] = part
                 failed[idx] |= part_failed
                 for key, values in extras.items():
