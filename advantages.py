@@ -120,22 +120,23 @@ def _groups(rewards, group_ids, dtype=torch.float32):
     return rewards, group, int(group.max()) + 1
 
 
-def best_of_group(rewards, group_ids, **_):
+def best_of_group(rewards, group_ids, *, global_std=False, clip=None):
     """Online SFT's sample weights (flow_grpo flow_grpo/stat_tracking.py L39-40, type 'sft'): 1 for every sample whose
     reward equals its group's maximum, 0 for the rest. A group of equal rewards is all "best": each of its samples
-    is a target (as there). Returns [N] float."""
+    is a target (as there). Returns [N] float. global_std and clip: a rule's keywords (step_advantages), unused."""
     rewards, group, n = _groups(rewards, group_ids)
     top = torch.full((n,), -torch.inf, device=rewards.device).scatter_reduce(0, group, rewards, "amax")
     return (rewards == top[group]).float()
 
 
-def preference_pairs(rewards, group_ids, **_):
+def preference_pairs(rewards, group_ids, *, global_std=False, clip=None):
     """Online DPO's pairs (flow_grpo flow_grpo/stat_tracking.py L41-55, type 'dpo'): in each group +1 for the first
     sample of the highest reward (chosen), -1 for the first of the lowest (rejected), 0 for the rest. Returns [N]
     float with exactly one +1 and one -1 per group whose rewards differ.
 
     Departure: a group of equal rewards gets no pair (all 0) and leaves the update, as a saturated group leaves every
-    loss here; flow_grpo pairs its samples 1 (chosen) and 0 (rejected) there, a preference between equals."""
+    loss here; flow_grpo pairs its samples 1 (chosen) and 0 (rejected) there, a preference between equals. global_std
+    and clip: a rule's keywords (step_advantages), unused."""
     rewards, group, n = _groups(rewards, group_ids)
     out = torch.zeros_like(rewards)
     for g in range(n):
@@ -242,7 +243,7 @@ def diversity_weights(adv, features, groups):
 def diversity_advantages(rewards, features, groups):
     """GARDO's diversity-aware advantage as its tracker writes it (S L110-135, type "gardo"): (r - group mean) x
     `diversity_weights`, not divided by the std. The reference of the tests: training scales the std-normalised
-    advantages instead (shape_advantages, departure 13)."""
+    advantages instead (step_advantages, departure 13)."""
     r = torch.as_tensor(rewards, dtype=torch.float64)
     centred = r.clone()
     for g in torch.unique(groups):

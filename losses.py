@@ -1,5 +1,6 @@
-"""Group-relative advantages and the policy losses: GRPO, GRPO-Guard, FlowDPPO, KL penalty (reverse process);
-DiffusionNFT, Advantage Weighted Matching, online SFT and DPO, DGPO and Centered Reward Distillation (forward process).
+"""The policy losses: GRPO, GRPO-Guard, FlowDPPO, KL penalty and its adaptive weight (reverse process); DiffusionNFT,
+Advantage Weighted Matching, online SFT and DPO, DGPO and Centered Reward Distillation (forward process). The
+advantages they train on come from advantages.py (each record names its rule).
 
 Pure functions of tensors: no model, no args object, hyper-parameters as keywords. Each loss takes
 the tensors of ONE trained denoising step k for a micro-batch and returns (loss, info), where loss
@@ -525,7 +526,8 @@ def crd_loss(r, a, *, beta, temperature=-1.0, kind="mse"):
 
 
 # ----------------------------------------------------------------------------- the algorithms, as train.py runs them
-# A loss is one function of the tensors of ONE trained term of a micro-batch, `t`, and of the flags as keywords:
+# A loss is one function of the tensors of ONE trained term of a micro-batch, `t`, and of the flags it reads, each a
+# keyword-only parameter named as its flag (Loss.hyper passes exactly those; config.py refuses a flag of another loss):
 #
 #   reverse process (one trained sampler step k of each of b samples; train.py's reverse_terms):
 #     log_prob [b]       the step's log-prob under the current weights (sde.sde_step with prev_sample)
@@ -539,7 +541,7 @@ def crd_loss(r, a, *, beta, temperature=-1.0, kind="mse"):
 #     v_old [b, ...]     the old copy's velocity at x_t (Loss.old_copy);   v_ref [b, ...]: the reference's (--kl-beta)
 #     old_stat [b]       Loss.old_stat of the weights before the batch's first optimizer step (after it; else None)
 #     unit [b]           each sample's pair or group in the micro-batch (Loss.unit; 0 .. b - 1 for "sample")
-#   both, with --gardo-gate: kl_gate [b] bool, the samples whose KL term counts (regularizers.py; absent: every one)
+#   both, with --gardo-gate: kl_gate [b] bool, the samples whose KL term counts (advantages.gardo_gate; else None)
 #
 # and returns (loss, info) as the functions above. Everything else about an algorithm that train.py needs is a field
 # of its record in LOSSES, so that adding one is a function, a registry line and its flags (README, "Adding a loss").
@@ -547,14 +549,15 @@ def crd_loss(r, a, *, beta, temperature=-1.0, kind="mse"):
 
 def _gated(kl, t, empty):
     """The KL term from the per-sample kl [b]: their mean, or with GARDO's gate (t["kl_gate"] [b] bool, the samples
-    whose KL counts: regularizers.py) the mean over the flagged samples."""
+    whose KL counts: advantages.gardo_gate) the mean over the flagged samples."""
     gate = t.get("kl_gate")
     return kl.mean() if gate is None else gated_kl(kl, gate, empty=empty)
 
 
 def gated_kl(kl, flagged, *, empty="zero"):
-    """GARDO's gated KL term (regularizers.py): kl [N] per sample, flagged [N] bool -> the mean over the flagged ones.
-    No flagged sample: 0 (GRPO, G L988-989) or the mean over all (`empty="all"`, DiffusionNFT, N L1054-1056).
+    """GARDO's gated KL term (regularizers.py's docstring): kl [N] per sample, flagged [N] bool -> the mean over the
+    flagged ones. No flagged sample: 0 (GRPO, G L988-989) or the mean over all (`empty="all"`, DiffusionNFT, N
+    L1054-1056).
     Written as a weighted sum, without a branch on the flags: no wait for the GPU (G L983 reads them on the host)."""
     weight = flagged.to(kl.dtype)  # [N]
     if empty == "all":  # none flagged: every sample

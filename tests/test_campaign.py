@@ -15,10 +15,10 @@ import pytest
 import torch
 from PIL import Image
 
+import advantages
 import checkpoints
 import data
 import eval as evaluation
-import losses
 import rewards
 import reward_services
 import run as run_module
@@ -170,13 +170,13 @@ def test_advantage_weights_are_normalised_by_their_sum_as_mixgrpo_does():
     g = torch.Generator().manual_seed(0)
     parts = {"a": torch.randn(8, generator=g), "b": 5 * torch.randn(8, generator=g)}
     ids = [0] * 4 + [1] * 4
-    adv_raw, _ = losses.combined_advantages(parts, {"a": 2.0, "b": 1.0}, ids, clip=1e9)
-    adv_norm, _ = losses.combined_advantages(parts, {"a": 2 / 3, "b": 1 / 3}, ids, clip=1e9)
-    by_hand = (2 * losses.group_advantages(parts["a"], ids, clip=1e9)
-               + losses.group_advantages(parts["b"], ids, clip=1e9)) / 3
+    adv_raw, _ = advantages.combined_advantages(parts, {"a": 2.0, "b": 1.0}, ids, clip=1e9)
+    adv_norm, _ = advantages.combined_advantages(parts, {"a": 2 / 3, "b": 1 / 3}, ids, clip=1e9)
+    by_hand = (2 * advantages.group_advantages(parts["a"], ids, clip=1e9)
+               + advantages.group_advantages(parts["b"], ids, clip=1e9)) / 3
     assert torch.allclose(adv_raw, by_hand, atol=1e-6) and torch.allclose(adv_norm, by_hand, atol=1e-6)
     with pytest.raises(ValueError, match="sum to a positive number"):
-        losses.combined_advantages(parts, {"a": 0.0, "b": 0.0}, ids)
+        advantages.combined_advantages(parts, {"a": 0.0, "b": 0.0}, ids)
 
 
 def test_advantage_weights_summing_to_zero_are_refused_before_any_model(tmp_path):
@@ -187,8 +187,8 @@ def test_advantage_weights_summing_to_zero_are_refused_before_any_model(tmp_path
 def test_a_group_spread_beyond_float32_still_gives_advantages():
     huge = torch.tensor([3e38, -3e38, 1e38, 0.0, 1.0, 2.0, 3.0, 4.0])
     ids = [0] * 4 + [1] * 4
-    expected = losses.group_advantages(huge / 1e30, ids)  # the same ranks and ratios, in range
-    got = losses.group_advantages(huge, ids)
+    expected = advantages.group_advantages(huge / 1e30, ids)  # the same ranks and ratios, in range
+    got = advantages.group_advantages(huge, ids)
     assert torch.isfinite(got).all() and torch.allclose(got[:4], expected[:4], atol=1e-5)
     assert got[:4].abs().min() > 0.1  # not the all-zero advantages of an infinite std
 
