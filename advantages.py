@@ -27,15 +27,19 @@ import math
 import torch
 
 
-def group_advantages(rewards, group_ids, *, global_std=False, eps=1e-4, clip=5.0, dtype=torch.float32):
+def group_advantages(rewards, group_ids, *, global_std=False, eps=1e-4, clip=5.0):
     """A_i = (r_i - mean of i's group) / (std + eps), clipped to +-clip.
 
     GRPO (DeepSeekMath arXiv:2402.03300, Sec. 4.1.2; as used by Flow-GRPO arXiv:2505.05470): the std
     is that of i's group (population std), or with global_std one std over the whole batch (as
     Flow-GRPO's and FlowDPPO's recipes do). A group whose rewards are all equal gets advantages of exactly 0.
     rewards [N]; group_ids: N ints (list or tensor), equal for samples of the same prompt. The arithmetic is in
-    `dtype`; where a group's spread overflows float32 (finite rewards near 1e38) it is redone in float64.
+    float32; where a group's spread overflows it (finite rewards near 1e38) it is redone in float64.
     """
+    return _group_advantages(rewards, group_ids, global_std, eps, clip, torch.float32)
+
+
+def _group_advantages(rewards, group_ids, global_std, eps, clip, dtype):
     rewards, group, groups = _groups(rewards, group_ids, dtype)  # group: 0 .. G-1
     n = torch.zeros(groups, device=rewards.device, dtype=dtype).index_add_(0, group, torch.ones_like(rewards))
     group_mean = torch.zeros_like(n).index_add_(0, group, rewards) / n
@@ -51,7 +55,7 @@ def group_advantages(rewards, group_ids, *, global_std=False, eps=1e-4, clip=5.0
         std = (torch.zeros_like(n).index_add_(0, group, centred**2) / n).sqrt()[group]
     if not (torch.isfinite(centred).all() and torch.isfinite(std).all()) and dtype != torch.float64:
         # a spread beyond float32 (finite rewards near 1e38): the std is inf and every advantage would be 0
-        return group_advantages(rewards, group, global_std=global_std, eps=eps, clip=clip, dtype=torch.float64).float()
+        return _group_advantages(rewards, group, global_std, eps, clip, torch.float64).float()
     return (centred / (std + eps)).clamp(-clip, clip)
 
 
