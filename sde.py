@@ -374,8 +374,8 @@ def flash_grid(sigmas, start, ratio):
 def ode_sample(velocity_fn, x, sigmas, *, solver="euler"):
     """Deterministic sampling from the noise x through `sigmas` to the clean sample (float32, shape of x).
 
-    The rollouts of the forward-process losses (DiffusionNFT, AWM), which need only the final sample:
-    no per-step state, log-prob or mean is kept. `euler` takes the ODE step (8) at every step; `dpm2`
+    The rollouts of the forward-process losses (DiffusionNFT, AWM, online SFT / DPO, DGPO, CRD), which need only
+    the final sample: no per-step state, log-prob or mean is kept. `euler` takes the ODE step (8) at every step; `dpm2`
     is DPM-Solver++(2M) (_dpm_solver_2m), DiffusionNFT's rollout solver (solver.py dpm_step, order 2).
     Where they differ: the reference also takes its second-to-last step (0.28 -> 0.009 at 10 SD3 steps)
     second order, where _dpm_solver_2m takes that long jump in lambda first order (see its docstring). On

@@ -523,7 +523,8 @@ def print_totals(args, loss, per_rank):
 def load_prompt_sets(args):
     """((texts, metadata) of --prompts, of --eval-prompts or empty), malformed files refused in one line."""
     keys = dict(input_key=args.input_key, metadata_key=args.metadata_key,  # GenEval rows checked before any model
-                check=rewards.rows_check(args.reward, args.geneval_detector, args.reward_combine == "advantage"))
+                check=rewards.rows_check(args.reward, args.geneval_detector, args.reward_combine == "advantage",
+                                         model=args.model, sound=models.MODELS[args.model].sound))
     prompts = setup_or_exit(data.load_prompts, args.prompts, **keys)
     check_rm_types(args.prompts, *prompts)
     held_out = setup_or_exit(data.load_prompts, args.eval_prompts, **keys) if args.eval_prompts else ([], [])

@@ -305,3 +305,6 @@ def test_a_row_whose_reward_hears_is_refused_at_load_on_a_model_without_sound(tm
     line = one_line(cli("eval.py", "--model", "tiny", "--prompts", rows, "--reward", "jpeg_compressibility",
                         "--out", tmp_path / "eval"), "reward clap scores the samples' sound")
     assert "--model tiny does not make" in line and not (tmp_path / "eval").exists()
+    line = one_line(cli("train.py", "--model", "tiny", "--prompts", rows, "--reward", "jpeg_compressibility",
+                        "--out", tmp_path / "run"), "reward clap scores the samples' sound")
+    assert "--model tiny does not make" in line and "line 2" in line  # at load, before any step

@@ -1,4 +1,4 @@
-"""The forward-process losses of losses.py (DiffusionNFT, AWM, the velocity-space KL) against float64 numpy
+"""Two forward-process losses of losses.py (DiffusionNFT, AWM) and the velocity-space KL against float64 numpy
 references written out here, their stop-gradients, and the gradient the derivations predict."""
 
 import numpy as np

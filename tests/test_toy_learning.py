@@ -14,7 +14,7 @@ more; at 3e-3 it overshoots the mode to x ~ 5.6.
 The reward (x > 0) is indifferent to where on the right the samples land and there is no KL term,
 so some drift of the mode is expected; the test only asks that the samples stay one compact mode.
 
-The forward-process losses (DiffusionNFT, AWM) run the same toy their own way: deterministic rollouts
+Two of the forward-process losses, DiffusionNFT and AWM, run the same toy their own way: deterministic rollouts
 (dpm2 / Euler) keep only the clean samples, which are re-noised with fresh noise at the schedule's own
 sigmas and trained on with an "old" copy of the model (NFT: the sampler and v_old; AWM: the EMA-KL
 anchor) soft-updated after every step with the references' decay schedules.
