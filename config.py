@@ -432,6 +432,17 @@ def guidance_scales(args):
     return args.guidance_scale, args.guidance_scale if (args.train_cfg or embedded) else 1.0
 
 
+def forward_samples(args, reference):
+    """The most samples one forward of the run holds (families.forward_samples): a rollout batch at the sampling
+    scale, a held-out one at the evaluation's, a micro-batch at the training forward's and at the reference's scale
+    `reference` (train.reference_guidance). The video families' token bound divides the memory by it."""
+    sample, train = guidance_scales(args)
+    forwards = [(args.sample_batch_size, sample), (args.train_batch_size, train), (args.train_batch_size, reference)]
+    if args.eval_every:
+        forwards.append((args.sample_batch_size, run.eval_guidance(args)))
+    return families.forward_samples(args.model, forwards, args.audio_guidance_scale)
+
+
 def unit_width(loss, args):
     """Samples per unit of loss.unit: 1, a pair's 2, or a group's --group-size."""
     return {"sample": 1, "pair": 2, "group": args.group_size}[loss.unit]

@@ -953,7 +953,8 @@ def main(argv=None):
     if not args.plot:
         fill_from_run(args)
     fill_from_preset(args)
-    if problem := families.guidance_mismatch(args.model, args.guidance_scale_2, args.audio_guidance_scale):
+    if problem := (families.guidance_mismatch(args.model, args.guidance_scale_2, args.audio_guidance_scale)
+                   or families.frames_mismatch(args.model, args.num_frames)):  # before any model loads
         p.error(problem)
     if args.out is not None:  # a file where the results' folder goes: found now, not after the sampling
         existing = os.path.abspath(args.out)
@@ -983,8 +984,11 @@ def main(argv=None):
         reward_fn.build_rows(metadata)  # the rows' rm_type rewards too: a model missing offline fails now
         diversity.featurizer(args.diversity, args.diversity_path, device)
         pipe = models.load_pipeline(args.model, args.model_path, device=device)
-        models.latent_shape(pipe, args.resolution, num_frames=args.num_frames)  # a size the model cannot take
         pipe.guidance_scale_2, pipe.guidance_scale_audio = args.guidance_scale_2, args.audio_guidance_scale
+        batch = min(args.batch_size, len(prompts))  # the most samples one forward holds: the video token bound's
+        pipe.forward_samples = families.forward_samples(args.model, [(batch, args.guidance_scale)],
+                                                        args.audio_guidance_scale)
+        models.latent_shape(pipe, args.resolution, num_frames=args.num_frames)  # a size the model cannot take
     except (ValueError, OSError, RuntimeError, ImportError) as e:
         raise SystemExit(f"error: {e}")
     models.add_lora(pipe, rank, alpha)

@@ -59,7 +59,8 @@ import regularizers
 import rewards
 import sde
 from advantages import gardo_gate, step_advantages
-from config import check_args, guidance_scales, n_trained, parse_args, report, unit_width, window_kwargs
+from config import (check_args, forward_samples, guidance_scales, n_trained, parse_args, report, unit_width,
+                    window_kwargs)
 from distributed import RANK, WORLD, print0
 from policy import Policy
 from run import Run, check_rm_types, check_sources, mean_stats, setup_or_exit
@@ -86,6 +87,7 @@ def main(argv=None, *, on_step=None):
                            sampling_copy=bool(loss.sampling_copy and loss.sampling_copy(vars(args))))
     policy.pipe.guidance_scale_2 = args.guidance_scale_2  # Wan 2.2's low-noise expert (families/wan.py velocity)
     policy.pipe.guidance_scale_audio = args.audio_guidance_scale  # LTX-2's soundtrack (families/ltx2.py velocity)
+    policy.pipe.forward_samples = forward_samples(args, reference_guidance(loss, args))  # the video token bound's batch
     setup_or_exit(models.latent_shape, policy.pipe, args.resolution, num_frames=args.num_frames)  # one line if not
     cache_prompts(policy, args, prompts, held_out)  # each prompt encoded once; --offload-text-encoders
     sigmas = setup_or_exit(models.sigmas, policy.pipe, args.num_steps, args.resolution, shift=args.shift,

@@ -213,11 +213,11 @@ def no_frames(num_frames):
         raise ValueError("--num-frames is for video models (wan); this model makes images")
 
 
-def video_frames(name, num_frames, default, temporal, frame_tokens, most_tokens):
+def video_frames(name, num_frames, default, temporal, frame_tokens, most_tokens, samples=1):
     """The latent frames of a video of `num_frames` (None: the pipeline's `default`), or a ValueError in one line
     naming the nearest counts the model makes. temporal: the VAE's temporal compression (a video is temporal k + 1
     frames, the first encoded alone); frame_tokens: the transformer's tokens per latent frame; most_tokens: the most
-    tokens one sample may hold (sample_tokens)."""
+    tokens one sample may hold (sample_tokens) in a forward of `samples` samples (forward_samples)."""
     frames = default if num_frames is None else num_frames
     if frames < 1 or (frames - 1) % temporal:
         below = max(frames - 1, 0) // temporal * temporal + 1
@@ -227,20 +227,30 @@ def video_frames(name, num_frames, default, temporal, frame_tokens, most_tokens)
     if latent * frame_tokens > most_tokens:
         most = (most_tokens // frame_tokens - 1) * temporal + 1
         fix = f"the most this size allows is {most}" if most >= 1 else "no count fits this size: lower --resolution"
+        forward = "one sample's training forward"
+        if samples > 1:  # a batch, the halves of CFG counted: fewer samples a forward leave each more
+            forward = f"a forward of {samples} samples (a batch, twice under CFG)"
+            fix += " (or fewer samples a forward: --sample-batch-size, --train-batch-size; eval.py's --batch-size)"
         raise ValueError(f"--num-frames {frames}: {latent * frame_tokens:,} tokens a sample, above the {most_tokens:,} "
-                         f"that {name}'s positions or one sample's training forward in this device's memory can hold; "
-                         f"{fix}")
+                         f"that {name}'s positions or {forward} in this device's memory can hold; {fix}")
     return latent
 
 
-def sample_tokens(transformer, device):
-    """The most tokens one video sample may hold: below the fewest that one sample's training forward of `transformer`
-    cannot fit in the memory of `device` (the GPU's, else the host's).
+def forward_samples(pipe):
+    """The most samples one forward holds in the run that loaded `pipe` (pipe.forward_samples, which train.py and
+    eval.py set from their batch sizes and guidance: families.forward_samples), 1 where none is set."""
+    return getattr(pipe, "forward_samples", None) or 1
+
+
+def sample_tokens(transformer, device, samples=1):
+    """The most tokens one video sample may hold: below the fewest that a training forward of `samples` such samples
+    through `transformer` cannot fit in the memory of `device` (the GPU's, else the host's).
 
     The forward keeps, by scripts/family_memory.py's formula (bf16, gradient checkpointing: the least any run keeps),
     2 L h bytes per block and one block's full set, (16 + 4 r) L h, for L tokens of width h and MLP ratio r; where
     no fused attention kernel runs (the CPU's scaled_dot_product_attention with a mask or at these lengths), the
-    attention also holds its L x L scores per head in float32."""
+    attention also holds its L x L scores per head in float32. A batch of n samples holds n times each (the rollouts'
+    forwards, the training forward's micro-batch, CFG's two halves in one batch)."""
     config = transformer.config
     heads = config.get("num_attention_heads")
     width = heads * config.get("attention_head_dim")
@@ -251,6 +261,7 @@ def sample_tokens(transformer, device):
     if device.type == "cuda":
         with contextlib.suppress(RuntimeError, AssertionError):  # a CUDA without its driver (tests' fake CUDA): the host's
             memory = torch.cuda.get_device_properties(device).total_memory
+    memory = memory / samples  # each sample's share of one forward
     linear = (2 * blocks + 16 + 4 * ratio) * width  # bytes a token
     quadratic = 0 if device.type == "cuda" else 4 * heads  # bytes a pair of tokens: the scores
     a, b = quadratic, linear  # a L^2 + b L <= memory

@@ -96,8 +96,10 @@ def shape(pipe, height, width, num_frames):
     common.check_multiple(height, width, pipe.vae_scale_factor_spatial * pipe.transformer.config.patch_size)
     f, config = pipe.vae_scale_factor_spatial, pipe.transformer.config
     frame_tokens = (height // f // config.patch_size) * (width // f // config.patch_size)  # patch_size_t 1
+    samples = common.forward_samples(pipe)
     frames = common.video_frames("HunyuanVideo 1.5", num_frames, 121, pipe.vae_scale_factor_temporal, frame_tokens,
-                                 common.sample_tokens(pipe.transformer, pipe._execution_device))  # 121: __call__'s
+                                 common.sample_tokens(pipe.transformer, pipe._execution_device, samples),
+                                 samples)  # 121: __call__'s
     return (pipe.num_channels_latents, frames, height // f, width // f)
 
 

@@ -151,8 +151,10 @@ def _grid(pipe, height, width, num_frames):
     common.check_multiple(height, width, 32)  # LTX2Pipeline.check_inputs, L476
     f, config = pipe.vae_spatial_compression_ratio, pipe.transformer.config
     frame_tokens = (height // f // config.patch_size) * (width // f // config.patch_size)
+    samples = common.forward_samples(pipe)
     latent = common.video_frames("LTX-2", num_frames, 121, pipe.vae_temporal_compression_ratio, frame_tokens,
-                                 common.sample_tokens(pipe.transformer, pipe._execution_device))  # 121: __call__'s
+                                 common.sample_tokens(pipe.transformer, pipe._execution_device, samples),
+                                 samples)  # 121: __call__'s
     frames = 121 if num_frames is None else num_frames  # (without a duration head, L1212)
     per_second = pipe.audio_sampling_rate / pipe.audio_hop_length / float(pipe.audio_vae_temporal_compression_ratio)
     return latent, height // f, width // f, round(frames / FRAME_RATE * per_second)

@@ -110,10 +110,11 @@ def shape(pipe, height, width, num_frames):
         raise ValueError(f"--resolution {height}x{width}: Wan's positions reach {config.rope_max_seq_len * f * ph} px "
                          "a side; lower --resolution")
     frame_tokens = (height // f // ph) * (width // f // pw)  # a latent frame's (patch_size's time side is 1)
-    most = min(common.sample_tokens(pipe.transformer, pipe._execution_device),
+    samples = common.forward_samples(pipe)
+    most = min(common.sample_tokens(pipe.transformer, pipe._execution_device, samples),
                config.rope_max_seq_len * pt * frame_tokens)  # and at most rope_max_seq_len latent frames
     frames = common.video_frames("Wan", num_frames, 81, pipe.vae_scale_factor_temporal, frame_tokens,
-                                 most)  # 81: WanPipeline.__call__'s default
+                                 most, samples)  # 81: WanPipeline.__call__'s default
     return (config.in_channels, frames, height // f, width // f)
 
 
