@@ -61,6 +61,7 @@ family is held to it by tests/test_prompt_store.py, and to its pipeline's own sc
 import dataclasses
 from typing import Callable, Optional
 
+from distributed import print0
 from families import (common, flux, flux2_klein, flux_kontext, hunyuan_video, ltx2, qwen_image, qwen_image21,
                       qwen_image_edit, sd3, shapes, wan, z_image)
 
@@ -121,18 +122,41 @@ def guidance_mismatch(name, guidance_scale_2=None, audio_guidance_scale=None):
     return None
 
 
+def frames_mismatch(name, num_frames):
+    """The line refusing a --num-frames that model `name` cannot make by its record (frames on an image model, a count
+    off its VAE's temporal rule), or None: train.py's and eval.py's, before the model loads (the token bound needs the
+    loaded transformer: the family's shape, at pipe.forward_samples)."""
+    record = MODELS[name]
+    if num_frames is not None and not record.video and num_frames != 1:
+        return (f"--num-frames {num_frames}: {name} makes images; drop the flag or pick a video model (wan, "
+                "hunyuan-video-1.5, ltx2, ...)")
+    if num_frames is not None and record.video:
+        try:
+            common.video_frames(name, num_frames, None, record.temporal, 1, float("inf"))
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+def forward_samples(name, forwards, audio_guidance_scale=None):
+    """The most samples one forward of model `name` holds, over `forwards`, (samples, guidance scale) pairs: the
+    families run CFG's two halves in one batch (twice the samples) where the scale is above 1, LTX-2 where its
+    soundtrack's is too (families/ltx2.py guidance), and none where the guidance is embedded (FLUX.1-dev). The video
+    families' token bound shares the memory among them (common.sample_tokens); train.py and eval.py set it as
+    pipe.forward_samples."""
+    record = MODELS[name]
+    audio = audio_guidance_scale if record.sound and audio_guidance_scale is not None else 1
+
+    def cfg(scale):
+        return not record.guidance_embedded and (scale > 1 or audio > 1)
+    return max(n * (2 if cfg(scale) else 1) for n, scale in forwards)
+
+
 def settle(p, args):
     """What --model settles in train.py's flags (config.check_args), before the model loads: the frame count's rule
-    (the token bound needs the loaded transformer: the family's shape), and the guidance (settle_guidance)."""
-    record = MODELS[args.model]
-    if args.num_frames is not None and not record.video and args.num_frames != 1:
-        p.error(f"--num-frames {args.num_frames}: {args.model} makes images; drop the flag or pick a video model "
-                "(wan, hunyuan-video-1.5, ltx2, ...)")
-    if args.num_frames is not None and record.video:
-        try:
-            common.video_frames(args.model, args.num_frames, None, record.temporal, 1, float("inf"))
-        except ValueError as e:
-            p.error(str(e))
+    (frames_mismatch), and the guidance (settle_guidance)."""
+    if problem := frames_mismatch(args.model, args.num_frames):
+        p.error(problem)
     settle_guidance(p, args)
 
 
@@ -159,10 +183,22 @@ def settle_guidance(p, args):
         p.error(f"--audio-guidance-scale {audio:g} keeps CFG on {args.model}'s soundtrack in every forward (LTX2Pipeline "
                 "runs CFG where either scale is above 1), the training forward too, which --no-train-cfg runs without "
                 "CFG: drop --no-train-cfg, or give --audio-guidance-scale 1")
-    if audio is not None and audio > 1 >= args.guidance_scale and getattr(args, "prompt_store", None):
+    if audio is None or audio <= 1:
+        return
+    # the held-out evaluations' scale: LTX2Pipeline(guidance_scale=1, audio_guidance_scale=7) guides the sound alone
+    held_out = getattr(args, "eval_guidance_scale", None) if getattr(args, "eval_every", None) else None
+    if audio > 1 >= args.guidance_scale and getattr(args, "prompt_store", None):
         p.error(f"--audio-guidance-scale {audio:g} at --guidance-scale {args.guidance_scale:g} runs CFG on the "
                 "soundtrack alone, whose negative prompt the prompt store serves only at --guidance-scale > 1: drop "
                 "--prompt-store")
+    if held_out is not None and held_out <= 1 and getattr(args, "prompt_store", None):
+        p.error(f"--eval-guidance-scale {held_out:g} with --audio-guidance-scale {audio:g} runs CFG on the held-out "
+                "soundtracks alone, whose negative prompt the prompt store serves only at a scale above 1: drop "
+                "--prompt-store, or give --eval-guidance-scale above 1")
+    if held_out is not None and held_out <= 1:
+        print0(f"warning: --eval-guidance-scale {held_out:g} samples the held-out videos' picture without CFG and their "
+               f"soundtrack at --audio-guidance-scale {audio:g}, as LTX2Pipeline guides it (CFG where either scale is "
+               "above 1); eval.py --guidance-scale 1 --audio-guidance-scale 1 scores a checkpoint without any")
 
 
 def build_published(name, component, device="meta"):

@@ -20,7 +20,7 @@ def load(model_path=None, dtype=torch.float32, device="cpu"):
     """FLUX.1 Kontext [dev] (`black-forest-labs/FLUX.1-Kontext-dev`), FLUX.1's image editor.
 
     Conventions as FLUX.1-dev (families/flux.py): latents 2 x 2-packed into tokens [B, (H/16)(W/16), 64], timestep s,
-    guidance through the guidance embedding (no CFG; the pipeline's default scale 2.5), T5 text (512 tokens) and
+    guidance through the guidance embedding (no CFG; the pipeline's default scale 3.5, the model card's 2.5), T5 text (512 tokens) and
     pooled CLIP; FluxPipeline's schedule, its mu from the target's tokens. The source image is encoded by the VAE
     (its mode, shifted and scaled), packed the same way and appended after the target's tokens with position ids
     (1, row, column) where the target has (0, row, column); the output is cut back to the target's tokens. One
@@ -107,8 +107,15 @@ PUBLISHED = {"flux1-kontext": dict(transformer=("FluxTransformer2DModel", dict(g
 # ----------------------------------------------------------------------------- records (families.MODELS)
 
 # tokenizer: the CLIP one, whose 77 tokens cap the T5 text (FLUX.1's record caps it by T5's own, tokenizer_2)
-KONTEXT = dict(name="flux-kontext", load=load, hub_id=KONTEXT_ID, hub=True, multiple=16, preset=common.HUB,
+# guidance_scale: FluxKontextPipeline.__call__'s default (3.5 in diffusers 0.42.1), where common.HUB's 4.5 is SD3.5-M's
+# CFG; the authors train and sample at 2.5, the model card's (Flow-GRPO config/grpo.py counting_flux_kontext,
+# Flow-Factory examples/grpo/lora/flux1_kontext/default.yaml; recipes/flux_kontext_counting_grpo.args)
+KONTEXT = dict(name="flux-kontext", load=load, hub_id=KONTEXT_ID, hub=True, multiple=16,
+               preset=dict(common.HUB, guidance_scale=3.5),
+               preset_notes=dict(guidance_scale="FluxKontextPipeline.__call__'s default (the authors' recipe takes "
+                                                "2.5: recipes/flux_kontext_counting_grpo.args)"),
                tokens=512, shape=common.packed_shape, noise=noise, encode=encode, velocity=velocity,
                decode=flux.decode, sigmas=common.linspace_sigmas, lora_targets=LORA_TARGETS,
                source_images="optional", max_sources=1, guidance_embedded=True)
-TINY = dict(KONTEXT, load=tiny, hub_id=None, hub=False, multiple=8, preset=dict(common.TINY, guidance_scale=3.5))
+TINY = dict(KONTEXT, load=tiny, hub_id=None, hub=False, multiple=8, preset=dict(common.TINY, guidance_scale=3.5),
+            preset_notes=None)
