@@ -7,6 +7,8 @@ Launch
     python scripts/bench.py --model sd3-random @recipes/sd3_bench.args --json sd3.json       # GPU, random SD3.5-M, no hub
     python scripts/bench.py --windows --model tiny                            # speed-up of fast / mix / mix+flash over all
     python scripts/bench.py --losses --model tiny                             # GRPO next to DiffusionNFT and AWM
+    python scripts/bench.py --model shapes --reward geneval --threads 1 --baseline="--mixed-precision no" \
+        -- --mixed-precision bf16                                     # a lever's time against the run without it
     python scripts/bench.py --rewards                                         # images/s of each reward scorer on stand-ins,
                                                                       # FLOPs per image of the real models
     scripts/gpu_bench.sh                                              # the GPU figures of the README
@@ -57,6 +59,12 @@ all's overhead ratio over the window's (each ratio is timed against the load of 
 flags as given (each loss fills in its own defaults: DiffusionNFT and AWM sample CFG-free with a
 deterministic solver unless the flags say otherwise): samples/s of each, their speed-up over grpo (measured,
 and the load-free `compute` and `at equal load` as above, against grpo's calls), and each run's overhead ratio.
+
+--baseline FLAGS runs the recipe and the recipe with FLAGS appended (the behaviour to compare against, e.g. today's
+default written out), each in its own process, --rounds times in the order baseline, recipe, recipe, baseline, ...
+so that a machine whose load drifts weighs on both alike: `time_ratio` is the recipe's median step seconds over the
+baseline's, the median over the rounds' pairs (below 1: the recipe is faster), `pure_ratio` the same for the bare
+model calls timed inside each run.
 """
 import argparse
 import contextlib
@@ -64,6 +72,7 @@ import json
 import math
 import os
 import resource
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -120,6 +129,10 @@ def parse_args(argv=None):
     p.add_argument("--window-size", type=int, default=None, help="--windows: steps in the fast / mix window (default 2)")
     p.add_argument("--losses", action="store_true",
                    help="run --loss grpo, nft and awm on the same model and batch and print each one's samples/s")
+    p.add_argument("--baseline", default=None, metavar="FLAGS",
+                   help="train.py flags appended to the recipe for the run to compare against, in one string "
+                        "(--baseline=\"--mixed-precision no\"): prints the recipe's step time over the baseline's")
+    p.add_argument("--rounds", type=int, default=2, help="--baseline: pairs of runs (alternating order), median ratio")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads for the run and the bare timing (default: torch's; 1 is steadiest on a shared CPU)")
     p.add_argument("--rewards", action="store_true", help="only time the offline reward scorers (images/s)")
     p.add_argument("--reward-images", type=int, default=16, help="--rewards: images per timed call")
@@ -145,6 +158,12 @@ def parse_args(argv=None):
         p.error("--window-size before `--` belongs to --windows; for one run give train.py's --window-size after `--`")
     if args.windows and args.out:
         p.error("--out names one run's folder; --windows makes four: drop --out")
+    if args.baseline is not None and (args.windows or args.losses or args.out):
+        p.error("--baseline makes runs of its own: drop --windows, --losses and --out")
+    if args.baseline is not None and not shlex.split(args.baseline):
+        p.error("--baseline needs the train.py flags of the run to compare against, e.g. --baseline=\"--mixed-precision no\"")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.losses and (args.windows or args.out):
         p.error("--losses makes three runs of its own: drop --windows and --out")
     if args.losses and any(a == "--loss" or a.startswith("--loss=") for a in train_args):
@@ -569,6 +588,26 @@ def run_losses(args):
                 equal_load_speedup_vs_grpo=equal_load)
 
 
+def run_baseline(args):
+    """The recipe against the recipe + --baseline's flags, --rounds pairs of runs in alternating order (ABBA...), each
+    in its own process: the recipe's median step seconds over the baseline's, per pair, and their median."""
+    variants = {"baseline": shlex.split(args.baseline), "recipe": []}
+    rounds = []
+    for r in range(args.rounds):
+        order = dict(reversed(variants.items())) if r % 2 else variants  # baseline first, then recipe first, ...
+        rounds.append(run_each(args, "baseline", order))
+    time_ratios = [rr["recipe"]["seconds"] / rr["baseline"]["seconds"] for rr in rounds]
+    pure_ratios = [rr["recipe"]["pure_seconds"] / rr["baseline"]["pure_seconds"] for rr in rounds]
+    print(f"\n{'round':6s} {'baseline s/step':>16s} {'recipe s/step':>14s} {'time ratio':>11s} {'pure ratio':>11s}")
+    for r, (rr, tr, pr) in enumerate(zip(rounds, time_ratios, pure_ratios)):
+        print(f"{r:<6d} {rr['baseline']['seconds']:16.2f} {rr['recipe']['seconds']:14.2f} {tr:11.3f} {pr:11.3f}")
+    result = dict(baseline_flags=variants["baseline"], rounds=rounds, time_ratios=time_ratios, pure_ratios=pure_ratios,
+                  time_ratio=statistics.median(time_ratios), pure_ratio=statistics.median(pure_ratios))
+    print(f"recipe / baseline: step time x{result['time_ratio']:.3f}, bare model calls x{result['pure_ratio']:.3f} "
+          f"(median of {args.rounds} pairs; baseline: the recipe + {args.baseline})")
+    return result
+
+
 def _unifiedreward_stub():
     """A local OpenAI-compatible server that answers every request at once with a UnifiedReward-style reply: timing
     the `unifiedreward` client alone (PNG encoding, HTTP, parsing), not a model."""
@@ -736,6 +775,8 @@ def main(argv=None):
         result = run_windows(args)
     elif args.losses:
         result = run_losses(args)
+    elif args.baseline is not None:
+        result = run_baseline(args)
     else:
         result = run(args)
         report(result)
@@ -743,7 +784,7 @@ def main(argv=None):
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    if not (args.windows or args.rewards or args.losses):
+    if not (args.windows or args.rewards or args.losses or args.baseline is not None):
         bad = [k for k in REQUIRED_KEYS + (("mfu",) if "mfu" in result else ()) if not (math.isfinite(result[k]) and result[k] > 0)]
         if bad:
             raise SystemExit(f"error: non-finite or non-positive figures {bad}; see the table above")

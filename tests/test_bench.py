@@ -78,6 +78,9 @@ def test_counted_calls_match_the_recipe(small):
     (["--", "--eval-every", "5"], "--eval-every samples outside the measured step"),
     (["--losses", "--windows"], "--losses makes three runs"),
     (["--losses", "--", "--loss", "nft"], "--losses sets --loss"),
+    (["--baseline=--mixed-precision no", "--losses"], "--baseline makes runs of its own"),
+    (["--baseline", " "], "--baseline needs the train.py flags"),
+    (["--baseline=--lr 1e-3", "--rounds", "0"], "--rounds must be >= 1"),
 ])
 def test_bad_flags_fail_with_one_line(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
@@ -174,6 +177,21 @@ def test_losses_side_by_side(tmp_path):
             r["end_to_end_samples_per_s"] / result["losses"]["grpo"]["end_to_end_samples_per_s"])
     compute = result["compute_speedup_vs_grpo"]
     assert compute["grpo"] == 1.0 and compute["nft"] < 1  # nft makes grpo's calls at the same shapes, and 3 more
+
+
+@pytest.mark.slow
+def test_baseline_ratio_against_the_recipe_with_other_flags(tmp_path):
+    path = tmp_path / "baseline.json"
+    cmd = [sys.executable, "scripts/bench.py", "--model", "tiny", "--steps", "1", "--warmup", "1", "--repeats", "1",
+           "--threads", "1", "--rounds", "1", "--baseline=--prompts-per-step 4", "--json", str(path), "--", *SMALL_FULL]
+    proc = forkserver.run(cmd, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(path.read_text())
+    (pair,) = result["rounds"]
+    assert result["baseline_flags"] == ["--prompts-per-step", "4"]
+    assert pair["baseline"]["samples_per_step"] == 8 and pair["recipe"]["samples_per_step"] == 4  # the flags applied
+    assert result["time_ratio"] == pytest.approx(pair["recipe"]["seconds"] / pair["baseline"]["seconds"])
+    assert result["pure_ratio"] == pytest.approx(pair["recipe"]["pure_seconds"] / pair["baseline"]["pure_seconds"])
 
 
 def test_reward_throughput_times_every_offline_scorer(tmp_path):
