@@ -34,9 +34,11 @@ def group_advantages(rewards, group_ids, *, global_std=False, eps=1e-4, clip=5.0
     is that of i's group (population std), or with global_std one std over the whole batch (as
     Flow-GRPO's and FlowDPPO's recipes do). A group whose rewards are all equal gets advantages of exactly 0.
     rewards [N]; group_ids: N ints (list or tensor), equal for samples of the same prompt. The arithmetic is in
-    float32; where a group's spread overflows it (finite rewards near 1e38) it is redone in float64.
+    float32 (float64 rewards stay float64, as a reference comparison needs); where a group's spread overflows float32
+    (finite rewards near 1e38) it is redone in float64.
     """
-    return _group_advantages(rewards, group_ids, global_std, eps, clip, torch.float32)
+    wide = torch.is_tensor(rewards) and rewards.dtype == torch.float64
+    return _group_advantages(rewards, group_ids, global_std, eps, clip, torch.float64 if wide else torch.float32)
 
 
 def _group_advantages(rewards, group_ids, global_std, eps, clip, dtype):

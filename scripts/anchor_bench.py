@@ -40,7 +40,7 @@ call replayed --repeats times after the run) and the overhead ratio, the peak me
 before each step's first optimizer step (on-policy: 0 up to rounding). --compare adds ours over flow_grpo's.
 
 --impl sde puts our sampler behind flow_grpo's four functions (sde.rollout through models.generate, sde.sde_step,
-models.encode_prompts, losses.group_advantages): the same loop, so the plumbing runs and is tested without the
+models.encode_prompts, advantages.group_advantages): the same loop, so the plumbing runs and is tested without the
 fetched code; its rollout keeps train.py's deterministic last step. --check-logprob scores the transitions of one
 rollout of --impl with sde.sde_step and models.velocity on the same inputs and reports the largest difference of the
 log-probs (and of the transition means, and of the prompt embeddings with models.encode_prompts). flow_grpo's rollout
@@ -78,10 +78,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import advantages  # noqa: E402
 import bench  # noqa: E402  scripts/bench.py: the call recorder, the FLOP counter and the bare timing
 import data  # noqa: E402
 import distributed  # noqa: E402
-import losses  # noqa: E402
 import models  # noqa: E402
 import rewards  # noqa: E402
 import sde  # noqa: E402
@@ -189,7 +189,7 @@ class NoT5(torch.nn.Module):
 
 
 def sde_impl():
-    """Ours behind flow_grpo's signatures: the same loop around sde.py, models.py and losses.py."""
+    """Ours behind flow_grpo's signatures: the same loop around sde.py, models.py and advantages.py."""
 
     def encode(pipe, prompts, tokens):
         e = models.encode_prompts(pipe, prompts, max_sequence_length=tokens)
@@ -217,15 +217,15 @@ def sde_impl():
         return out.prev_sample, out.log_prob, out.mean, std_dev_t
 
     class GroupAdvantages:
-        """PerPromptStatTracker's update / clear by losses.group_advantages (no clip: the loss clips, L881)."""
+        """PerPromptStatTracker's update / clear by advantages.group_advantages (no clip: the loss clips, L881)."""
 
         def __init__(self, global_std):
             self.global_std = global_std
 
         def update(self, prompts, rewards):  # rewards [N, K], equal along K (L740)
             ids = [sorted(set(prompts)).index(q) for q in prompts]
-            adv = losses.group_advantages(torch.as_tensor(rewards[:, 0]), ids, global_std=self.global_std,
-                                          clip=math.inf, dtype=torch.float64)
+            adv = advantages.group_advantages(torch.as_tensor(rewards[:, 0], dtype=torch.float64), ids,
+                                              global_std=self.global_std, clip=math.inf)
             return adv[:, None].expand(-1, rewards.shape[1]).numpy()
 
         def clear(self):

@@ -314,14 +314,15 @@ def test_eval_takes_the_models_preset_where_the_command_line_is_silent(shapes_ch
     monkeypatch.chdir(ROOT)
     def filled(*argv):
         args = argparse.Namespace(**{k: None for k in ("prompts", "input_key", "reward", "resolution", "eval_steps",
-                                                       "guidance_scale", "geneval_detector")})
+                                                       "guidance_scale", "geneval_detector",
+                                                       "audio_guidance_scale")})
         for key, value in zip(argv[::2], argv[1::2]):
             setattr(args, key, value)
         evaluation.fill_from_preset(args)
         return vars(args)
     assert filled("model", "shapes") == dict(
         model="shapes", prompts="prompts/shapes_test.jsonl", input_key="prompt", reward="geneval", resolution=32,
-        eval_steps=10, guidance_scale=1.0, geneval_detector="shapes")
+        eval_steps=10, guidance_scale=1.0, geneval_detector="shapes", audio_guidance_scale=None)
     assert filled("model", "shapes-edit")["prompts"] == "prompts/shapes_edit_test.jsonl"
     assert filled("model", "shapes-edit")["reward"] == "shapes_edit"
     hub = filled("model", "sd3", "reward", "geneval", "prompts", "prompts/geneval_test.jsonl")
