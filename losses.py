@@ -1,6 +1,8 @@
 """The policy losses: GRPO, GRPO-Guard, FlowDPPO, KL penalty and its adaptive weight (reverse process); DiffusionNFT,
 Advantage Weighted Matching, online SFT and DPO, DGPO and Centered Reward Distillation (forward process). The
-advantages they train on come from advantages.py (each record names its rule).
+advantages they train on come from advantages.py (each record names its rule). The few-step distillation losses, not
+yet in the registry: DMD2 and its critic's, TDM (its re-noising, its critic's) and TDM-R1 (its surrogate's), DMDR and
+on-policy distillation (DiffusionOPD).
 
 Pure functions of tensors: no model, no args object, hyper-parameters as keywords. Each loss takes
 the tensors of ONE trained denoising step k for a micro-batch and returns (loss, info), where loss
@@ -523,6 +525,306 @@ def crd_loss(r, a, *, beta, temperature=-1.0, kind="mse"):
                                                                               torch.sigmoid(centred_a)))
     info = {"crd_r_mean": r.detach().mean(), "crd_r_std": r.detach().std(unbiased=False)}
     return (sum(terms) / len(terms)).float(), info
+
+
+# ----------------------------------------------------------------------------- few-step distillation
+# DMD2, TDM, TDM-R1, DMDR and on-policy distillation (DiffusionOPD). A few-step generator is trained against a
+# frozen teacher (the "real" score) and, for the distribution-matching losses, a second trained network, the fake
+# score or critic, which models the generator's own samples. The losses below are pure functions of what those
+# networks returned; which network ran where (and with which guidance) is the loop's business. None is in LOSSES yet:
+# each needs a role the loop does not have, a trained critic or frozen teachers (docs/design.md, "A role").
+#
+#     code            paper symbol
+#     ----            ------------
+#     x0              the generator's clean sample (or its clean prediction at a trajectory point), with its graph
+#     x_t             x_t = (1 - t) x0 + t eps, the generator's sample re-noised at t (flow matching's forward process)
+#     x0_real         the teacher's clean estimate at x_t (its "real" score; with CFG where the method guides it)
+#     x0_fake         the fake score's (critic's) clean estimate at x_t
+#     x0 from v       x0_hat = x_t - t v for a velocity v at x_t (x0_from_velocity); the score is then
+#                     s(x_t) = -(x_t - (1 - t) x0_hat) / t^2, so s_fake - s_real = (1 - t) / t^2 (x0_fake - x0_real)
+#     mean, teacher_mean   the student's and the teacher's Gaussian transition means at the student's own state (OPD)
+#
+# Distribution matching minimises KL(p_gen,t || p_teacher,t) averaged over t; its gradient on a sample is the score
+# difference s_fake - s_real at x_t (DMD arXiv:2311.18828, Sec. 3.2), applied as a stop-gradient MSE whose gradient on
+# x0 is a normalised x0_fake - x0_real.
+
+
+def x0_from_velocity(x_t, v, sigma):
+    """The clean-sample estimate of a velocity v at x_t = (1 - t) x0 + t eps: x0_hat = x_t - t v (float32).
+    sigma: t, float or [B]."""
+    return (x_t.double() - _per_sample64(sigma, x_t) * v.double()).float()
+
+
+def _check_like(x0, **others):
+    for name, value in others.items():
+        if value.shape != x0.shape:
+            raise ValueError(f"{name} must have x0's shape {tuple(x0.shape)}, got {tuple(value.shape)}")
+    if x0.ndim < 2:
+        raise ValueError(f"x0 must be [B, ...], got shape {tuple(x0.shape)}")
+
+
+def _x0_normaliser(x0, reference, eps):
+    """max(mean_dims |x0 - reference|, eps) per sample, float64 [B, 1, ...], without gradient: DMD's normalisation of
+    its gradient by the L1 distance of the sample to the teacher's estimate (arXiv:2311.18828, Sec. 3.2's weight)."""
+    with torch.no_grad():
+        return (x0.double() - reference.double()).abs().mean(_dims(x0), keepdim=True).clamp_min(eps)
+
+
+def dmd2_generator_loss(x0, x0_real, x0_fake, *, eps=1e-6):
+    """DMD's distribution-matching gradient as a surrogate loss (DMD2 arXiv:2405.14867, Sec. 3; tianweiy/DMD2
+    main/sd_guidance.py L235-241, compute_distribution_matching_loss):
+
+        w_i  = max(mean_dims |x0_i - x0_real_i|, eps)               (stopgrad; mean |p_real| there)
+        g_i  = (x0_fake_i - x0_real_i) / w_i                         (= (p_real - p_fake) / w, p = x0 - x0_hat)
+        loss = 0.5 mean_i mean_dims (x0_i - stopgrad(x0_i - g_i))^2  (= 0.5 mean(g^2) in value)
+
+    x0 [B, ...] is the generator's sample with its graph; x0_real and x0_fake (no gradient) the teacher's (with CFG,
+    DMD2's real_guidance_scale) and the fake score's clean estimates at x_t = (1 - t) x0 + t eps, one t per sample
+    (DMD2: uniform over 2 % .. 98 % of the schedule, train_sd.py L634-635). The gradient on x0_i is g_i / (B D): along
+    the score difference, since s_fake - s_real = (1 - t) / t^2 (x0_fake - x0_real), so that over the generator's
+    samples E[g dx0/dtheta] = t^2 / ((1 - t)^2 w) grad_theta KL(p_gen,t || p_real,t) (tests/test_distill_losses.py,
+    on Gaussians). DMDR's generator term (dmdr_loss) is this one. float64 as DMD2 computes its x0 estimates
+    (L199-201, L231-233). Departure 19 (docs/departures.md): w is clamped at eps (Flow-Factory's dmd_generator_loss)
+    where DMD2 divides unclamped and replaces NaN by 0. Returns (loss, info)."""
+    _check_like(x0, x0_real=x0_real, x0_fake=x0_fake)
+    w = _x0_normaliser(x0, x0_real, eps)  # [B, 1, ...]
+    g = (x0_fake.detach().double() - x0_real.detach().double()) / w
+    target = (x0.double() - g).detach()
+    per_sample = 0.5 * ((x0.double() - target) ** 2).mean(_dims(x0))  # [B]
+    info = {"dmd_grad_rms": (g**2).mean(_dims(g)).sqrt().mean().float(), "dmd_weight": w.mean().float()}
+    return per_sample.mean().float(), info
+
+
+def dmd2_critic_loss(v, x0, noise):
+    """The fake score's (critic's) flow-matching loss on the generator's samples, which it must model (DMD2
+    main/sd_guidance.py L257-297, compute_loss_fake; Flow-Factory trainers/distillation/distribution_matching.py
+    flow_matching_loss; DMDR train_cc/sit/train_sitxl_refl_deepspeed.py L457-471):
+
+        loss = mean_i mean_dims (v_i - (noise_i - x0_i))^2,    v = v_fake(x_t, t),  x_t = (1 - t) x0 + t noise
+
+    x0 is detached: the critic's loss trains the critic only. t uniform over the whole schedule (DMD2 L271-277) or
+    logit-normal (DMDR's Beta(4, 1.5) annealed to uniform). Departure 20: a velocity target, as Flow-Factory and DMDR;
+    DMD2's UNets regress the noise, whose error is (1 - t) times this one at a point. Returns (loss, info)."""
+    _check_like(x0, v=v, noise=noise)
+    err = flow_matching_error(v, x0.detach(), noise)  # [B]
+    return err.mean(), {"critic_loss": err.detach().mean()}
+
+
+def tdm_renoise(x0, noise_mid, fresh, sigma_mid, sigma, *, importance_clip=20.0):
+    """TDM's conditional re-noising of a trajectory point (arXiv:2503.06674, Sec. 3; Luo-Yihong/TDM
+    train_tdm_demo.py L1036-1057 and L1121-1124, in flow form as Flow-Factory's tdm_conditional_renoise). A
+    generator step from sigma_k left the clean prediction x0 and the noise it implies, noise_mid, so the trajectory
+    point at the stage's end sigma_mid is x_mid = (1 - s_mid) x0 + s_mid noise_mid; it is carried to a noisier t = sigma
+    by the forward process's own transition from s_mid to t:
+
+        r     = (1 - t) / (1 - s_mid),   beta = sqrt(t^2 - (r s_mid)^2)
+        x_t   = r x_mid + beta fresh = (1 - t) x0 + t mixed,   mixed = (r s_mid noise_mid + beta fresh) / t
+        w_IS  = clip(exp(-mean_dims(mixed^2) / 2 + mean_dims(fresh^2) / 2), 1 / c, c)
+
+    w_IS is TDM's importance weight of the fake score's loss (L1129), the density of the mixed noise against that of
+    fresh noise (mean- not sum-reduced, as there). Departure 21: clipped to [1/c, c] (Flow-Factory's
+    importance_clip, 20); TDM leaves it unclipped. At s_mid = 0 (a one-step stage) mixed = fresh and w_IS = 1.
+    Needs 0 <= s_mid < t < 1 per sample. Returns (x_t, mixed, w_IS [B]), float32, without gradient."""
+    _check_like(x0, noise_mid=noise_mid, fresh=fresh)
+    s_mid, t = _per_sample64(sigma_mid, x0), _per_sample64(sigma, x0)
+    _require((s_mid >= 0) & (s_mid < t) & (t < 1), "tdm_renoise needs 0 <= sigma_mid < sigma < 1")
+    with torch.no_grad():
+        r = (1 - t) / (1 - s_mid)
+        beta = (t**2 - (r * s_mid) ** 2).clamp_min(0).sqrt()
+        mixed = (r * s_mid * noise_mid.double() + beta * fresh.double()) / t
+        x_t = (1 - t) * x0.double() + t * mixed
+        log_w = -0.5 * (mixed**2).mean(_dims(x0)) + 0.5 * (fresh.double() ** 2).mean(_dims(x0))
+        log_c = math.log(importance_clip)
+        weight = log_w.clamp(-log_c, log_c).exp()
+    return x_t.float(), mixed.float(), weight.float()
+
+
+def tdm_critic_loss(x0_fake, x0, sigma, importance, *, snr_gamma=5.0):
+    """TDM's fake-score loss (Luo-Yihong/TDM train_tdm_demo.py L1127-1134; Flow-Factory tdm_fake_loss): the
+    critic's clean estimate at the re-noised point (tdm_renoise) regressed on the generator's clean prediction,
+    min-SNR weighted (Hang et al. arXiv:2303.09556, gamma 5) and importance weighted:
+
+        loss = mean_i min(snr_i, gamma) w_IS_i mean_dims (x0_fake_i - x0_i)^2,   snr = ((1 - t) / t)^2
+
+    x0 is detached (the generator's prediction, the critic's target). sigma: t, float or [B]; importance [B] from
+    tdm_renoise. Returns (loss, info)."""
+    _check_like(x0, x0_fake=x0_fake)
+    t = _per_sample64(sigma, importance.reshape(-1, 1)).reshape(-1)
+    snr = ((1 - t) / t) ** 2
+    weight = snr.clamp(max=snr_gamma) * importance.double()  # [B]
+    err = _sq_dist(x0_fake, x0.detach()).double()  # [B]
+    return (weight * err).mean().float(), {"critic_loss": err.mean().float(), "importance": importance.mean()}
+
+
+def _revised_x0(x0, correction, reference, *, huber_c, eps):
+    """mean_i mean_dims rho(x0_i - stopgrad(x0_i + correction_i)) / max(mean_dims |x0_i - reference_i|, eps) [B]:
+    x0 pulled along `correction`, normalised by its L1 distance to `reference`. rho(d) = d^2, or with huber_c the
+    pseudo-Huber sqrt(d^2 + c^2) - c (TDM train_tdm_demo.py L1178-1187). float64."""
+    w = _x0_normaliser(x0, reference, eps)
+    d = x0.double() - (x0.double() + correction.double()).detach()
+    rho = d**2 if huber_c is None else torch.sqrt(d**2 + huber_c**2) - huber_c
+    return (rho / w).mean(_dims(x0))
+
+
+def tdm_loss(x0, x0_real, x0_fake, *, huber_c=1e-3, eps=1e-6):
+    """TDM's generator loss at one trajectory stage (Trajectory Distribution Matching, arXiv:2503.06674, Sec. 3;
+    Luo-Yihong/TDM train_tdm_demo.py L1161-1187):
+
+        target = x0 + (x0_real - x0_fake)                      (stopgrad; coop_samples, L1174-1176)
+        w_i    = max(mean_dims |x0_i - x0_real_i|, eps)         (stopgrad; weighting_factor, L1178)
+        loss   = mean_i mean_dims rho(x0_i - target_i) / w_i    (rho(d) = d^2, or pseudo-Huber sqrt(d^2 + c^2) - c)
+
+    x0 [B, ...] is the generator's clean prediction at the stage (with its graph), x0_real the teacher's guided clean
+    estimate (its cond + (cfg - 1)(cond - uncond), L1177) and x0_fake the fake score's, both at the point tdm_renoise
+    carries the stage's trajectory point to. The squared form's gradient on x0 is 2 (x0_fake - x0_real) / (w B D):
+    DMD's direction (dmd2_generator_loss) at each stage of the few-step trajectory. huber_c: TDM's --use_huber,
+    c = 1e-3 (L1180; Flow-Factory's default); None: squared error. Departure 19 (the clamp). Returns (loss, info)."""
+    _check_like(x0, x0_real=x0_real, x0_fake=x0_fake)
+    correction = x0_real.detach().double() - x0_fake.detach().double()
+    per_sample = _revised_x0(x0, correction, x0_real, huber_c=huber_c, eps=eps)  # [B]
+    info = {"tdm_loss": per_sample.detach().mean().float(),
+            "tdm_gap": (correction**2).mean(_dims(x0)).sqrt().mean().float()}
+    return per_sample.mean().float(), info
+
+
+def tdm_r1_loss(x0, x0_real, x0_fake, x0_surrogate, x0_cond=None, *, tdm_weight=0.3, guidance_scale=1.0,
+                cfg_reward_scale=3.5, huber_c=None, eps=1e-6):
+    """TDM-R1's generator loss (arXiv:2603.07700; its authors' repository, Luo-Yihong/TDM-R1 at 6b4c455, ships
+    inference only, so the source is Flow-Factory's trainer: trainers/distillation/tdm_r1.py at 1593258,
+    _generator_boundary_loss, _guidance_reward_direction, _surrogate_reward_direction; distribution_matching.py
+    revised_x0_loss): TDM's term plus two rewards, each an x0 pulled along a detached direction (_revised_x0):
+
+        L_tdm  = revised(x0, x0_real - x0_fake,               reference x0_real)       (tdm_loss)
+        L_cfg  = revised(x0, k (x0_real - x0_cond) / (s - 1), reference x0_real)       (the teacher's guidance as a
+                                                                                         reward; none at s <= 1 or k 0)
+        L_sur  = revised(x0, x0_surrogate - x0_real,          reference x0_surrogate)  (the learned reward)
+        loss   = L_tdm + w L_cfg + (1 - w) L_sur
+
+    x0_real is the teacher at guidance s (guidance_scale), x0_cond the teacher unguided (scale 1), x0_surrogate the
+    surrogate reward model (tdm_r1_surrogate_loss trains it on the rewards) queried with the teacher's guidance; all
+    at the point tdm_renoise gives. k = cfg_reward_scale (3.5), w = tdm_weight (0.3), huber_c None (Flow-Factory's
+    TDM-R1 defaults, hparams/training_args/tdm_r1.py L37-49). Departure 22: rho(d) = d^2 as in TDM's code (tdm_loss);
+    Flow-Factory's revised_x0_loss uses d^2 / 2, which scales all three terms alike. Returns (loss, info)."""
+    _check_like(x0, x0_real=x0_real, x0_fake=x0_fake, x0_surrogate=x0_surrogate)
+    if not 0 < tdm_weight < 1:
+        raise ValueError(f"tdm_weight must be in (0, 1), got {tdm_weight}")
+    real = x0_real.detach().double()
+    l_tdm = _revised_x0(x0, real - x0_fake.detach().double(), real, huber_c=huber_c, eps=eps)  # [B]
+    l_cfg = torch.zeros_like(l_tdm)
+    if guidance_scale > 1 and cfg_reward_scale != 0:
+        if x0_cond is None:
+            raise ValueError("tdm_r1_loss with guidance_scale > 1 needs x0_cond, the teacher's unguided estimate")
+        direction = cfg_reward_scale / (guidance_scale - 1) * (real - x0_cond.detach().double())
+        l_cfg = _revised_x0(x0, direction, real, huber_c=huber_c, eps=eps)
+    surrogate = x0_surrogate.detach().double()
+    l_sur = _revised_x0(x0, surrogate - real, surrogate, huber_c=huber_c, eps=eps)
+    per_sample = l_tdm + tdm_weight * l_cfg + (1 - tdm_weight) * l_sur
+    info = {"tdm_loss": l_tdm.detach().mean().float(), "cfg_reward_loss": l_cfg.detach().mean().float(),
+            "surrogate_reward_loss": l_sur.detach().mean().float()}
+    return per_sample.mean().float(), info
+
+
+def tdm_r1_surrogate_loss(err, ref_err, adv, unit, *, beta=1.0, group_size, slow_err=None, clip_range=1e-3,
+                          reference_beta=1e-3, reference_threshold=0.05, time_weight=1.0):
+    """TDM-R1's surrogate reward model, trained on non-differentiable rewards through their group advantages
+    (arXiv:2603.07700; Flow-Factory trainers/distillation/tdm_r1.py at 1593258, _surrogate_boundary_loss,
+    _clip_outside_trust_region, _clip_runaway_surrogate; group_preference.py group_preference_loss). With e_i the
+    surrogate's flow-matching error at a stored trajectory boundary of sample i re-noised (flow_matching_error; a
+    lower error is a higher likelihood), e_ref_i the frozen reference's (the teacher's) at the same point, e_slow_i a
+    slowly decayed copy's:
+
+        trust  : e_i held constant where A_i > 0 and exp(e_slow_i - e_i) > 1 + eps_clip, or A_i <= 0 and < 1 - eps_clip
+        runaway: e_i held constant where it moved past the reference the way A_i asks (A_i > 0: e_i < e_ref_i;
+                 else e_i > e_ref_i) and (e_i - e_ref_i)^2 > reference_threshold
+        s_g    = sum_{i in g} A_i beta (e_i - e_ref_i) / G                               (stopgrad)
+        loss   = time_weight (mean_i sigmoid(s_g(i)) A_i e_i + reference_beta mean_i (e_i - e_ref_i)^2)
+
+    The preference is DGPO's (dgpo_loss, arXiv:2510.08425): good samples fit better, bad ones worse, weighted by how
+    far the group still is from preferring them over the reference; the penalty keeps the surrogate near the
+    reference. err, ref_err, adv [B]; unit [B]: each sample's group index in the micro-batch (whole groups);
+    time_weight: (k + 1) / K at boundary k of K (its use_time_weighting). Defaults: Flow-Factory's (tdm_r1.py L37-49);
+    slow_err None: no trust region. Returns (loss, info)."""
+    if not (err.ndim == 1 and err.shape == ref_err.shape == adv.shape == unit.shape):
+        raise ValueError(f"err, ref_err, adv and unit must be [B] tensors of one shape, got {tuple(err.shape)}, "
+                         f"{tuple(ref_err.shape)}, {tuple(adv.shape)}, {tuple(unit.shape)}")
+    adv, ref_err = adv.detach().double(), ref_err.detach().double()
+    e = err.double()
+    held = torch.zeros_like(adv, dtype=torch.bool)
+    if slow_err is not None:
+        ratio = torch.exp(slow_err.detach().double() - e.detach())
+        held = torch.where(adv > 0, ratio > 1 + clip_range, ratio < 1 - clip_range)
+    improved = torch.where(adv > 0, e.detach() < ref_err, e.detach() > ref_err)
+    runaway = improved & ((e.detach() - ref_err) ** 2 > reference_threshold)
+    e_held = torch.where(held | runaway, e.detach(), e)
+    preference = adv * beta * (e.detach() - ref_err) / group_size  # [B]
+    sums = torch.zeros(len(unit), dtype=preference.dtype, device=e.device).index_add_(0, unit, preference)
+    weight = torch.sigmoid(sums)[unit]
+    penalty = ((e - ref_err) ** 2).mean()
+    loss = time_weight * ((weight * adv * e_held).mean() + reference_beta * penalty)
+    info = {"surrogate_weight": weight.mean().float(), "surrogate_penalty": penalty.detach().float(),
+            "surrogate_delta": (e.detach() - ref_err).mean().float(), "clipfrac": held.double().mean().float(),
+            "runaway_fraction": runaway.double().mean().float()}
+    return loss.float(), info
+
+
+def dmdr_loss(x0, x0_real, x0_fake, reward_loss=None, *, reward_weight=0.05, eps=1e-8):
+    """DMDR's generator loss (Distribution Matching Distillation Meets Reinforcement Learning, arXiv:2511.13649;
+    vvvvvjdy/dmdr train_cc/sit/train_sitxl_refl_deepspeed.py L495-566): DMD's term (dmd2_generator_loss) on the
+    generator's one-step x0 plus a weighted reward loss of the same x0, backpropagated together:
+
+        loss = dmd2_generator_loss(x0, x0_real, x0_fake) + reward_weight mean_i reward_loss_i
+
+    reward_loss [B] is differentiable in x0 (there the cross-entropy of a DINOv2 classifier on the decoded x0, L503-511,
+    weight 0.05, dmdr_sitxl_refl.sh; e.g. -r(x0) for a differentiable reward r); None before the cold start
+    (--cold-start-iter, L498). DMDR's real score is the teacher with the critic's LoRA at a scale annealed to 0 (its
+    dynamic distribution guidance, L517-521, L542-549): the caller's x0_real. The normaliser is DMDR's + 1e-8 (L557-558)
+    taken as a clamp at eps (departure 19). Returns (loss, info)."""
+    value, info = dmd2_generator_loss(x0, x0_real, x0_fake, eps=eps)
+    info["dmd_loss"] = value.detach()
+    if reward_loss is not None:
+        if reward_loss.shape != x0.shape[:1]:
+            raise ValueError(f"reward_loss must be [B] like x0's batch, got {tuple(reward_loss.shape)}")
+        reward = reward_loss.float().mean()
+        value = value + reward_weight * reward
+        info["reward_loss"] = reward.detach()
+    return value, info
+
+
+def opd_loss(mean, teacher_mean, denom, *, teacher=None, num_teachers=None):
+    """On-policy distillation (DiffusionOPD arXiv:2605.15055): the student's Gaussian transition at its own rollout's
+    state matched to a frozen teacher's, per step (Flow-Factory trainers/opd/trainer.py L338-351 at 3ae5aa0, a fork
+    of X-GenGroup/Flow-Factory; scheduler/abc.py L196-212; UniRL unirl/algorithms/diffusionopd.py
+    compute_loss_and_backward with base.py _gaussian_kl_div):
+
+        kl_i = 0.5 mean_dims (mu_S_i - mu_T_i)^2 / denom_i,   loss = mean_i kl_i
+
+    the Gaussian KL(pi_S || pi_T) of two transitions of variance denom, mean-reduced over latent dims. denom: float or
+    [B], the transition variance: the transition std^2 of an SDE step (sde.sde_step's std; Flow-Factory's
+    std_dev_t^2 (-dt) on flow SDEs, std_dev_t^2 on CPS), or 1 on ODE rollouts (mean matching; Flow-Factory's and
+    UniRL's defaults). With denom = std^2 it is kl_penalty's exact KL against the teacher in place of the base.
+    teacher_mean [B, ...]: each sample's own teacher's mean; or [K, B, ...], the K teachers' means, with teacher [B]
+    each sample's teacher index (chosen by a prompt field: Flow-Factory routes by dataset, UniRL by metadata
+    "domain"). info has kl_teacher{k}, the mean over teacher k's samples (NaN where it has none), for k < K
+    (num_teachers; default K = max(teacher) + 1, read from the device). Departure 23: a micro-batch may mix
+    teachers, as in Flow-Factory (trainer.py L334-336); UniRL requires one domain per batch. Returns (loss, info)."""
+    if teacher is not None and teacher_mean.ndim == mean.ndim + 1:
+        teacher_mean = teacher_mean[teacher, torch.arange(mean.shape[0], device=mean.device)]
+    if teacher_mean.shape != mean.shape:
+        raise ValueError(f"teacher_mean must be [B, ...] like mean {tuple(mean.shape)}, or [K, B, ...] with teacher "
+                         f"[B]; got {tuple(teacher_mean.shape)}")
+    var = torch.as_tensor(denom, dtype=torch.float32, device=mean.device)
+    var = var.expand(mean.shape[0]) if var.ndim == 0 else var.reshape(mean.shape[0])
+    _require(var > 0, "opd_loss needs a positive transition variance denom (1 on ODE steps)")
+    kl = 0.5 * _sq_dist(mean, teacher_mean.detach()) / var  # [B]
+    info = {"kl_mean": kl.detach().mean(), "kl_max": kl.detach().max()}
+    if teacher is not None:
+        k = num_teachers or int(teacher.max()) + 1
+        sums = torch.zeros(k, device=kl.device).index_add_(0, teacher, kl.detach())
+        counts = torch.zeros(k, device=kl.device).index_add_(0, teacher, torch.ones_like(kl))
+        per_teacher = sums / counts  # NaN where a teacher has no sample
+        for j in range(k):
+            info[f"kl_teacher{j}"] = per_teacher[j]
+    return kl.mean(), info
 
 
 # ----------------------------------------------------------------------------- the algorithms, as train.py runs them
