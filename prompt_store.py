@@ -92,7 +92,7 @@ def _holder(directory):
 def _refuse_foreign(directory):
     """A folder without the store's lock file is a store's folder only where it is empty, or holds an older store's
     manifest (open_store then names its format); anything else is the user's, and stays untouched."""
-    names = sorted(os.listdir(directory))
+    names = sorted(set(os.listdir(directory)) - {HOLDER})  # a holder's name left by a build killed before its lock
     try:
         with open(os.path.join(directory, "manifest.json")) as f:
             older = str(json.load(f).get("format", "")).startswith("prompt-store")
@@ -115,6 +115,11 @@ def claim(directory, job):
     path = os.path.join(directory, LOCK)
     try:
         os.makedirs(directory, exist_ok=True)
+        for name in (LOCK, HOLDER):  # a folder (or a link to nothing) where the store keeps its own files
+            own = os.path.join(directory, name)
+            if os.path.lexists(own) and not os.path.isfile(own):
+                raise ValueError(f"{where}: its {name} is not a file (a folder, or a link to nothing), and the store "
+                                 f"locks the folder with it: remove {own}, or give another --prompt-store folder")
         if not os.path.exists(path):
             _refuse_foreign(directory)
     except OSError as e:
