@@ -212,12 +212,13 @@ def check_args(p, args, world_size):
 def _check_finite(p, args):
     """Every number a flag holds is finite, those typed a plain float too: NaN fails every comparison and takes
     whichever branch a test leaves it (--crd-temperature nan ran the T = 0 centring, --gardo-kl-thres nan never
-    renewed the reference)."""
+    renewed the reference), and within float32's range, where the losses compute (--crd-temperature 1e300: inf)."""
     for action in p._actions:
         value = getattr(args, action.dest, None)
-        if any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, (list, tuple))
-                                                                         else (value,))):
-            p.error(f"{action.option_strings[0]} {value}: must be a finite number")
+        if any(isinstance(v, float) and not abs(v) <= flags.FLOAT32_MAX
+               for v in (value if isinstance(value, (list, tuple)) else (value,))):
+            p.error(f"{action.option_strings[0]} {value}: must be a finite number that float32 holds (at most "
+                    f"{flags.FLOAT32_MAX:.3g})")
 
 
 def _given(args, dest):

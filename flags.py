@@ -2,7 +2,7 @@
 
     RecipeParser                          argparse with @recipe files (shell quoting, several flags a line, # comments);
                                           .given(): where each option named came from (command line, recipe:line)
-    bounded(cast, low, high, ...)         a flag type: an int or finite float within an interval
+    bounded(cast, low, high, ...)         a flag type: an int, or a float within an interval and float32's range
     POSITIVE_INT, NONNEG_INT, POSITIVE, NONNEG, FRACTION, SEED
     resolution_arg                        --resolution: a side, or HEIGHTxWIDTH
     unwritable(path, example)             why a file could not be written at path at the end of a run, or None
@@ -50,8 +50,8 @@ class RecipeParser(argparse.ArgumentParser):
             if os.path.exists(arg[1:]):
                 self._check_recipe(arg[1:])
             try:
-                with open(arg[1:], encoding="utf-8-sig") as f:  # UTF-8, less the byte-order mark some editors write
-                    lines = f.read().splitlines()
+                with open(arg[1:], encoding="utf-8") as f:  # UTF-8, less the byte-order mark some editors write, at
+                    lines = [line.lstrip("\ufeff") for line in f.read().splitlines()]  # a line's start (cat a b)
             except OSError as err:
                 self.error(str(err))
             tokens = [(token, f"{arg[1:]}:{n}") for n, line in enumerate(lines, 1)
@@ -96,6 +96,9 @@ class RecipeParser(argparse.ArgumentParser):
             self.error("a recipe file includes itself (an @file line that leads back to it)")
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: a flag's float beyond it is inf in a loss
+
+
 def bounded(cast, low=None, high=None, *, low_open=False, high_open=False):
     """An argparse type: int or finite float within [low, high] (either end open or absent), with a one-line error."""
     what = "an integer" if cast is int else "a number"
@@ -110,6 +113,9 @@ def bounded(cast, low=None, high=None, *, low_open=False, high_open=False):
         if not math.isfinite(value) or (low is not None and (value < low or (low_open and value == low))) or \
                 (high is not None and (value > high or (high_open and value == high))):
             raise argparse.ArgumentTypeError(f"must be {what} in {interval}, got {text}")
+        if cast is float and abs(value) > FLOAT32_MAX:  # --kl-beta 1e300: inf in the loss, every gradient NaN
+            raise argparse.ArgumentTypeError(f"must be {what} in {interval} that float32 holds (at most "
+                                             f"{FLOAT32_MAX:.3g}: the losses and rewards compute in it), got {text}")
         return value
     return parse
 
@@ -194,13 +200,21 @@ def real(value, name, *, minimum=None, positive=False):
 
 def import_object(path, flag):
     """`package.module.name`, searched in the working directory first, or `path/to/file.py:name`. Imports (so runs)
-    that code, and says which file it came from."""
+    that code, and says which file it came from. What cannot be imported, or fails as it is (a syntax error, an
+    exception the module raises), is one ValueError line naming the flag and the file."""
     import importlib
     import importlib.util
 
+    usage = "give module.name importable from the working directory, or path/to/file.py:name"
+    if ":" not in path and "." not in path.strip("."):
+        raise ValueError(f"{flag} {path!r} names no function in a module: {usage}")
     try:
         if ":" in path:
             file, name = path.rsplit(":", 1)
+            if not os.path.isfile(file) or not file.endswith(".py"):
+                what = "a folder" if os.path.isdir(file) else "not a Python file (.py)" if os.path.exists(file) \
+                    else "not found"
+                raise ValueError(f"{flag} {path!r}: {file or 'the part before the colon'} is {what}: {usage}")
             spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(file))[0], file)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
@@ -208,16 +222,21 @@ def import_object(path, flag):
             module_name, name = path.rsplit(".", 1)
             module = _import_here_first(module_name, flag, path)
         found = getattr(module, name)
+    except SyntaxError as err:  # IndentationError too: the file is not Python as written
+        raise ValueError(f"{flag} {path!r}: {err.filename} line {err.lineno} is not valid Python "
+                         f"({type(err).__name__}: {err.msg}); fix the file") from None
     except (ImportError, AttributeError, ValueError, OSError) as err:
         if str(err).startswith(flag):  # already one line naming the flag
             raise
-        raise ValueError(f"{flag} {path!r}: cannot import it ({type(err).__name__}: {err}); "
-                         f"give module.name importable from the working directory, or path/to/file.py:name") from err
+        raise ValueError(f"{flag} {path!r}: cannot import it ({type(err).__name__}: {err}); {usage}") from err
     except SystemExit as err:  # the module calls sys.exit when imported: the run would end there, with its code
         if isinstance(err.code, str):  # an exit with its own message (run.py's one line for a Ctrl-C meanwhile)
             raise
         raise ValueError(f"{flag} {path!r}: importing it called sys.exit({err.code!r}); remove that call (or put it "
                          "under `if __name__ == '__main__':`)") from None
+    except Exception as err:  # the module's own code raised as it was imported
+        raise ValueError(f"{flag} {path!r}: importing it raised {type(err).__name__}: "
+                         f"{' '.join(str(err).split())[:300]}; fix the module") from None
     if os.environ.get("RANK", "0") == "0":  # the run's log names the code it runs
         print(f"{flag} {path}: {os.path.abspath(getattr(module, '__file__', None) or module.__name__)}", flush=True)
     return found
