@@ -546,9 +546,11 @@ def nonfinite_stop(args, count, step, carry):
         causes.append(f"the KL controller's weight, now {weight:.3g} (lower --kl-rate {args.kl_rate:g})")
     if args.mixed_precision == "fp16":
         causes.append("fp16 overflow in the forward (use --mixed-precision bf16)")
+    last = getattr(args, "steps", None)  # a run at its last step would resume to nothing: --steps must grow too
+    more = f" and a --steps above {last} (the run is at its last)" if last is not None and step >= last else ""
     return (f"error: the gradient was not finite in {count} consecutive steps (steps {step - count + 1}-{step}), so "
             f"none of them trained; likely cause: {'; or '.join(causes)}. Checkpoint {step} holds the weights as the "
-            f"last finite update left them: continue with --resume auto --out {args.out} after the change")
+            f"last finite update left them: continue with --resume auto --out {args.out} after the change{more}")
 
 
 EVAL_FLAGS = ("model", "resolution", "eval_steps", "guidance_scale", "seed", "negative_prompt", "shift", "num_frames",
