@@ -147,8 +147,8 @@ def unfold(args):
     by_name = {f"{r.get('set')}/{r['run']}" for r in rows if "eval" in r}
     missing = [name for name in args.unfold if name not in by_name]
     if missing:
-        raise SystemExit(f"error: {args.ledger} holds no run {', '.join(missing)}: its runs are "
-                         f"{', '.join(sorted(by_name))}")
+        held = f"its runs are {', '.join(sorted(by_name))}" if by_name else "it holds no run's evaluations"
+        raise SystemExit(f"error: {args.ledger} holds no run {', '.join(missing)}: {held}")
     folders = []
     for name in args.unfold:
         set_name, run = name.split("/", 1)

@@ -77,8 +77,8 @@ def page_table(rows, names):
     runs = ledgers.runs([r for r in rows if r.get("set") == "loopholes"])
     missing = [name for name in names if name not in runs]
     if missing:
-        raise SystemExit(f"error: the ledger holds no search {', '.join(missing)}: its searches are "
-                         f"{', '.join(sorted(runs))}")
+        held = f"its searches are {', '.join(sorted(runs))}" if runs else "it holds none"
+        raise SystemExit(f"error: the ledger holds no search {', '.join(missing)}: {held}")
     def counts(name, base):
         mine = [r for r in runs[name] if (r["weights"] == "base") == base]
         weights = mine[-1]["weights"]  # the last weights searched
