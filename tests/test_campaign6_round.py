@@ -146,3 +146,165 @@ def test_flux_kontext_preset_takes_its_pipelines_guidance_and_says_so():
                                             "authors' recipe takes 2.5: recipes/flux_kontext_counting_grpo.args)")
     with open(os.path.join(ROOT, "recipes", "flux_kontext_counting_grpo.args")) as f:
         assert "--guidance-scale 2.5" in f.read()
+
+
+# ----------------------------------------------------------------------------- the round: the prompt store's lock
+
+STORE_RUN = ["--model", "tiny", "--prompts-per-step", "1", "--group-size", "2", "--sample-batch-size", "2",
+             "--train-batch-size", "2", "--num-steps", "2", "--resolution", "32", "--log-images-every", "0",
+             "--steps", "1", "--prompts", "prompts/tiny.txt"]
+
+
+@pytest.mark.parametrize("squat", ["store.lock folder", "store.holder folder", "store.lock link"])
+def test_a_lock_or_holder_that_is_not_a_file_is_one_line_naming_it(squat, tmp_path):
+    """Before: 'cannot be written (IsADirectoryError ...): make this one writable' of a writable folder (or, for a
+    link to nothing, 'holds files no prompt store wrote')."""
+    store = tmp_path / "store"
+    store.mkdir()
+    name, kind = squat.split()
+    if kind == "folder":
+        (store / name).mkdir()
+    else:
+        (store / name).symlink_to(tmp_path / "nowhere")
+    line = one_error_line(run([sys.executable, "train.py", *STORE_RUN, "--prompt-store", str(store), "--out",
+                               str(tmp_path / "run")], tmp_path, check=False))
+    assert line == (f"error: --prompt-store {store}: its {name} is not a file (a folder, or a link to nothing), and "
+                    f"the store locks the folder with it: remove {store / name}, or give another --prompt-store "
+                    "folder"), line
+    assert sorted(os.listdir(store)) == [name]  # nothing written
+
+
+def test_a_holder_left_alone_by_a_killed_build_is_a_stores_file(tmp_path):
+    """A build killed by kill -9 before it wrote anything but its holder, whose lock file was then removed: the folder
+    is the store's, built again (it was refused as 'holds files no prompt store wrote (store.holder)')."""
+    import prompt_store
+
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / prompt_store.HOLDER).write_text('{"job": "gone", "host": "h", "pid": 1, "since": "then"}')
+    lock = prompt_store.claim(str(store), "this run")
+    try:
+        assert lock.held and lock.writable and prompt_store._holder(str(store))["job"] == "this run"
+    finally:
+        lock.release()
+    (store / prompt_store.HOLDER).write_text("{}")
+    (store / "texts.json").write_text("[]")  # the user's own file beside it: still refused
+    os.remove(store / prompt_store.LOCK)
+    with pytest.raises(ValueError, match=r"holds files no prompt store wrote \(texts.json\)"):
+        prompt_store.claim(str(store), "this run")
+
+
+# ----------------------------------------------------------------------------- the round: flag values
+
+def test_a_flag_beyond_float32_is_refused_before_it_makes_every_gradient_nan(tmp_path):
+    """Before: --kl-beta 1e300 is inf in the float32 loss; the run stepped 3 times on NaN gradients and stopped
+    blaming the learning rate. A plain float flag (--crd-temperature) alike."""
+    line = one_error_line(run([sys.executable, "train.py", *STORE_RUN[:-2], "--lora-rank", "4", "--kl-beta", "1e300",
+                               "--out", str(tmp_path / "run")], tmp_path, check=False))
+    assert "argument --kl-beta: must be a number in [0, inf) that float32 holds (at most 3.4e+38" in line, line
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(SystemExit):
+        settings("--model", "tiny", "--loss", "crd", "--crd-temperature", "1e300")
+    settings("--model", "tiny", "--lora-rank", "4", "--kl-beta", "3e38")  # within float32: a value, if a strange one
+
+
+@pytest.mark.parametrize("argv, needle", [
+    # what held: another loss's flag from a recipe, and the KL controller at its bounds
+    (["@RECIPE"], "--clip-range is read by --loss grpo / guard / awm / dgpo, not by --loss nft: drop it"),
+    (["--kl-beta", "0.04", "--kl-target", "0.03", "--kl-rate", "5"], "use a rate below 5"),
+    (["--kl-beta", "0.04", "--kl-target", "-1"], "argument --kl-target: must be a number in [0, inf)"),
+    (["--kl-beta", "0.04", "--kl-target", "0", "--kl-rate", "1"], "give --kl-target > 0, or drop --kl-rate"),
+    (["--loss", "nft", "--nft-beta", "nan"], "argument --nft-beta: must be a number in (0, inf), got nan"),
+])
+def test_loss_and_controller_flags_at_their_edges_are_refused_in_one_line(argv, needle, tmp_path, capsys):
+    recipe = tmp_path / "cross.args"
+    recipe.write_text("--loss nft\n--clip-range 0.2\n")
+    with pytest.raises(SystemExit):
+        settings("--model", "tiny", "--lora-rank", "4", *[f"@{recipe}" if a == "@RECIPE" else a for a in argv])
+    assert needle in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_the_kl_controller_just_below_its_bound_parses():
+    _, args = settings("--model", "tiny", "--lora-rank", "4", "--kl-beta", "0.04", "--kl-target", "0.03",
+                       "--kl-rate", "4.99", "--kl-floor", "0")
+    assert (args.kl_rate, args.kl_floor) == (4.99, 0.0)
+
+
+def test_a_byte_order_mark_at_the_start_of_any_recipe_line_is_read(tmp_path):
+    """`cat a.args b.args`: the second file's mark starts a line in the middle (before: 'unrecognized arguments:
+    \\ufeff--lr 0.0007', the mark invisible in the line)."""
+    recipe = tmp_path / "joined.args"
+    recipe.write_bytes("\ufeff--model tiny\n\ufeff--lr 0.0007\n".encode("utf-8"))
+    _, args = settings(f"@{recipe}")
+    assert (args.model, args.lr) == ("tiny", 0.0007) and args.sources["lr"] == f"{recipe}:2"
+
+
+def test_the_non_finite_stop_at_the_last_step_asks_for_more_steps():
+    """Before: 'continue with --resume auto' of a run at its last step, which then trained nothing."""
+    import types
+
+    import run as run_module
+    args = types.SimpleNamespace(lr=3e-4, kl_target=0, mixed_precision="no", out="runs/x", steps=8)
+    assert run_module.nonfinite_stop(args, 3, 8, {}).endswith(
+        "continue with --resume auto --out runs/x after the change and a --steps above 8 (the run is at its last)")
+    assert run_module.nonfinite_stop(args, 3, 7, {}).endswith("--resume auto --out runs/x after the change")
+
+
+# ----------------------------------------------------------------------------- the round: --custom-rm-path
+
+CUSTOM = {"badsyn.py": "def score(:\n", "raising.py": "raise RuntimeError('no GPU found')\n",
+          "okrm.py": "def score(images, prompts, metadata, args):\n    return [0.0] * len(prompts)\n"}
+
+
+@pytest.mark.parametrize("path, expected", [
+    ("badsyn.score", "--custom-rm-path 'badsyn.score': {here}/badsyn.py line 1 is not valid Python (SyntaxError: "
+                     "invalid syntax); fix the file"),
+    ("badsyn.py:score", "--custom-rm-path 'badsyn.py:score': {here}/badsyn.py line 1 is not valid Python"),
+    ("raising.score", "--custom-rm-path 'raising.score': importing it raised RuntimeError: no GPU found; fix the "
+                      "module"),
+    ("adir:score", "--custom-rm-path 'adir:score': adir is a folder: give module.name"),
+    ("okrm", "--custom-rm-path 'okrm' names no function in a module: give module.name"),
+    ("notes.txt:score", "--custom-rm-path 'notes.txt:score': notes.txt is not a Python file (.py): give"),
+    ("missing.py:score", "--custom-rm-path 'missing.py:score': missing.py is not found: give"),
+])
+def test_custom_reward_paths_that_cannot_import_are_one_line(path, expected, tmp_path):
+    """Before: a SyntaxError traceback; 'boom' alone for a module raising as it loads; 'NoneType' object has no
+    attribute 'loader' for a folder or a file that is not Python; 'not enough values to unpack' for a bare name."""
+    for name, text in CUSTOM.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "notes.txt").write_text("hello\n")
+    import rewards
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(ValueError) as e:
+            rewards.build_reward("custom", custom_rm_path=path, custom_rm_args="")
+    finally:
+        os.chdir(cwd)
+    assert str(e.value).startswith(expected.format(here=tmp_path)) and "\n" not in str(e.value), str(e.value)
+
+
+def test_train_names_a_custom_reward_with_a_syntax_error_in_one_line(tmp_path):
+    (tmp_path / "badsyn.py").write_text(CUSTOM["badsyn.py"])
+    path = f"{tmp_path}/badsyn.py:score"
+    proc = run([sys.executable, "train.py", *STORE_RUN[:-2], "--reward", "custom", "--custom-rm-path", path,
+                "--out", str(tmp_path / "run")], tmp_path, check=False)
+    assert one_error_line(proc).startswith(f"error: --custom-rm-path '{path}': {tmp_path}/badsyn.py line 1 is not "
+                                           "valid Python (SyntaxError: invalid syntax)")
+
+
+# ----------------------------------------------------------------------------- the round: ledgers
+
+def test_an_empty_ledger_says_it_holds_nothing(tmp_path):
+    """Before: 'its runs are ' / 'its searches are ', and nothing after."""
+    empty = tmp_path / "empty.jsonl"
+    empty.touch()
+    for script, argv, expected in (
+            ("long_runs.py", ["--unfold", "judge/x", "--out", str(tmp_path / "u")],
+             f"error: {empty} holds no run judge/x: it holds no run's evaluations"),
+            ("loopholes.py", ["--report", "x"], "error: the ledger holds no search x: it holds none")):
+        proc = run([sys.executable, os.path.join("scripts", script), *argv, "--ledger", str(empty)], tmp_path,
+                   check=False)
+        assert one_error_line(proc) == expected
