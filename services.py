@@ -95,7 +95,10 @@ def mask_secrets(secrets):
     return redact
 
 
-URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s?#]*@")  # scheme://user:password@ (RFC 3986 3.2.1)
+# scheme://user:password@ (RFC 3986 3.2.1), up to a token's last @: a password holding an unescaped / or @ ends the
+# authority sooner by the RFC, but is still the user's password; a setting that is one URL, up to its last @ (a space)
+URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)\S*@")
+URL_SETTING = re.compile(r"(?is)^(\s*[a-z][a-z0-9+.-]*://).*@")
 
 
 def redact_urls(text):
@@ -109,7 +112,7 @@ def redacted(settings):
     the environment variables that hold them."""
     def hide(value):
         if isinstance(value, str):
-            return redact_urls(value)
+            return redact_urls(URL_SETTING.sub(r"\1***@", value))
         if isinstance(value, (list, tuple)):
             return type(value)(hide(v) for v in value)
         return value
@@ -119,7 +122,7 @@ def redacted(settings):
 def url_secrets(url):
     """The secrets a URL carries in its user:password, for `mask_secrets`: the userinfo, the password, and the Basic
     Authorization value httpx sends for them (which a server may echo)."""
-    found = URL_USERINFO.match(url or "")
+    found = URL_SETTING.match(url or "")
     if not found:
         return []
     userinfo = url[len(found.group(1)):found.end() - 1]
