@@ -308,3 +308,35 @@ def test_an_empty_ledger_says_it_holds_nothing(tmp_path):
         proc = run([sys.executable, os.path.join("scripts", script), *argv, "--ledger", str(empty)], tmp_path,
                    check=False)
         assert one_error_line(proc) == expected
+
+
+# ----------------------------------------------------------------------------- the round: URL credentials
+
+@pytest.mark.parametrize("url", ["http://alice:S3cret Pw@h:9/x", "http://alice:S3cret/Pw@h:9/x",
+                                 "http://alice:S3c@ret@h:9/x"])
+def test_a_password_holding_a_space_slash_or_at_is_redacted_too(url):
+    """Before: `[^/\\s?#]*@` stopped at the space or the slash, and args.json kept 'S3cret Pw' / 'S3cret/Pw'."""
+    import services
+
+    assert services.redacted({"rm_url": url, "urls": [url]}) == {"rm_url": "http://***@h:9/x",
+                                                                  "urls": ["http://***@h:9/x"]}
+    mask = services.mask_secrets(services.url_secrets(url))
+    password = url[len("http://alice:"):url.rindex("@")]
+    assert password.startswith("S3c") and password not in mask(f"the server said: {password}")
+
+
+def test_a_resume_with_another_password_writes_neither(tmp_path):
+    """What held: the settings compared on resume are the redacted ones (no warning for a rotated password), and
+    neither password reaches the run's files."""
+    out = tmp_path / "run"
+    small = [*STORE_RUN[:-2], "--log-images-every", "0", "--save-every", "1"]
+    for steps, secret, resume in (("1", "firstSecret9", []), ("2", "secondSecret9", ["--resume", "auto"])):
+        proc = run([sys.executable, "train.py", *small[:small.index("--steps")], *small[small.index("--steps") + 2:],
+                    "--steps", steps, "--rm-url", f"http://bob:{secret}@127.0.0.1:9/x", *resume, "--out", str(out)],
+                   tmp_path)
+        assert "warning: resuming" not in proc.stdout and secret not in proc.stdout + proc.stderr
+    for folder, _, names in os.walk(out):
+        for name in names:
+            with open(os.path.join(folder, name), "rb") as f:
+                data = f.read()
+            assert b"firstSecret9" not in data and b"secondSecret9" not in data, name
