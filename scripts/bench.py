@@ -63,8 +63,9 @@ and the load-free `compute` and `at equal load` as above, against grpo's calls),
 --baseline FLAGS runs the recipe and the recipe with FLAGS appended (the behaviour to compare against, e.g. today's
 default written out), each in its own process, --rounds times in the order baseline, recipe, recipe, baseline, ...
 so that a machine whose load drifts weighs on both alike: `time_ratio` is the recipe's median step seconds over the
-baseline's, the median over the rounds' pairs (below 1: the recipe is faster), `pure_ratio` the same for the bare
-model calls timed inside each run.
+baseline's, the median over the rounds' pairs (below 1: the recipe is faster), `cpu_ratio` the same for the CPU
+seconds of a step (the process's, every thread, from one step's end to the next's, the replays left out: with
+--threads 1 on a loaded machine the figure that load does not move), `pure_ratio` for the bare model calls.
 """
 import argparse
 import contextlib
@@ -209,9 +210,18 @@ class Recorder:
         self.handle = None
         self.warmup, self.repeats, self.models = warmup, repeats, models
         self.bare = {}  # step -> {signature: median seconds}, timed right after that step
+        self.cpu, self.cpu_since = {}, None  # step -> CPU seconds of the process (every thread) from the last step's end
 
     def after_step(self, info):
         """Time every kind of call bare between two steps, so both sides of the ratio see the same machine load."""
+        if self.cpu_since is not None:
+            self.cpu[info["step"]] = time.process_time() - self.cpu_since
+        try:
+            self._replay(info)
+        finally:
+            self.cpu_since = time.process_time()  # the replays are not part of the next step's CPU seconds
+
+    def _replay(self, info):
         if info["step"] > self.warmup and "seconds" in info:
             self.handle.remove()  # the replays are not part of the run's counts
             self.handle = None
@@ -458,6 +468,7 @@ def run(args):
         reward_times.append(time.perf_counter() - t)
 
     step_s = median_of(measured, "seconds")
+    cpu = [recorder.cpu[r["step"]] for r in measured if r["step"] in recorder.cpu]
     result = dict(
         model=args.model, device=torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
         rollout_samples_per_s=samples / median_of(measured, "seconds_sampling"),
@@ -477,6 +488,7 @@ def run(args):
         seconds_reward_wait=median_of(measured, "seconds_reward_wait"),
         seconds_training=median_of(measured, "seconds_training"),
         seconds_per_step=[r["seconds"] for r in measured],
+        cpu_seconds=statistics.median(cpu) if cpu else math.nan, cpu_seconds_per_step=cpu,
         pure_seconds=pure_step, pure_rollout_seconds=pure_rollout, pure_train_seconds=pure_train,
         tflop_per_step=flops_step / 1e12, achieved_tflops=flops_step / step_s / 1e12,
         calls=[dict(phase=phase_of[s], per_step=per_step[s], seconds=seconds[s], tflop=flops[s] / 1e12,
@@ -496,7 +508,7 @@ def run(args):
 def report(r):
     lines = [
         f"bench {r['model']} on {r['device']} | {r['samples_per_step']:g} samples/step | median of {r['measured_steps']} steps after {r['warmup_steps']} warm-up",
-        f"  end-to-end {r['end_to_end_samples_per_s']:.3f} samples/s ({r['seconds']:.2f} s/step)",
+        f"  end-to-end {r['end_to_end_samples_per_s']:.3f} samples/s ({r['seconds']:.2f} s/step, {r['cpu_seconds']:.2f} CPU s/step)",
         f"  rollout    {r['rollout_samples_per_s']:.3f} samples/s ({r['seconds_sampling']:.2f} s; pure {r['pure_rollout_seconds']:.2f} s; x{r['rollout_overhead']:.3f})",
         f"  update     {r['train_samples_per_s']:.3f} samples/s ({r['seconds_training']:.2f} s; pure {r['pure_train_seconds']:.2f} s; x{r['train_overhead']:.3f})",
         f"  reward     {r['reward_images_per_s']:.1f} images/s alone ({r['reward']}); waited {r['seconds_reward_wait']:.2f} s/step",
@@ -597,13 +609,17 @@ def run_baseline(args):
         order = dict(reversed(variants.items())) if r % 2 else variants  # baseline first, then recipe first, ...
         rounds.append(run_each(args, "baseline", order))
     time_ratios = [rr["recipe"]["seconds"] / rr["baseline"]["seconds"] for rr in rounds]
+    cpu_ratios = [rr["recipe"]["cpu_seconds"] / rr["baseline"]["cpu_seconds"] for rr in rounds]
     pure_ratios = [rr["recipe"]["pure_seconds"] / rr["baseline"]["pure_seconds"] for rr in rounds]
-    print(f"\n{'round':6s} {'baseline s/step':>16s} {'recipe s/step':>14s} {'time ratio':>11s} {'pure ratio':>11s}")
-    for r, (rr, tr, pr) in enumerate(zip(rounds, time_ratios, pure_ratios)):
-        print(f"{r:<6d} {rr['baseline']['seconds']:16.2f} {rr['recipe']['seconds']:14.2f} {tr:11.3f} {pr:11.3f}")
+    print(f"\n{'round':6s} {'baseline s/step':>16s} {'recipe s/step':>14s} {'time ratio':>11s} {'CPU ratio':>10s} "
+          f"{'pure ratio':>11s}")
+    for r, (rr, tr, cr, pr) in enumerate(zip(rounds, time_ratios, cpu_ratios, pure_ratios)):
+        print(f"{r:<6d} {rr['baseline']['seconds']:16.2f} {rr['recipe']['seconds']:14.2f} {tr:11.3f} {cr:10.3f} {pr:11.3f}")
     result = dict(baseline_flags=variants["baseline"], rounds=rounds, time_ratios=time_ratios, pure_ratios=pure_ratios,
-                  time_ratio=statistics.median(time_ratios), pure_ratio=statistics.median(pure_ratios))
-    print(f"recipe / baseline: step time x{result['time_ratio']:.3f}, bare model calls x{result['pure_ratio']:.3f} "
+                  cpu_ratios=cpu_ratios, time_ratio=statistics.median(time_ratios),
+                  cpu_ratio=statistics.median(cpu_ratios), pure_ratio=statistics.median(pure_ratios))
+    print(f"recipe / baseline: step time x{result['time_ratio']:.3f}, CPU seconds x{result['cpu_ratio']:.3f}, "
+          f"bare model calls x{result['pure_ratio']:.3f} "
           f"(median of {args.rounds} pairs; baseline: the recipe + {args.baseline})")
     return result
 
