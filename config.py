@@ -316,6 +316,9 @@ def _check_model(p, args, world_size):
     if args.prompt_store and os.path.exists(args.prompt_store) and not os.path.isdir(args.prompt_store):
         p.error(f"--prompt-store {args.prompt_store} is not a folder: give a folder on the node's local disk for the "
                 "prompt store")  # found before the model loads and the prompts are encoded
+    if args.prompt_store and os.path.realpath(args.prompt_store) == os.path.realpath(args.out):
+        p.error(f"--prompt-store {args.prompt_store} is the run folder (--out), whose files are the run's: give the "
+                f"store a folder of its own, such as {os.path.join(args.out, 'prompt_store')}")
     if args.offload_text_encoders and args.prompt_cache_gb is not None and args.prompt_cache_gb <= 0:
         p.error("--offload-text-encoders reads every prompt from the prompt cache: give --prompt-cache-gb > 0 (or "
                 "leave it unset)")  # models.prompt_cache refused it too, but after the model had loaded

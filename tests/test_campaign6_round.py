@@ -340,3 +340,13 @@ def test_a_resume_with_another_password_writes_neither(tmp_path):
             with open(os.path.join(folder, name), "rb") as f:
                 data = f.read()
             assert b"firstSecret9" not in data and b"secondSecret9" not in data, name
+
+
+def test_a_prompt_store_in_the_run_folder_itself_is_refused_before_anything_is_made(tmp_path):
+    """Before: after the model had loaded, 'holds files no prompt store wrote (.lock)', the run's own lock."""
+    out = tmp_path / "run"
+    line = one_error_line(run([sys.executable, "train.py", *STORE_RUN, "--prompt-store", f"{out}/", "--out",
+                               str(out)], tmp_path, check=False))
+    assert line.endswith(f"--prompt-store {out}/ is the run folder (--out), whose files are the run's: give the store "
+                         f"a folder of its own, such as {out / 'prompt_store'}"), line
+    assert not out.exists()
