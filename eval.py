@@ -687,6 +687,11 @@ def plot_runs(run_dirs, out=None):
             else:
                 ax.plot(steps, values, color=colour, lw=1.2, marker=".", ms=3)
         scores = [v for _, values, _ in curves.values() for v in values if math.isfinite(v)]
+        if scores and not math.isfinite(max(scores) - min(scores)):  # 1e308 beside -1e308: matplotlib's ticks overflow
+            plt.close(fig)
+            raise SystemExit(f"error: {', '.join(run_dirs)}: {title} spans {min(scores):.3g} to {max(scores):.3g}, "
+                             "more than a float holds, and cannot be drawn: check the run's metrics.jsonl and "
+                             "eval.jsonl for that figure")
         if kind == "held_out" and all(0 <= v <= 1 for v in scores):  # accuracies: a change of 0.003 fills no panel
             lo, hi = ax.get_ylim()
             if hi - lo < 0.1:

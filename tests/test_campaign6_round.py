@@ -350,3 +350,23 @@ def test_a_prompt_store_in_the_run_folder_itself_is_refused_before_anything_is_m
     assert line.endswith(f"--prompt-store {out}/ is the run folder (--out), whose files are the run's: give the store "
                          f"a folder of its own, such as {out / 'prompt_store'}"), line
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- the round: eval.py --plot
+
+def test_plot_of_figures_whose_span_no_float_holds_is_one_line(tmp_path, capsys):
+    """Before: a matplotlib traceback (`arange: cannot compute length`) for a reward of 1e308 beside -1e308; a folder
+    without metrics was already one line."""
+    import eval as evaluation
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 1e308}\n{"step": 2, "reward_mean": -1e308}\n')
+    with pytest.raises(SystemExit) as e:
+        evaluation.main(["--plot", str(run_dir), "--out", str(tmp_path / "out")])
+    assert str(e.value) == (f"error: {run_dir}: training reward spans -1e+308 to 1e+308, more than a float holds, and "
+                            "cannot be drawn: check the run's metrics.jsonl and eval.jsonl for that figure")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="no completed step or evaluation to plot yet"):
+        evaluation.main(["--plot", str(tmp_path / "empty"), "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out" / "curves.png").exists()
