@@ -196,9 +196,9 @@ def settle_guidance(p, args):
                 "soundtracks alone, whose negative prompt the prompt store serves only at a scale above 1: drop "
                 "--prompt-store, or give --eval-guidance-scale above 1")
     if held_out is not None and held_out <= 1:
-        print0(f"warning: --eval-guidance-scale {held_out:g} samples the held-out videos' picture without CFG and their "
-               f"soundtrack at --audio-guidance-scale {audio:g}, as LTX2Pipeline guides it (CFG where either scale is "
-               "above 1); eval.py --guidance-scale 1 --audio-guidance-scale 1 scores a checkpoint without any")
+        print0(f"warning: --eval-guidance-scale {held_out:g} samples the held-out videos' picture without CFG and "
+               f"their soundtrack at --audio-guidance-scale {audio:g}, as LTX2Pipeline guides it (CFG where either "
+               "scale is above 1); eval.py --guidance-scale 1 --audio-guidance-scale 1 scores a checkpoint without any")
 
 
 def build_published(name, component, device="meta"):

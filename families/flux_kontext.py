@@ -20,13 +20,13 @@ def load(model_path=None, dtype=torch.float32, device="cpu"):
     """FLUX.1 Kontext [dev] (`black-forest-labs/FLUX.1-Kontext-dev`), FLUX.1's image editor.
 
     Conventions as FLUX.1-dev (families/flux.py): latents 2 x 2-packed into tokens [B, (H/16)(W/16), 64], timestep s,
-    guidance through the guidance embedding (no CFG; the pipeline's default scale 3.5, the model card's 2.5), T5 text (512 tokens) and
-    pooled CLIP; FluxPipeline's schedule, its mu from the target's tokens. The source image is encoded by the VAE
-    (its mode, shifted and scaled), packed the same way and appended after the target's tokens with position ids
-    (1, row, column) where the target has (0, row, column); the output is cut back to the target's tokens. One
-    source image per prompt (the pipeline takes one). The pipeline's _auto_resize (to the nearest of Kontext's
-    preferred resolutions, 672 px and up) is not applied: sources take the sample resolution (common.py, "reference
-    images").
+    guidance through the guidance embedding (no CFG; the pipeline's default scale 3.5, the model card's 2.5), T5 text
+    (512 tokens) and pooled CLIP; FluxPipeline's schedule, its mu from the target's tokens. The source image is
+    encoded by the VAE (its mode, shifted and scaled), packed the same way and appended after the target's tokens with
+    position ids (1, row, column) where the target has (0, row, column); the output is cut back to the target's
+    tokens. One source image per prompt (the pipeline takes one). The pipeline's _auto_resize (to the nearest of
+    Kontext's preferred resolutions, 672 px and up) is not applied: sources take the sample resolution (common.py,
+    "reference images").
     """
     from diffusers import FluxKontextPipeline
 

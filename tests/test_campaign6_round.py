@@ -62,7 +62,7 @@ def hunyuan():
 
 
 def frames_one_fits_not_16(pipe):
-    """A frame count whose tokens fit one sample's forward and not one of 16 on this host, and the most that 16 allow."""
+    """A frame count whose tokens fit one sample's forward and not one of 16 on this host, and the most 16 allow."""
     frame_tokens = 4 * 4  # 64 px, VAE 16, patch 1
     alone, batch = (common.sample_tokens(pipe.transformer, "cpu", n) for n in (1, 16))
     latent = batch // frame_tokens + 1
@@ -110,7 +110,7 @@ def test_eval_refuses_the_frame_rule_before_any_model_loads(tmp_path):
     assert "--num-frames 5: sd3 makes images; drop the flag" in line, line
 
 
-# ----------------------------------------------------------------------------- guidance against the pipelines (item 8, 9)
+# ----------------------------------------------------------------------------- guidance against the pipelines
 
 def test_ltx2_held_out_soundtrack_at_eval_guidance_1_is_said_and_the_store_refused(capsys):
     """LTX2Pipeline(guidance_scale=1, audio_guidance_scale=7) guides the sound alone, as the run's evaluations do:
