@@ -1,6 +1,7 @@
 """The shapes model under --mixed-precision bf16: its training forward's attention runs in float32
 (families/shapes.py _Float32TrainingAttention: torch's fused CPU SDPA backward is slow in bf16), the forwards
-without gradients keep bf16 attention, and without autocast the model computes exactly what diffusers' processor does."""
+without gradients keep bf16 attention, and without autocast the model computes exactly what diffusers' processor
+does."""
 import torch
 
 from families import shapes
@@ -8,7 +9,8 @@ from families import shapes
 
 def _inputs(batch=2):
     g = torch.Generator().manual_seed(0)
-    return dict(hidden_states=torch.randn(batch, 3, 32, 32, generator=g), timestep=torch.rand(batch, generator=g) * 1000,
+    return dict(hidden_states=torch.randn(batch, 3, 32, 32, generator=g),
+                timestep=torch.rand(batch, generator=g) * 1000,
                 encoder_hidden_states=torch.randn(batch, 16, 128, generator=g),
                 pooled_projections=torch.randn(batch, 128, generator=g), return_dict=False)
 
