@@ -80,6 +80,7 @@ Run `python scripts/bench.py --rewards` for the images/s of the offline scorers 
 
 import argparse
 import difflib
+import inspect
 import io
 import logging
 import math
@@ -252,7 +253,15 @@ def custom(*, custom_rm_path, custom_rm_args, **_):
         raise ValueError("reward 'custom' needs --custom-rm-path module.function")
     fn = flags.import_object(custom_rm_path, "--custom-rm-path")
     if not callable(fn):
-        raise ValueError(f"--custom-rm-path {custom_rm_path!r} names a {type(fn).__name__}, not a function")
+        raise ValueError(f"--custom-rm-path {custom_rm_path!r} names an object of type {type(fn).__name__}, "
+                         "not a function")
+    try:  # the four arguments it is called with, checked before the first step rather than at it
+        inspect.signature(fn).bind(None, None, None, None)
+    except TypeError as e:
+        raise ValueError(f"--custom-rm-path {custom_rm_path!r} cannot take (images, prompts, metadata, "
+                         f"custom_rm_args): {e}; give it those four parameters") from None
+    except ValueError:  # a builtin without a signature: left to its first call
+        pass
 
     def score(images, prompts, metadata):
         out = fn(torch.from_numpy(to_uint8(images)), prompts, metadata, custom_rm_args)

@@ -554,7 +554,8 @@ def nonfinite_stop(args, count, step, carry):
 
 
 EVAL_FLAGS = ("model", "resolution", "eval_steps", "guidance_scale", "seed", "negative_prompt", "shift", "num_frames",
-              "max_sequence_length", "reward")  # what the held-out images and their scores depend on (not where the
+              "max_sequence_length", "reward", "audio_guidance_scale", "guidance_scale_2")  # what the held-out images
+# and their scores depend on (LTX-2's soundtrack and Wan 2.2's second expert have scales of their own; not where the
 # weights were read from: --model-path may move between machines)
 
 

@@ -25,20 +25,25 @@ def short(value):
 
 
 def read(path, what="a study's ledger"):
-    """The rows of a ledger; a missing file, a line that is not a JSON object, or one without its set, run and step
-    is one error line naming the file and the line."""
+    """The rows of a ledger; a missing file, a line that is not UTF-8 JSON, not an object with its set and run, or
+    with a step that is not a whole number or an eval / train that is not an object, is one error line naming the
+    file and the line."""
     if not os.path.isfile(path):
         raise SystemExit(f"error: {path} is not a file: give --ledger the ledger of the study ({what}), such as "
                          "docs/runs/long_run.jsonl")
     rows = []
-    with open(path) as f:
+    with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-                if not isinstance(row, dict) or not isinstance(row.get("run"), str):
-                    raise ValueError("not an object with a run's name")
+                row = json.loads(line.decode("utf-8"))  # UnicodeDecodeError is a ValueError
+                if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in ("set", "run")):
+                    raise ValueError("not an object with its set and run named")
+                if "step" in row and (not isinstance(row["step"], int) or isinstance(row["step"], bool)):
+                    raise ValueError(f"step {row['step']!r} is not a whole number")
+                if not all(isinstance(row.get(k, {}), dict) for k in ("eval", "train")):
+                    raise ValueError("its eval or train is not an object")
             except ValueError as e:
                 raise SystemExit(f"error: {path}:{number} is damaged ({' '.join(str(e).split())[:80]}): restore it "
                                  f"(git checkout {path}), or delete that line and run that run again") from None

@@ -134,7 +134,16 @@ def test_a_damaged_ledger_is_one_line_naming_its_line(tmp_path):
     ledger.write_text('{"set": "loopholes", "run": "a"}\n\n[1, 2]\n')
     with pytest.raises(SystemExit) as e:
         ledgers.read(str(ledger))
-    assert str(e.value).startswith(f"error: {ledger}:3 is damaged (not an object with a run's name)")
+    assert str(e.value).startswith(f"error: {ledger}:3 is damaged (not an object with its set and run named)")
+    # what the studies' scripts would index without a check: bytes that are not UTF-8, a step that is text, an eval
+    # that is not an object (each was a traceback in hacking.py / long_runs.py)
+    for line, why in ((b'{"set": "s", "run": "a", "step": 1}\n\xff\xfe\n', "utf-8"),
+                      (b'{"set": "s", "run": "a", "step": "25"}\n', "step '25' is not a whole number"),
+                      (b'{"set": "s", "run": "a", "step": 25, "eval": [0.5]}\n', "its eval or train is not an object")):
+        ledger.write_bytes(line)
+        with pytest.raises(SystemExit) as e:
+            ledgers.read(str(ledger))
+        assert str(e.value).startswith(f"error: {ledger}:") and why in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(SystemExit, match="is not a file: give --ledger the ledger"):
         ledgers.read(str(tmp_path))
 
@@ -198,6 +207,6 @@ def test_hacking_refuses_an_out_that_is_a_file_and_a_damaged_ledger(tmp_path):
     done = script("hacking.py", "--report", "--ledger", str(tmp_path / "hacking.jsonl"), "--out", str(tmp_path / "r"))
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [f"error: {tmp_path / 'hacking.jsonl'}:2 is damaged (not an object "
-                                                f"with a run's name): restore it (git checkout "
+                                                f"with its set and run named): restore it (git checkout "
                                                 f"{tmp_path / 'hacking.jsonl'}), or delete that line and run that run "
                                                 "again"]

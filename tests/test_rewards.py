@@ -526,6 +526,12 @@ def test_custom_path_forms(tmp_path):
         build_reward("custom", custom_rm_path="no_such_module.fn")
     with pytest.raises(ValueError, match="needs --custom-rm-path"):
         build_reward("custom")
+    (tmp_path / "wrong.py").write_text("def two(images, prompts):\n    return [1.0] * len(prompts)\nLIMIT = 3\n")
+    with pytest.raises(ValueError, match=r"--custom-rm-path '.*wrong.py:two' cannot take \(images, prompts, metadata, "
+                                         r"custom_rm_args\): too many positional arguments; give it those four"):
+        build_reward("custom", custom_rm_path=f"{tmp_path}/wrong.py:two")  # refused when built, not at the first step
+    with pytest.raises(ValueError, match="names an object of type int, not a function"):
+        build_reward("custom", custom_rm_path=f"{tmp_path}/wrong.py:LIMIT")
 
 
 def test_rm_type_override_splits_and_reassembles():

@@ -522,3 +522,7 @@ def test_eval_guidance_scale_samples_the_held_out_images_at_its_own_scale(tmp_pa
     assert run_module.eval_fingerprint(args, ["a"], [{}]) == plain
     args.eval_guidance_scale = None
     assert run_module.eval_fingerprint(args, ["a"], [{}]) != plain
+    for own in ("audio_guidance_scale", "guidance_scale_2"):  # LTX-2's soundtrack, Wan 2.2's second expert
+        other = argparse.Namespace(**{k: 1 for k in run_module.EVAL_FLAGS})
+        setattr(other, own, 7.0)
+        assert run_module.eval_fingerprint(other, ["a"], [{}]) != plain, own
