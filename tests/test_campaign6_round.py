@@ -14,18 +14,10 @@ import config
 import families
 import models
 from families import common
+from test_campaign6_cli import one_error_line  # the command ended non-zero in one `error:` line, no traceback
 from test_train import ROOT, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one thread
-
-
-def one_error_line(proc):
-    """The command ended non-zero in one `error:` line, no traceback -> the line."""
-    assert proc.returncode not in (0, None), proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    line = proc.stderr.strip().splitlines()[-1]
-    assert line.startswith("error:") or ": error: " in line, proc.stderr[-2000:]
-    return line
 
 
 def settings(*argv):
