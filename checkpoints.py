@@ -48,9 +48,10 @@ from safetensors import SafetensorError
 
 import distributed
 
-COPIES = ("ema", "old", "sampling", "reference")  # the evaluation EMA; the old (sampling, anchor) policy of
-# the forward-process losses; the rollouts' own copy where a loss keeps one apart from the old (CRD); GARDO's KL
-# reference snapshot
+COPIES = ("ema", "old", "sampling", "reference", "critic", "surrogate")  # the evaluation EMA; the old (sampling,
+# anchor) policy of the forward-process losses; the rollouts' own copy where a loss keeps one apart from the old (CRD);
+# GARDO's KL reference snapshot; the trained roles of the distillation losses (policy.Policy._roles), each with its
+# optimizer's state in <name>_optim.pt
 
 
 def checkpoint_dirs(out):
@@ -378,7 +379,7 @@ def _verify_by_loading(path):
     return None
 
 
-def save(args, step, weights, optim_state, copies, extra, export=None):
+def save(args, step, weights, optim_state, copies, extra, export=None, role_optimizers=None):
     """Write <out>/checkpoints/<step>/ under a temporary name, then rename: a crash never leaves a half checkpoint.
 
     weights: {name: full tensor} of the trained parameters; optim_state: optimizer.state_dict() of an unsharded run;
@@ -398,9 +399,11 @@ def save(args, step, weights, optim_state, copies, extra, export=None):
                 export(os.path.join(tmp, "lora"))
         for name, tensors in copies.items():
             if tensors is not None:
-                save_file({n: t.cpu().contiguous() for n, t in tensors.items()},
+                save_file({n: t.detach().cpu().contiguous() for n, t in tensors.items()},
                           os.path.join(tmp, f"{name}.safetensors"))
         torch.save(_on_cpu(optim_state), os.path.join(tmp, "optimizer.pt"))
+        for name, state in (role_optimizers or {}).items():  # a trained role's AdamW, beside its weights
+            torch.save(_on_cpu(state), os.path.join(tmp, f"{name}_optim.pt"))
         rng = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
@@ -509,7 +512,7 @@ def _write_json(path, obj):
         os.fsync(f.fileno())
 
 
-def write(args, step, transformer, trainable, optimizer, copies, device, extra, export=None):
+def write(args, step, transformer, trainable, optimizer, copies, device, extra, export=None, role_optimizers=None):
     """Called on every rank: checks that replicas agree, gathers FSDP shards, and rank 0 writes the checkpoint
     (export: see save)."""
     if _exchanged:  # the trained parameters hold another copy now: it would be saved as the trained weights
@@ -522,7 +525,7 @@ def write(args, step, transformer, trainable, optimizer, copies, device, extra, 
         full_state = (dict(trainable), optimizer.state_dict(), copies) if distributed.is_main else None
     if distributed.is_main:
         try:
-            save(args, step, *full_state, dict(extra, rank_checksums=sums), export)
+            save(args, step, *full_state, dict(extra, rank_checksums=sums), export, role_optimizers)
         except (OSError, RuntimeError, ValueError, SafetensorError) as e:  # full disk, lost mount, a file-size limit
             # (torch wraps errno in RuntimeError; safetensors raises its own SafetensorError, an Exception)
             reason = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())[:200]
@@ -563,6 +566,19 @@ def load(path, args, trainable, optimizer, fsdp_model=None):
     if "cuda" in rng and torch.cuda.is_available():  # this process's current GPU (distributed.init sets it)
         torch.cuda.set_rng_state(rng["cuda"])
     return state, copies
+
+
+def load_role(path, name, weights, optimizer, saved):
+    """A trained role's weights and AdamW state from checkpoint `path` into its own tensors (which its optimizer
+    holds), exactly; a checkpoint without the role (another loss's) leaves it as it starts, with a warning."""
+    if name not in saved:
+        distributed.print0(f"warning: checkpoint {path} holds no {name}: it starts afresh from the policy's weights")
+        return
+    with torch.no_grad():
+        for n, t in weights.items():
+            t.copy_(saved[name][n])
+    optimizer.load_state_dict(torch.load(os.path.join(path, f"{name}_optim.pt"), map_location="cpu",
+                                         weights_only=True))
 
 
 def _read_weights(path, names, what, file="trainable.safetensors"):

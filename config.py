@@ -203,10 +203,37 @@ def check_args(p, args, world_size):
     """Refuse flag combinations that cannot work, before any model is loaded. -> samples per process."""
     _check_finite(p, args)
     per_rank = _check_batches(p, args, world_size)
+    _check_roles(p, args)
     _check_model(p, args, world_size)
     _check_loss(p, args, per_rank)
     _check_reward(p, args)
     return per_rank
+
+
+def _check_roles(p, args):
+    """The distillation losses' roles (policy.Policy._roles, _teachers): their flags only where a loss reads them, a
+    teacher that exists, the teachers' keys with --teacher-field, no --fsdp with a trained role (its weights are not
+    sharded yet)."""
+    loss = losses.LOSSES[args.loss]
+    for dest, needs in (("teacher", loss.terms), ("teacher_field", loss.terms), ("critic_lr", loss.roles),
+                        ("critic_updates", loss.roles)):
+        if not needs and _given(args, dest):
+            p.error(f"--{dest.replace('_', '-')} is read by the distillation losses with "
+                    f"{'a teacher' if dest.startswith('teacher') else 'a critic'}, not by --loss {args.loss}: drop it")
+    if not loss.terms:
+        return
+    keyed = [spec.partition("=")[0] for spec in args.teacher if "=" in spec]
+    if len(args.teacher) > 1 and (len(keyed) != len(args.teacher) or not args.teacher_field):
+        p.error("several --teacher need a key each and --teacher-field: --teacher KEY=PATH ... --teacher-field FIELD")
+    if args.teacher_field and len(args.teacher) > 1 and len(set(keyed)) != len(keyed):
+        p.error(f"--teacher keys must differ, got {', '.join(keyed)}")
+    for spec in args.teacher:
+        path = spec.partition("=")[2] if "=" in spec else spec
+        if path != "base" and not os.path.isfile(os.path.join(path, "trainable.safetensors")):
+            p.error(f"--teacher {spec}: {path} is not a checkpoint folder (no trainable.safetensors there): give a "
+                    "run's checkpoints/<step> folder, or base")
+    if loss.roles and args.fsdp:
+        p.error(f"--fsdp with --loss {args.loss}: its trained critic is not sharded yet; train without --fsdp")
 
 
 def _check_finite(p, args):

@@ -1067,6 +1067,64 @@ def crd(t, *, crd_beta, crd_temperature, crd_loss_type, crd_adaptive, crd_old, c
     return value, info
 
 
+# The few-step distillation losses as train.py runs them (roles.py builds their terms and trains their roles). A
+# generator term is one stored stage k of the rollout (roles.x0_terms): x0 the policy's clean prediction at the stored
+# x_k (with its graph), re-noised at a drawn t (DMD2: uniform over 2 % .. 98 %, train_sd.py L634-635; TDM: carried
+# from the stage's end by tdm_renoise), x0_real the teacher's and x0_fake the critic's clean estimates there; an OPD
+# term the student's and its teacher's transition means at the stored x_k (roles.mean_terms). A role's term
+# (roles.train_roles) holds v, the role's velocity at x_t with its graph, x_t, x0 and the noise it was re-noised with,
+# sigma (t), importance [b] (TDM's weight; 1 elsewhere), v_real (the teacher's, no graph), adv and unit.
+
+
+def dmd2(t):
+    """DMD2's generator term (dmd2_generator_loss): the critic's and the teacher's clean estimates' difference."""
+    return dmd2_generator_loss(t["x0"], t["x0_real"], t["x0_fake"])
+
+
+def tdm(t, *, huber_c):
+    """TDM's generator term at each stored stage (tdm_loss), pseudo-Huber at c = --huber-c (its --use_huber)."""
+    return tdm_loss(t["x0"], t["x0_real"], t["x0_fake"], huber_c=huber_c or None)
+
+
+def tdm_r1(t, *, tdm_weight, cfg_reward_scale):
+    """TDM-R1's generator term (tdm_r1_loss): TDM's plus the teacher's guidance and the surrogate's learned reward."""
+    return tdm_r1_loss(t["x0"], t["x0_real"], t["x0_fake"], t["x0_surrogate"], t.get("x0_cond"),
+                       tdm_weight=tdm_weight, guidance_scale=t["guidance"], cfg_reward_scale=cfg_reward_scale)
+
+
+def dmdr(t, *, reward_weight):
+    """DMDR's generator term (dmdr_loss): DMD's term; its reward term reads t["reward_loss"], a differentiable
+    reward's loss of x0, where the run has one (none of REWARDS is differentiable yet: the rewards are logged)."""
+    return dmdr_loss(t["x0"], t["x0_real"], t["x0_fake"], t.get("reward_loss"), reward_weight=reward_weight)
+
+
+def opd(t):
+    """DiffusionOPD (opd_loss) at the student's stored state, against each sample's teacher; the transition variance
+    std^2 of an SDE step, 1 on ODE steps (Flow-Factory scheduler/abc.py L196-212)."""
+    std = t["std"]
+    denom = torch.where(std > 0, std**2, torch.ones_like(std)) if torch.is_tensor(std) else (std**2 if std else 1.0)
+    return opd_loss(t["mean"], t["teacher_mean"], denom, teacher=t["teacher"], num_teachers=t["num_teachers"])
+
+
+def dmd_critic(t):
+    """The fake score's flow-matching loss on the generator's samples (dmd2_critic_loss): DMD2's, DMDR's."""
+    return dmd2_critic_loss(t["v"], t["x0"], t["noise"])
+
+
+def tdm_critic(t, *, snr_gamma):
+    """TDM's fake-score loss at the re-noised stage (tdm_critic_loss), min-SNR gamma --snr-gamma."""
+    return tdm_critic_loss(x0_from_velocity(t["x_t"], t["v"], t["sigma"]), t["x0"], t["sigma"], t["importance"],
+                           snr_gamma=snr_gamma)
+
+
+def tdm_r1_surrogate(t, *, group_size, surrogate_beta):
+    """TDM-R1's surrogate reward model (tdm_r1_surrogate_loss) on the group advantages: its flow-matching error and
+    the teacher's at the same re-noised point. Without its slow copy (no trust region: slow_err None)."""
+    err, ref_err = flow_matching_error(t["v"], t["x0"], t["noise"]), flow_matching_error(t["v_real"], t["x0"],
+                                                                                         t["noise"])
+    return tdm_r1_surrogate_loss(err, ref_err, t["adv"], t["unit"], beta=surrogate_beta, group_size=group_size)
+
+
 def _dgpo_times(batch, generator, *, num_steps, train_timesteps, timestep_fraction, **_):
     """DGPO's training times (Flow-Factory TimeSampler.discrete, 'discrete', noise_schedule.py L185-259):
     --train-timesteps strata over schedule indices 0 .. int(num_steps x fraction) at linspace(0, hi, n + 1), one index
@@ -1158,13 +1216,18 @@ class Loss(NamedTuple):
     # is not the training forward's (CRD's KL anchor: the base with CFG)
     sampling_copy: Callable = None  # flags -> True when rollouts run a copy of their own, neither the trained weights
     # nor the old copy, decayed after each step by --sampling-decay (CRD's sampling snapshot)
+    terms: str = None  # distillation: roles.TERMS' builder of its terms ("x0": a stage's clean prediction against the
+    # teacher and the critic; "mean": the transition mean against the teacher), in reverse_terms' place
+    roles: dict = {}  # {role name: its loss fn(t, **flags)}: the trained roles beside the policy (roles.train_roles)
+    point: Callable = None  # x0 terms: (x0, noise_mid, fresh, sigma_mid, t) -> (x_t, noise, weight) (TDM's);
+    # None: x_t = (1 - t) x0 + t fresh, t uniform over DMD2's 2 % .. 98 %
 
     def reads(self):
         """The flags the algorithm reads: the keyword-only parameters of its loss function and of its schedules (times,
         old_stat, samples_with_old, reference_guidance). config.py refuses a loss's flag that the chosen loss does not
         read."""
-        return {name for f in (self.fn, self.times, self.old_stat, self.samples_with_old, self.reference_guidance)
-                if callable(f) for name in keywords(f)}
+        return {name for f in (self.fn, self.times, self.old_stat, self.samples_with_old, self.reference_guidance,
+                                *self.roles.values()) if callable(f) for name in keywords(f)}
 
     def hyper(self, flags):
         """The loss function's keyword arguments from `flags` (a dict such as vars(args)): exactly the flags its
@@ -1221,6 +1284,21 @@ LOSSES = {
                                      guidance_scale=1.0),
                 dict(kl_beta=0.1), old_copy=lambda h: h["crd_old"], sampling_copy=lambda h: True, times=_crd_times,
                 reference=lambda h: not h["crd_old"], reference_guidance=_crd_kl_cfg),
+    # Few-step distillation (docs/algorithms.md, "Few-step distillation"): the frozen teacher (--teacher, the base by
+    # default), a trained critic with its own AdamW, --critic-updates of it per policy update (Flow-Factory's
+    # ttur_fake_updates 5; TDM's own code 1). Learning rates: DMD2's 1e-5 for both (train_sd.py L624), TDM's 4e-6
+    # generator / 2e-5 critic (train_tdm_demo.py L782-795), TDM-R1's 7.5e-5 / 3e-4 (Flow-Factory tdm_r1.py), DMDR's
+    # 1e-5 (dmdr_sitxl_refl.sh L30-31), OPD's 3e-4 (DiffusionOPD_aligned.yaml L127).
+    "dmd2": Loss(dmd2, "reverse", dict(teacher=["base"], critic_updates=5, critic_lr=1e-5), dict(lr=1e-5), clip=False,
+                 terms="x0", roles={"critic": dmd_critic}),
+    "tdm": Loss(tdm, "reverse", dict(teacher=["base"], critic_updates=5, critic_lr=2e-5), dict(lr=4e-6), clip=False,
+                terms="x0", roles={"critic": tdm_critic}, point=tdm_renoise),
+    "tdm_r1": Loss(tdm_r1, "reverse", dict(teacher=["base"], critic_updates=5, critic_lr=3e-4), dict(lr=7.5e-5),
+                   clip=False, terms="x0", roles={"critic": tdm_critic, "surrogate": tdm_r1_surrogate},
+                   point=tdm_renoise),
+    "dmdr": Loss(dmdr, "reverse", dict(teacher=["base"], critic_updates=5, critic_lr=1e-5), dict(lr=1e-5), clip=False,
+                 terms="x0", roles={"critic": dmd_critic}),
+    "opd": Loss(opd, "reverse", dict(teacher=["base"]), dict(lr=3e-4), clip=False, terms="mean"),
 }
 
 
@@ -1329,6 +1407,19 @@ def add_arguments(parser):
                    help="--loss sft / dpo (--old-decay copy): optimizer steps between copies of the trained weights "
                         "into the sampling and reference snapshot (flow_grpo's ref_update_step: 40 online; its "
                         "published configs 10000000, i.e. never)")
+    g.add_argument("--huber-c", type=flags.NONNEG, default=1e-3,
+                   help="--loss tdm: pseudo-Huber c of its generator loss (TDM's --use_huber, "
+                        "train_tdm_demo.py L1180); 0: squared error")
+    g.add_argument("--snr-gamma", type=flags.POSITIVE, default=5.0,
+                   help="--loss tdm / tdm_r1: the min-SNR gamma of the critic's loss (train_tdm_demo.py L1131-1132)")
+    g.add_argument("--tdm-weight", type=flags.bounded(float, 0, 1, low_open=True, high_open=True), default=0.3,
+                   help="--loss tdm_r1: the weight w of the guidance reward, 1 - w the surrogate's (Flow-Factory 0.3)")
+    g.add_argument("--cfg-reward-scale", type=flags.NONNEG, default=3.5,
+                   help="--loss tdm_r1: the scale k of the teacher's guidance as a reward (Flow-Factory 3.5)")
+    g.add_argument("--surrogate-beta", type=flags.POSITIVE, default=1.0,
+                   help="--loss tdm_r1: the surrogate's preference beta (Flow-Factory's surrogate_preference_beta 1)")
+    g.add_argument("--reward-weight", type=flags.NONNEG, default=0.05,
+                   help="--loss dmdr: the weight of its differentiable reward's loss (dmdr_sitxl_refl.sh L41-42)")
     g.add_argument("--step-loss-weight", default="none", choices=["none", "wan"],
                    help="per-step weight of the reverse-process policy term: none (1), or wan: Flow-GRPO's Wan 2.1 "
                         "weight std_dev_t / sqrt(-dt) of its Wan SDE (losses.wan_step_weight), 7.49 at the first of "

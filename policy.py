@@ -36,9 +36,10 @@ from distributed import WORLD, print0
 
 
 class Policy:
-    def __init__(self, args, device, *, old_copy, sampling_copy=False):
+    def __init__(self, args, device, *, old_copy, sampling_copy=False, roles=()):
         """args: train.py's flags; old_copy: whether the loss keeps an old copy of the weights (Loss.old_copy);
-        sampling_copy: whether its rollouts run a copy of their own (Loss.sampling_copy)."""
+        sampling_copy: whether its rollouts run a copy of their own (Loss.sampling_copy); roles: the trained roles
+        beside the policy (Loss.roles: ("critic",) for the distribution-matching losses)."""
         amp_dtype = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.mixed_precision]
         load_dtype = amp_dtype if (amp_dtype and args.lora_rank > 0) else torch.float32  # LoRA: frozen base in half
         self.pipe = pipe = models.load_pipeline(args.model, args.model_path, dtype=load_dtype, device=device)
@@ -103,6 +104,8 @@ class Policy:
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
         self.amp_dtype, self.device, self.args = amp_dtype, device, args
         self.copies = self._copies(args, old_copy, sampling_copy)
+        self.role_optimizers = self._roles(args, roles)  # {name: AdamW of the role's weights in copies[name]}
+        self.teachers = self._teachers(args) if getattr(args, "teacher", None) else {}
         self.optimizer_steps = 0  # all of the run's, for the EMA warm-up and the old copy's decay
         if args.updates_per_batch * args.minibatches > 1 and (args.fsdp or self.trained_bytes() > SNAPSHOT_BYTES):
             why = "sharded weights" if args.fsdp else f"more than {SNAPSHOT_BYTES >> 30} GB of trained weights"
@@ -121,6 +124,35 @@ class Policy:
         snapshot = getattr(args, "gardo_reference", False) or getattr(args, "kl_reference", "base") == "start"
         return {"ema": self._copy() if args.ema_decay > 0 else None, "old": self._copy() if old_copy else None,
                 "sampling": self._copy() if sampling_copy else None, "reference": self._copy() if snapshot else None}
+
+    def _roles(self, args, roles):
+        """The trained roles (docs/design.md, "A role"), each a float32 copy of the trained weights that trains on its
+        own: a second set of adapter weights on the same base where --lora-rank > 0 (TDM and DMDR train the fake score
+        as a LoRA, train_tdm_demo.py L779-780, train_sitxl_refl_deepspeed.py L462-469), a full copy at rank 0 (DMD2's
+        fake_unet, sd_guidance.py L50-58). It starts from the policy's weights, the base model's at the start: the
+        fake score starts as the teacher. Its AdamW: --critic-lr, DMD2's betas (0.9, 0.999) and --weight-decay
+        (train_sd.py L191-201). Kept in `copies` so that checkpoints and resume cover it as the other copies."""
+        optimizers = {}
+        for name in roles:
+            self.copies[name] = {n: t.requires_grad_() for n, t in self._copy().items()}
+            optimizers[name] = torch.optim.AdamW(list(self.copies[name].values()), lr=args.critic_lr,
+                                                 weight_decay=args.weight_decay)
+        self.role_steps = {name: 0 for name in roles}
+        return optimizers
+
+    def _teachers(self, args):
+        """{key: frozen weights}: --teacher base (the base model: None under LoRA, the adapter switched off; a float32
+        copy of the starting weights at rank 0) or a checkpoint folder's trainable.safetensors (this project's), one or
+        several keyed by a prompt row's field (--teacher KEY=PATH ... --teacher-field FIELD)."""
+        teachers = {}
+        for spec in args.teacher:
+            key, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
+            if path == "base":
+                teachers[key] = None if args.lora_rank > 0 else self._copy()
+            else:
+                weights = checkpoints._read_weights(path, [n for n, _ in self.trainable], "--teacher")
+                teachers[key] = {n: weights[n].to(q.device, torch.float32) for n, q in self.trainable}
+        return teachers
 
     # ------------------------------------------------------------------------- forwards
     def train(self, mode=True):
@@ -172,14 +204,47 @@ class Policy:
             yield
 
     @contextlib.contextmanager
-    def frozen(self, name):
+    def frozen(self, name, key=""):
         """Inside, the transformer runs a frozen model, without gradients: "old" or "sampling", that copy of the
         weights (exchanged in place, checkpoints.swapped), or "reference", the KL anchor: the base model (the LoRA
-        adapter off), or the snapshot where the run keeps one (exchanged in place as the old copy)."""
-        snapshot = self.copies[name] if name in ("old", "sampling") else self.copies.get("reference")
+        adapter off), or the snapshot where the run keeps one (exchanged in place as the old copy); a role ("critic")
+        as it is now; "teacher", teacher `key` (the base model, or a checkpoint's weights exchanged in place)."""
+        if name == "teacher":
+            snapshot = self.teachers[key]
+        else:
+            snapshot = self.copies[name] if name in ("old", "sampling", *self.role_optimizers) \
+                else self.copies.get("reference")
         with torch.no_grad(), (checkpoints.swapped(self.trainable, snapshot) if snapshot is not None
                                else models.reference(self.pipe)):
             yield
+
+    @contextlib.contextmanager
+    def role(self, name):
+        """Inside, the trained parameters hold role `name`'s weights (exchanged in place) and a backward inside fills
+        its gradients: on exit they move to the role's own tensors and the parameters' gradients are cleared, so the
+        policy's update never sees them. Forwards inside run the bare modules (policy.velocity, train=False)."""
+        weights = self.copies[name]
+        with checkpoints.swapped(self.trainable, weights):
+            try:
+                yield
+            finally:
+                for n, q in self.trainable:
+                    weights[n].grad = None if q.grad is None else q.grad.detach().float()
+                    q.grad = None
+
+    def step_role(self, name):
+        """One optimizer step of role `name` on its gradients (averaged over the ranks), clipped to --max-grad-norm;
+        skipped where not finite. Returns (status, grad norm)."""
+        weights = list(self.copies[name].values())
+        if WORLD > 1:
+            distributed.average_gradients(weights)
+        grad_norm = torch.nn.utils.clip_grad_norm_(weights, self.args.max_grad_norm).item()
+        status = "ok" if math.isfinite(grad_norm) else "skipped"
+        if status == "ok":
+            self.role_optimizers[name].step()
+            self.role_steps[name] += 1
+        self.role_optimizers[name].zero_grad(set_to_none=True)
+        return status, grad_norm
 
     # ------------------------------------------------------------------------- the update
     def sync_gradients(self, last):
@@ -296,7 +361,9 @@ class Policy:
         """Write checkpoint `step` (every rank calls; rank 0 writes). LoRA runs also export the adapter in diffusers'
         format (lora/), the EMA where there is one."""
         checkpoints.write(args, step, self._fsdp_module(), self.trainable, self.optimizer, self.copies, self.device,
-                          dict(extra, optimizer_steps=self.optimizer_steps, grad_scaler=self.scaler.state_dict()),
+                          dict(extra, optimizer_steps=self.optimizer_steps, grad_scaler=self.scaler.state_dict(),
+                               role_steps=self.role_steps),
+                          role_optimizers={k: o.state_dict() for k, o in self.role_optimizers.items()},
                           export=(lambda folder: models.save_lora(self.pipe, folder)) if args.lora_rank > 0 else None)
 
     def resume(self, path, args):
@@ -307,7 +374,10 @@ class Policy:
         if state.get("grad_scaler") and self.scaler.is_enabled():  # fp16: the loss scale continues where it was
             self.scaler.load_state_dict(state["grad_scaler"])
         for name in self.copies:  # the EMA, the old policy and the reference snapshot continue where they were (if
-            if self.copies[name] is not None and name in saved:  # this run keeps them); load put them beside the
+            if name in self.role_optimizers:  # a role: into its own tensors, which its optimizer holds
+                checkpoints.load_role(path, name, self.copies[name], self.role_optimizers[name], saved)
+                self.role_steps[name] = state.get("role_steps", {}).get(name, 0)
+            elif self.copies[name] is not None and name in saved:  # this run keeps them); load put them beside the
                 self.copies[name] = saved[name]  # weights, in float32
         if self.copies["reference"] is not None and "reference" not in saved:  # from a run without one: a snapshot
             self.reset_reference()  # of the weights it resumes from
@@ -405,6 +475,17 @@ def add_arguments(parser):
                         "exported lora/ use the EMA; trainable.safetensors keeps the live weights to resume from")
     g.add_argument("--ema-every", type=flags.POSITIVE_INT, default=1,
                    help="update the EMA after optimizer steps n with (n + 1) %% this == 0, as flow_grpo/ema.py")
+    g.add_argument("--critic-lr", type=flags.POSITIVE, default=None,
+                   help="the critic's (fake score's) AdamW learning rate (default: the loss's, its authors')")
+    g.add_argument("--critic-updates", type=flags.POSITIVE_INT, default=None,
+                   help="critic optimizer steps per policy optimizer step (the two-time-scale rule; default: the "
+                        "loss's: Flow-Factory's ttur_fake_updates 5)")
+    g.add_argument("--teacher", action="append", default=None, metavar="[KEY=]base|PATH",
+                   help="the frozen teacher of the distillation losses: base (the base model; default) or a checkpoint "
+                        "folder of this project (its trainable.safetensors, e.g. a LoRA run's); repeated as KEY=PATH "
+                        "with --teacher-field, one teacher per value of that prompt field")
+    g.add_argument("--teacher-field", default=None,
+                   help="--teacher KEY=PATH ...: the prompt rows' metadata field whose value picks a sample's teacher")
     g.add_argument("--ema-repeat", type=flags.POSITIVE_INT, default=1,
                    help="apply the decay this many times per update: Flow-GRPO steps its EMA after every micro-batch, "
                         "so each due update repeats once per accumulated micro-batch (2 in its 32-GPU configs, 4 in "

@@ -57,6 +57,7 @@ import losses
 import models
 import regularizers
 import rewards
+import roles
 import sde
 from advantages import gardo_gate, step_advantages
 from config import (check_args, forward_samples, guidance_scales, n_trained, parse_args, report, unit_width,
@@ -84,7 +85,7 @@ def main(argv=None, *, on_step=None):
                               **{name: getattr(args, name) for name in rewards.option_defaults()})  # reward flags
     setup_or_exit(diversity.featurizer, args.diversity, args.diversity_path, device)  # its weights, or one line
     policy = setup_or_exit(Policy, args, device, old_copy=bool(loss.old_copy and loss.old_copy(vars(args))),
-                           sampling_copy=bool(loss.sampling_copy and loss.sampling_copy(vars(args))))
+                           sampling_copy=bool(loss.sampling_copy and loss.sampling_copy(vars(args))), roles=loss.roles)
     policy.pipe.guidance_scale_2 = args.guidance_scale_2  # Wan 2.2's low-noise expert (families/wan.py velocity)
     policy.pipe.guidance_scale_audio = args.audio_guidance_scale  # LTX-2's soundtrack (families/ltx2.py velocity)
     policy.pipe.forward_samples = forward_samples(args, reference_guidance(loss, args))  # the video token bound's batch
@@ -131,7 +132,8 @@ def sample(policy, loss, args, prompts, sigmas, step, reward_fn, run):
                                    images=[data.source_images(metadata[i]) for i in unique])  # edits: references
     row = torch.tensor([unique.index(i) for i in my_ids])
     embeds = {k: v[row.to(v.device)] for k, v in embeds.items()}  # [n, ...]
-    batch = dict(embeds=embeds, prompts=[texts[i] for i in my_ids], trajectories=[])
+    batch = dict(embeds=embeds, prompts=[texts[i] for i in my_ids], trajectories=[], groups=torch.tensor(my_groups),
+                 metadata=[metadata[i] for i in my_ids])  # the distillation losses' teacher and group per sample
     pending, size, preempted = [], args.sample_batch_size, False
     policy.train(False)
     with rollout_weights(policy, loss, step, args), policy.gathered():  # NFT: train_nft_sd3.py L640; FSDP: one gather
@@ -262,7 +264,7 @@ def trained_ids(loss, adv, keep, n_micro, generator, group_size):
         return trained_pairs(adv, n_micro, generator)
     if loss.unit == "group":
         return torch.arange(len(adv)).reshape(-1, group_size)
-    return trained_samples(keep.float() if loss.process == "forward" else adv, n_micro, generator)
+    return trained_samples(keep.float() if loss.process == "forward" or loss.terms else adv, n_micro, generator)
 
 
 def trained_samples(adv, n_micro, generator):
@@ -302,7 +304,8 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
     train_guidance = guidance_scales(args)[1]
     hyper, state = regularizers.before_training(policy, loss.hyper(vars(args)), args, run.carry, step)  # its flags
     n_micro = len(batch["prompts"]) // args.train_batch_size  # micro-batches per pass, the same on every rank
-    stats, optim_steps, failed = {}, 0, {"overflow": 0, "skipped": 0}
+    stats = roles.train_roles(policy, loss, batch, adv, sigmas, args, step, train_guidance)  # the critic's update
+    optim_steps, failed = 0, {"overflow": 0, "skipped": 0}
     # Where an optimizer step comes before the step's last micro-batch, the state the step starts from, so that a
     # preemption can go back to it (policy.snapshot: None where too large, and then a signal finishes the step).
     snapshot = policy.snapshot() if args.updates_per_batch * args.minibatches > 1 else None
@@ -328,7 +331,9 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
             for i, (ids, rows) in enumerate(micro):
                 sub = embed_rows(batch["embeds"], ids, rows)
                 gate = None if adv.get("kl_gate") is None else adv["kl_gate"][ids]  # [b]: --gardo-gate's samples
-                terms = reverse_terms(policy, batch, ids, sub, adv["adv"][ids], sigmas, args, rows, gate) \
+                terms = roles.TERMS[loss.terms](policy, loss, batch, ids, rows, sub, adv["adv"][ids], sigmas, args,
+                                                (step, update, m, i), train_guidance) if loss.terms else \
+                    reverse_terms(policy, batch, ids, sub, adv["adv"][ids], sigmas, args, rows, gate) \
                     if loss.process == "reverse" else forward_terms(policy, loss, batch, ids, sub, adv["adv"][ids],
                                                                     sigmas, args, (step, update, m, i), old_stats, gate)
                 for x, sigma, complete in terms:  # one trained step (or sigma) of every sample of the micro-batch
@@ -340,7 +345,7 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
                     policy.backward(value * adv["rank_weight"] / n_terms)  # the mean over all trained samples
                     done += 1
                     first = optim_steps == 0 and update == 0  # the weights the batch was sampled with
-                    if first and loss.process == "reverse":  # on-policy: ratio 1 (departure 2)
+                    if first and "old_log_prob" in t:  # on-policy: ratio 1 (departure 2)
                         log_ratio = (t["log_prob"].detach() - t["old_log_prob"]).abs().max()
                         info["first_ratio_dev"] = log_ratio.exp().double() - 1
                         if "ratio_max" in info:  # the loss's own ratio (GRPO-Guard's RatioNorm one)

@@ -19,8 +19,9 @@ LAYERS = [
     ("families", "reward_services"),  # the model families, a file each, and their registry (above the shapes world,
     # whose models two are); the rewards that ask a service
     ("models", "rewards", "diversity"),  # the model interface over every family; REWARDS; diversity
-    ("policy", "eval", "regularizers"),  # the trained weights, their optimizer and copies; ODE evaluation, grids,
-    # curves; what acts on every loss (GARDO's rules, the adaptive KL weight) and where train.py calls it
+    ("policy", "eval", "regularizers", "roles"),  # the trained weights, their optimizer and copies; ODE evaluation,
+    # grids, curves; what acts on every loss (GARDO's rules, the adaptive KL weight) and where train.py calls it; the
+    # distillation losses' terms and their roles' updates
     ("run",),  # the life of a run: resume, logs, the reward wait, checkpoints, signals
     ("config",),  # the flags, their presets per model and loss, where each value comes from, the refusals
     ("train",),  # the algorithm
