@@ -531,8 +531,8 @@ def crd_loss(r, a, *, beta, temperature=-1.0, kind="mse"):
 # DMD2, TDM, TDM-R1, DMDR and on-policy distillation (DiffusionOPD). A few-step generator is trained against a
 # frozen teacher (the "real" score) and, for the distribution-matching losses, a second trained network, the fake
 # score or critic, which models the generator's own samples. The losses below are pure functions of what those
-# networks returned; which network ran where (and with which guidance) is the loop's business. None is in LOSSES yet:
-# each needs a role the loop does not have, a trained critic or frozen teachers (docs/design.md, "A role").
+# networks returned; which network ran where (and with which guidance) is the loop's business: roles.py, with the
+# trained critic and the frozen teachers of policy.py (docs/design.md, "A role"; their records in LOSSES below).
 #
 #     code            paper symbol
 #     ----            ------------

@@ -17,7 +17,7 @@ The generator trains on every stored stage of its rollout (TDM's every stage; DM
 stages its generator visits), and on every sample: the distillation terms need no advantage. A step is --critic-updates
 role passes then the policy's update (Flow-Factory's order, dmd2.py / tdm.py `optimize`); DMD2 updates its generator
 every dfake_gen_update_ratio-th critic step on fresh samples (train_sd.py L330), here the critic passes reuse the
-step's rollouts (docs/departures.md 24).
+step's rollouts (docs/algorithms.md, "Few-step distillation", departure 1).
 """
 import torch
 

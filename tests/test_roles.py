@@ -103,3 +103,23 @@ def test_bad_role_flags_are_refused_in_one_line(tmp_path, flags, needle):
     proc, _ = train(tmp_path, "--steps", "1", *flags, check=False, small=SMALL_NO_CRITIC)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert needle in proc.stderr.strip().splitlines()[-1]
+
+
+def test_two_teachers_keyed_by_a_prompt_field(tmp_path):
+    """--teacher a=base --teacher b=CKPT --teacher-field tag: the first step's student is the base, so the samples
+    of tag a (the base teaches) have KL 0 and those of tag b (a trained checkpoint teaches) a positive one; a tag no
+    teacher names is refused in one line."""
+    _, other = train(tmp_path, "--loss", "grpo", "--steps", "1", "--lr", "0.05", out="other", small=SMALL_NO_CRITIC)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input": f"a {word} shape", "metadata": {"tag": tag}}) + "\n"
+                               for word, tag in (("red", "a"), ("blue", "b"))))
+    teachers = ["--teacher", "a=base", "--teacher", f"b={other}/checkpoints/1", "--teacher-field", "tag"]
+    _, out = train(tmp_path, "--loss", "opd", "--steps", "1", "--prompts", str(prompts), *teachers,
+                   small=SMALL_NO_CRITIC)
+    (row,) = metrics(out)
+    assert row["kl_teacher0"] == 0.0 and row["kl_teacher1"] > 0
+    prompts.write_text(prompts.read_text().replace('"b"', '"c"'))
+    proc, _ = train(tmp_path, "--loss", "opd", "--steps", "1", "--prompts", str(prompts), *teachers, out="bad",
+                    check=False, small=SMALL_NO_CRITIC)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "a prompt's tag is 'c', which no --teacher names" in proc.stderr.strip().splitlines()[-1]
