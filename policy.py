@@ -15,6 +15,9 @@
     policy.backward(loss)              backward (fp16: of the scaled loss)
     policy.step() -> "ok" | "overflow" | "skipped", grad norm      one optimizer step (clip; skip non-finite)
     policy.update_old(decay, name="old"), policy.reset_reference(), policy.ema_weights()
+    policy.role(name), policy.step_role(name)   a trained role (the distillation losses' critic, Loss.roles): context
+                                       in which a backward trains it, and its own AdamW step; policy.teachers and
+                                       policy.frozen("teacher", key): the frozen teachers (--teacher)
     policy.snapshot() / policy.restore(snapshot)   what an optimizer step changes, copied to the CPU and put back (a
                                        preemption between a step's optimizer steps saves the step's start)
     policy.checkpoint(args, step, extra) / policy.resume(path, args)

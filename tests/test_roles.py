@@ -123,3 +123,13 @@ def test_two_teachers_keyed_by_a_prompt_field(tmp_path):
                     check=False, small=SMALL_NO_CRITIC)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "a prompt's tag is 'c', which no --teacher names" in proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["dmd2", "tdm", "tdm_r1", "dmdr", "opd"])
+def test_each_distillation_loss_trains_two_steps_on_the_shapes_model(tmp_path, loss):
+    """The pretrained shapes model at its preset (16 prompts x 8, 10 steps): about 2.5 minutes each on 2 cores."""
+    _, out = train(tmp_path, "--loss", loss, "--steps", "2", "--eval-every", "0", small=["--model", "shapes"])
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2] and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    assert all(r["grad_norm"] > 0 for r in rows[1:]) and (loss == "opd" or rows[-1]["critic_grad_norm"] > 0)
