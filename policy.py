@@ -330,9 +330,10 @@ class Policy:
 
     def snapshot(self):
         """What an optimizer step changes, copied to the CPU: the trained weights, Adam's state, the EMA, the loss scale
-        and the step count. A step with several optimizer steps takes one first, so that a preemption after the first
-        can still save the state the step started from (run.stop_in_training). None where it would not fit its use: a
-        sharded run, or more than SNAPSHOT_BYTES of trained weights (said at start-up)."""
+        and the step count, and the trained roles' weights, AdamW state and step counts. A step with several optimizer
+        steps (or a role's before the policy's) takes one first, so that a preemption after the first can still save the
+        state the step started from (run.stop_in_training). None where it would not fit its use: a sharded run, or more
+        than SNAPSHOT_BYTES of trained weights (said at start-up)."""
         if self.args.fsdp or self.trained_bytes() > SNAPSHOT_BYTES:
             return None
         cpu = lambda tensors: [t.detach().to("cpu", copy=True) for t in tensors]  # noqa: E731
@@ -342,7 +343,9 @@ class Policy:
                            for k, s in state["state"].items()}, param_groups=copy.deepcopy(state["param_groups"])),
                     ema={n: t.to("cpu", copy=True) for n, t in self.copies["ema"].items()}
                     if self.copies["ema"] is not None else None,
-                    scaler=self.scaler.state_dict(), optimizer_steps=self.optimizer_steps)
+                    scaler=self.scaler.state_dict(), optimizer_steps=self.optimizer_steps,
+                    roles={name: (cpu(self.copies[name].values()), copy.deepcopy(checkpoints._on_cpu(o.state_dict())),
+                                  self.role_steps[name]) for name, o in self.role_optimizers.items()})
 
     def restore(self, snapshot):
         """Back to a `snapshot`, exactly (the gradients accumulated since are the caller's to drop)."""
@@ -352,6 +355,12 @@ class Policy:
             for n, saved in (snapshot["ema"] or {}).items():
                 self.copies["ema"][n].copy_(saved)
         self.optimizer.load_state_dict(snapshot["optimizer"])
+        for name, (saved, optimizer, steps) in snapshot.get("roles", {}).items():  # the trained roles, as they were
+            with torch.no_grad():
+                for t, value in zip(self.copies[name].values(), saved):
+                    t.copy_(value)
+            self.role_optimizers[name].load_state_dict(optimizer)
+            self.role_steps[name] = steps
         if self.scaler.is_enabled():
             self.scaler.load_state_dict(snapshot["scaler"])
         self.optimizer_steps = snapshot["optimizer_steps"]

@@ -304,11 +304,11 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
     train_guidance = guidance_scales(args)[1]
     hyper, state = regularizers.before_training(policy, loss.hyper(vars(args)), args, run.carry, step)  # its flags
     n_micro = len(batch["prompts"]) // args.train_batch_size  # micro-batches per pass, the same on every rank
+    # Where an optimizer step (a role's too) comes before the step's last micro-batch, the state the step starts
+    # from, so that a preemption can go back to it (policy.snapshot: None where too large; a signal then finishes it).
+    snapshot = policy.snapshot() if args.updates_per_batch * args.minibatches > 1 or loss.roles else None
     stats = roles.train_roles(policy, loss, batch, adv, sigmas, args, step, train_guidance)  # the critic's update
     optim_steps, failed = 0, {"overflow": 0, "skipped": 0}
-    # Where an optimizer step comes before the step's last micro-batch, the state the step starts from, so that a
-    # preemption can go back to it (policy.snapshot: None where too large, and then a signal finishes the step).
-    snapshot = policy.snapshot() if args.updates_per_batch * args.minibatches > 1 else None
     # The trained samples' order in each pass, on the CPU and on the device: CPU indices into GPU tensors would copy
     # them over (and wait) at every indexing; the CPU order indexes the prompt masks, which stay there (embed_rows).
     on_cpu = [adv["ids"][torch.randperm(len(adv["ids"]), generator=data.seeded(args.seed, step, RANK, u, 1))]
@@ -338,7 +338,7 @@ def train_on_batch(policy, loss, batch, adv, sigmas, args, step, run):
                                                                     sigmas, args, (step, update, m, i), old_stats, gate)
                 for x, sigma, complete in terms:  # one trained step (or sigma) of every sample of the micro-batch
                     if (not stepped or snapshot is not None) and run.signalled():  # preempted: within a forward
-                        run.stop_in_training(step, snapshot if stepped else None)
+                        run.stop_in_training(step, snapshot)  # the step's start (unchanged where nothing stepped)
                     policy.sync_gradients(last=done == n_terms - 1)
                     t = complete(policy.velocity(x, sigma, sub, train_guidance, train=True))
                     value, info = loss.fn(t, **hyper)

@@ -133,3 +133,21 @@ def test_each_distillation_loss_trains_two_steps_on_the_shapes_model(tmp_path, l
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2] and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     assert all(r["grad_norm"] > 0 for r in rows[1:]) and (loss == "opd" or rows[-1]["critic_grad_norm"] > 0)
+
+
+def test_sigterm_in_training_keeps_the_critic_of_the_steps_start(tmp_path):
+    """A SIGTERM at step 2's generator backward (its critic already updated) saves step 1's critic, not the moved one:
+    the resumed run equals the uninterrupted one bit for bit (test_preemption.py's signal, with a critic)."""
+    from test_preemption import SIGNAL_IN_TRAINING
+    common = [*SMALL, "--loss", "dmd2", "--lora-rank", "4", "--critic-lr", "0.01", "--steps", "3", "--save-every", "0"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    reference, out = str(tmp_path / "reference"), str(tmp_path / "run")
+    forkserver.run([sys.executable, "train.py", *common, "--out", reference], cwd=ROOT, env=env, timeout=300)
+    stopped = forkserver.run([sys.executable, "-c", SIGNAL_IN_TRAINING, "before_step", *common, "--out", out],
+                             cwd=ROOT, env=env, timeout=300)
+    assert "in the training phase of step 2; checkpoint 1 saved" in stopped.stdout, stopped.stdout[-2000:]
+    forkserver.run([sys.executable, "train.py", *common, "--out", out, "--resume", "auto"], cwd=ROOT, env=env,
+                   timeout=300)
+    for name in ("critic", "trainable"):
+        a, b = weights(reference, 3, name), weights(out, 3, name)
+        assert all(torch.equal(a[n], b[n]) for n in a), name
