@@ -215,6 +215,7 @@ def _check_roles(p, args):
     teacher that exists, the teachers' keys with --teacher-field, no --fsdp with a trained role (its weights are not
     sharded yet)."""
     loss = losses.LOSSES[args.loss]
+    _check_loss_flags(p, args, loss)  # first: a flag no distillation loss reads (--kl-beta) is named as such
     for dest, needs in (("teacher", loss.terms), ("teacher_field", loss.terms), ("critic_lr", loss.roles),
                         ("critic_updates", loss.roles)):
         if not needs and _given(args, dest):
@@ -222,6 +223,9 @@ def _check_roles(p, args):
                     f"{'a teacher' if dest.startswith('teacher') else 'a critic'}, not by --loss {args.loss}: drop it")
     if not loss.terms:
         return
+    if "tdm_weight" in loss.reads() and not 0 < args.tdm_weight < 1:  # both rewards keep a share (losses.tdm_r1_loss)
+        p.error(f"--tdm-weight {args.tdm_weight}: must lie strictly between 0 and 1 (the guidance reward's share, 1 - "
+                "it the surrogate's)")
     keyed = [spec.partition("=")[0] for spec in args.teacher if "=" in spec]
     if len(args.teacher) > 1 and (len(keyed) != len(args.teacher) or not args.teacher_field):
         p.error("several --teacher need a key each and --teacher-field: --teacher KEY=PATH ... --teacher-field FIELD")

@@ -1412,8 +1412,9 @@ def add_arguments(parser):
                         "train_tdm_demo.py L1180); 0: squared error")
     g.add_argument("--snr-gamma", type=flags.POSITIVE, default=5.0,
                    help="--loss tdm / tdm_r1: the min-SNR gamma of the critic's loss (train_tdm_demo.py L1131-1132)")
-    g.add_argument("--tdm-weight", type=flags.bounded(float, 0, 1, low_open=True, high_open=True), default=0.3,
-                   help="--loss tdm_r1: the weight w of the guidance reward, 1 - w the surrogate's (Flow-Factory 0.3)")
+    g.add_argument("--tdm-weight", type=flags.bounded(float, 0, 1), default=0.3,
+                   help="--loss tdm_r1: the weight w in (0, 1) of the guidance reward, 1 - w the surrogate's "
+                        "(Flow-Factory 0.3)")
     g.add_argument("--cfg-reward-scale", type=flags.NONNEG, default=3.5,
                    help="--loss tdm_r1: the scale k of the teacher's guidance as a reward (Flow-Factory 3.5)")
     g.add_argument("--surrogate-beta", type=flags.POSITIVE, default=1.0,

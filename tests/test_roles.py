@@ -151,3 +151,9 @@ def test_sigterm_in_training_keeps_the_critic_of_the_steps_start(tmp_path):
     for name in ("critic", "trainable"):
         a, b = weights(reference, 3, name), weights(out, 3, name)
         assert all(torch.equal(a[n], b[n]) for n in a), name
+
+
+def test_a_tdm_weight_at_an_end_is_refused_in_one_line(tmp_path):
+    proc, _ = train(tmp_path, "--steps", "1", "--loss", "tdm_r1", "--tdm-weight", "1", check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "--tdm-weight 1.0: must lie strictly between 0 and 1" in proc.stderr.strip().splitlines()[-1]
