@@ -39,6 +39,8 @@ from distributed import WORLD, print0
 
 
 class Policy:
+    role_optimizers, role_steps, teachers = {}, {}, {}  # no roles (replaced per instance where a loss has them)
+
     def __init__(self, args, device, *, old_copy, sampling_copy=False, roles=()):
         """args: train.py's flags; old_copy: whether the loss keeps an old copy of the weights (Loss.old_copy);
         sampling_copy: whether its rollouts run a copy of their own (Loss.sampling_copy); roles: the trained roles
