@@ -447,15 +447,27 @@ def dgpo_loss(v, v_ref, x0, eps, adv, unit, *, beta, group_size, v_old=None, cli
     clipped = torch.zeros_like(adv, dtype=torch.bool)
     if v_old is not None and clip_range is not None:
         with torch.no_grad():
-            ratio = torch.exp(flow_matching_error(v_old, x0, eps) - err)
-        clipped = torch.where(adv > 0, ratio > 1 + clip_range, ratio < 1 - clip_range)
+            clipped = _outside_trust_region(adv, flow_matching_error(v_old, x0, eps), err, clip_range)
         err = torch.where(clipped, err.detach(), err)
-    preference = adv * beta * (err.detach() - ref_err) / group_size  # [B]
-    sums = torch.zeros(len(unit), device=err.device).index_add_(0, unit, preference)  # unit < B: no read of its max
-    weight = torch.sigmoid(sums)[unit]
+    weight = _group_preference_weight(adv, err.detach(), ref_err, unit, beta=beta, group_size=group_size)
     info = {"dgpo_weight": weight.detach().mean(), "dsm_loss": err.detach().mean(),
             "clipfrac": clipped.float().mean()}
     return (weight * adv * err).mean(), info
+
+
+def _outside_trust_region(adv, old_err, err, clip_range):
+    """DGPO's clip_dsm (Flow-Factory dgpo.py L642-671), TDM-R1's trust region: with r_i = exp(e_old_i - e_i), True
+    where A_i > 0 and r_i > 1 + clip_range or A_i <= 0 and r_i < 1 - clip_range (the error there is held constant)."""
+    ratio = torch.exp(old_err - err)
+    return torch.where(adv > 0, ratio > 1 + clip_range, ratio < 1 - clip_range)
+
+
+def _group_preference_weight(adv, err, ref_err, unit, *, beta, group_size):
+    """sigmoid(s_g(i)), s_g = sum_{i in g} A_i beta (e_i - e_ref_i) / G: DGPO's group preference weight (Flow-Factory
+    dgpo.py L490-528), shared by TDM-R1's surrogate. err and ref_err without gradient; unit [B] each sample's group."""
+    preference = adv * beta * (err - ref_err) / group_size  # [B]
+    sums = torch.zeros(len(unit), dtype=preference.dtype, device=err.device).index_add_(0, unit, preference)
+    return torch.sigmoid(sums)[unit]  # unit < B: no read of its max
 
 
 CRD_KINDS = ("mse", "bce")
@@ -751,14 +763,11 @@ def tdm_r1_surrogate_loss(err, ref_err, adv, unit, *, beta=1.0, group_size, slow
     e = err.double()
     held = torch.zeros_like(adv, dtype=torch.bool)
     if slow_err is not None:
-        ratio = torch.exp(slow_err.detach().double() - e.detach())
-        held = torch.where(adv > 0, ratio > 1 + clip_range, ratio < 1 - clip_range)
+        held = _outside_trust_region(adv, slow_err.detach().double(), e.detach(), clip_range)
     improved = torch.where(adv > 0, e.detach() < ref_err, e.detach() > ref_err)
     runaway = improved & ((e.detach() - ref_err) ** 2 > reference_threshold)
     e_held = torch.where(held | runaway, e.detach(), e)
-    preference = adv * beta * (e.detach() - ref_err) / group_size  # [B]
-    sums = torch.zeros(len(unit), dtype=preference.dtype, device=e.device).index_add_(0, unit, preference)
-    weight = torch.sigmoid(sums)[unit]
+    weight = _group_preference_weight(adv, e.detach(), ref_err, unit, beta=beta, group_size=group_size)
     penalty = ((e - ref_err) ** 2).mean()
     loss = time_weight * ((weight * adv * e_held).mean() + reference_beta * penalty)
     info = {"surrogate_weight": weight.mean().float(), "surrogate_penalty": penalty.detach().float(),
